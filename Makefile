@@ -1,0 +1,46 @@
+# trainlab: the two commands that matter are `make demo` and `make test`.
+# Both build their own environment (.venv) first, so each works on a fresh clone.
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+# The CPU build of torch lies on disk on our machines; asking for any other spec
+# pulls a multi-GB CUDA build. A machine with an NVIDIA GPU gets the default build.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+export PYTHONDONTWRITEBYTECODE := 1
+export RAY_USAGE_STATS_ENABLED := 0
+export MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR := false
+
+.PHONY: setup test test-fast lint demo bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH_SPEC)"
+	$(PIP) install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+test: setup
+	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+test-fast: setup
+	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check platform tests data_prep trainers cluster
+	$(VENV)/bin/ruff format --check platform tests data_prep trainers cluster
+
+demo: setup
+	$(PY) -m trainlab.demo
+
+bench: setup
+	$(PY) -m trainlab.bench
+
+clean:
+	rm -rf $(VENV) runs data/demo bench-results.json

@@ -1,0 +1,113 @@
+"""The `trainlab` command line.
+
+Commands are registered by import path and imported only when run, so
+`trainlab validate` never pays for Ray or torch. Each command module owns its
+commands; add one by adding a line to `COMMANDS`.
+
+Errors: a `UserError` (bad config, data, file or flag) prints one line per
+problem as `error: ...` and exits 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from trainlab.errors import UserError
+
+# command name -> "module:attribute" of a click command
+COMMANDS: dict[str, str] = {
+    "validate": "trainlab.cli.config_cmds:validate",
+    "show": "trainlab.cli.config_cmds:show",
+    "plan": "trainlab.cli.config_cmds:plan_cmd",
+    "prep": "trainlab.cli.prep_cmd:prep",
+    "data": "trainlab.cli.data_cmd:data",
+    "train": "trainlab.cli.train_cmd:train",
+    "compare": "trainlab.cli.track_cmd:compare",
+    "runs": "trainlab.cli.track_cmd:runs",
+    "ui": "trainlab.cli.track_cmd:ui",
+    "submit": "trainlab.cli.jobs_cmd:submit",
+    "jobs": "trainlab.cli.jobs_cmd:jobs",
+    "stop": "trainlab.cli.jobs_cmd:stop",
+    "cluster": "trainlab.cli.jobs_cmd:cluster",
+    "tune": "trainlab.cli.tune_cmd:tune",
+}
+
+HELP = {
+    "validate": "Check a config; print ok and its name, or every problem.",
+    "show": "Print the fully resolved config as YAML.",
+    "plan": "Parameters, memory per device, parallel layout, FLOPs per token.",
+    "prep": "Tokenize raw sources once into Parquet shards + manifest (Ray Data).",
+    "data": "Inspect the mixed, packed training stream.",
+    "train": "Train a config on Ray Train (local embedded cluster or RAY_ADDRESS).",
+    "compare": "Compare runs from MLflow side by side.",
+    "runs": "List recent runs.",
+    "ui": "Start the MLflow UI on 127.0.0.1 against the runs store.",
+    "submit": "Validate, plan and submit a config as a Ray job.",
+    "jobs": "List Ray jobs with their status.",
+    "stop": "Stop a Ray job.",
+    "cluster": "Start or stop a local Ray head node.",
+    "tune": "Ray Tune search over data-mix weights.",
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return list(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, attr = target.split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+            return _not_yet_available(cmd_name)
+        return getattr(module, attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, HELP.get(name, "")) for name in COMMANDS])
+
+
+def _not_yet_available(name: str) -> click.Command:
+    @click.command(name=name, context_settings={"ignore_unknown_options": True})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def cmd(args: tuple[str, ...]) -> int:
+        click.echo(f"trainlab {name}: not yet available in this version", err=True)
+        return 1
+
+    return cmd
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="trainlab")
+def cli() -> None:
+    """trainlab: validated experiment configs in; prepared data, fault-tolerant
+    Ray Train runs and comparable MLflow records out."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        rv = cli.main(args=argv, prog_name="trainlab", standalone_mode=False)
+    except UserError as e:
+        for line in e.lines:
+            click.echo(f"error: {line}", err=True)
+        sys.exit(e.exit_code)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except KeyboardInterrupt:
+        click.echo("interrupted", err=True)
+        sys.exit(130)
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,245 @@
+"""Reading experiment configs: `extends` chains, `--set` overrides, error reporting.
+
+Nothing else in trainlab reads raw YAML for an experiment: every command goes
+through `load_config`, which either returns a fully validated
+`ExperimentConfig` or raises `ConfigError` listing every problem, one per line.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from trainlab.config.rules import Problem, check_rules, resolve_parallel_defaults
+from trainlab.config.schema import SECTIONS, ExperimentConfig
+from trainlab.errors import ConfigError
+
+EXTENDS_KEY = "extends"
+
+
+# --------------------------------------------------------------------------- YAML + extends
+
+
+def _read_yaml_mapping(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read ({e.__class__.__name__}: {e})") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: invalid YAML ({problem})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Merge `override` into `base` key by key. Mappings merge recursively, other
+    values replace; a `null` in the override removes the key (back to its default)."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def load_raw(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """The merged raw mapping of `path` and everything it extends."""
+    path = Path(path)
+    resolved = path.resolve()
+    if resolved in _chain:
+        cycle = " -> ".join(str(p) for p in (*_chain, resolved))
+        raise ConfigError(f"{path}: extends cycle: {cycle}")
+    if _chain and not resolved.exists():
+        raise ConfigError(f"{path}: file not found (extended from {_chain[-1]})")
+    data = _read_yaml_mapping(path)
+    parent = data.pop(EXTENDS_KEY, None)
+    if parent is None:
+        return data
+    if not isinstance(parent, str) or not parent:
+        raise ConfigError(f"{path}: extends = {parent!r}: must be a path to a YAML file")
+    base = load_raw(resolved.parent / parent, (*_chain, resolved))
+    return deep_merge(base, data)
+
+
+# --------------------------------------------------------------------------- --set
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`train.lr=1e-4` -> (["train", "lr"], 0.0001). The value is parsed as YAML."""
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+    parts = key.split(".")
+    if any(not p for p in parts):
+        raise ConfigError(f"--set {item!r}: empty part in key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"--set {item!r}: value is not valid YAML ({e})") from None
+    return parts, value
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    out = copy.deepcopy(raw)
+    for item in overrides:
+        parts, value = parse_override(item)
+        node = out
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise ConfigError(f"--set {item!r}: {where} is {child!r}, not a section")
+            node = child
+        if value is None:
+            node.pop(parts[-1], None)
+        else:
+            node[parts[-1]] = value
+    return out
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _field_names(loc: tuple[Any, ...]) -> list[str]:
+    """Known keys at `loc` in the schema, for "did you mean"."""
+    model: type[BaseModel] | None = ExperimentConfig
+    for part in loc:
+        if model is None:
+            return []
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        ann = field.annotation
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return list(model.model_fields) if model is not None else []
+
+
+def _problems_from(err: ValidationError, prefix: tuple[Any, ...] = ()) -> list[Problem]:
+    problems = []
+    for e in err.errors():
+        loc = (*prefix, *e["loc"])
+        path = ".".join(str(p) for p in loc) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            known = _field_names(loc[:-1])
+            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            hint = f"; did you mean {'.'.join(map(str, (*loc[:-1], close[0])))!r}?" if close else ""
+            problems.append(Problem(path, e["input"], f"unknown key{hint}"))
+        elif e["type"] == "missing":
+            problems.append(Problem(path, None, "required"))
+        elif e["type"] == "value_error" and not e["loc"]:
+            continue  # a cross-field ValueError: reported by check_rules instead
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            problems.append(Problem(path, e["input"], msg[:1].lower() + msg[1:]))
+    return problems
+
+
+def validate_raw(raw: dict[str, Any], source: str | None = None) -> ExperimentConfig:
+    """Validate a merged raw mapping; raise ConfigError listing every problem,
+    each line prefixed with `source` (the config file) when given."""
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as err:
+        problems = _problems_from(err)
+    # Cross-field rules over the sections that are valid on their own, so one broken
+    # section does not hide the rule violations of the others.
+    typed: dict[str, Any] = {}
+    for name, cls in SECTIONS.items():
+        section = raw.get(name, {})
+        if not isinstance(section, dict):
+            continue
+        try:
+            typed[name] = cls.model_validate(section)
+        except ValidationError:
+            continue
+    if "parallel" in typed and "resource" in typed:
+        resolve_parallel_defaults(typed["parallel"], typed["resource"])
+    problems += check_rules({k: v.model_dump() for k, v in typed.items()})
+    unique = dict.fromkeys(p.format() for p in problems)
+    prefix = f"{source}: " if source else ""
+    raise ConfigError([prefix + line for line in unique])
+
+
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read `path` (following `extends`), apply `--set` overrides, validate.
+
+    `name` defaults to the file's stem and `tracking.experiment` to the recipe
+    family (the top-level file's stem), so variants made with `--set` stay in
+    their family's MLflow experiment.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{path}: file not found")
+    raw = load_raw(path)
+    raw.setdefault("name", path.stem)
+    tracking = raw.setdefault("tracking", {})
+    if isinstance(tracking, dict):
+        tracking.setdefault("experiment", path.stem)
+    raw = apply_overrides(raw, overrides)
+    return validate_raw(raw, source=str(path))
+
+
+# --------------------------------------------------------------------------- identity
+
+# Fields that describe the record or the run's operation, not what is trained:
+# changing them does not change the experiment's identity.
+_NOT_IDENTITY = {
+    "name": None, "purpose": None, "expectation": None, "owner": None, "tracking": None,
+    "train": {"chaos", "checkpoint", "max_failures", "runs_root", "log_interval"},
+    "resource": {"job_retries", "local_num_cpus", "cpu_memory_gb", "peak_tflops"},
+}
+
+
+def identity_dict(cfg: ExperimentConfig) -> dict[str, Any]:
+    d = cfg.model_dump(mode="json")
+    for key, sub in _NOT_IDENTITY.items():
+        if sub is None:
+            d.pop(key, None)
+        else:
+            for k in sub:
+                d[key].pop(k, None)
+    return d
+
+
+def config_hash(cfg: ExperimentConfig) -> str:
+    """Stable hash of what the experiment trains (not of its name or run settings)."""
+    blob = json.dumps(identity_dict(cfg), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def to_yaml(cfg: ExperimentConfig) -> str:
+    """The fully resolved config as YAML; loading it back gives the same config."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"data": {"mix": {"code": 0.3}}} -> {"data.mix.code": 0.3}; lists stay values."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out

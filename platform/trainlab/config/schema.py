@@ -1,0 +1,296 @@
+"""The experiment schema: one pydantic v2 model per config section.
+
+Every field has a type, a default and bounds; unknown keys are errors
+(`extra="forbid"`). Rules that involve more than one field live in
+`trainlab.config.rules`, so they can be checked even when another section is
+broken and every problem is reported at once.
+
+Adding a field: put it in its section with a default, a bound and a one-line
+comment saying what it does; if it interacts with another field, add a rule.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+PosInt = Annotated[int, Field(ge=1)]
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+# --------------------------------------------------------------------------- model
+
+
+class ModelConfig(Section):
+    """A decoder-only LM. `gpt2`: learned positions, LayerNorm, GELU MLP, biases.
+    `llama`: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no biases."""
+
+    arch: Literal["gpt2", "llama"] = "llama"
+    hidden_size: int = Field(256, ge=8, le=65536)
+    num_layers: int = Field(4, ge=1, le=1024)
+    num_heads: int = Field(4, ge=1, le=1024)
+    # Key/value heads for grouped-query attention; null means num_heads (plain MHA).
+    num_kv_heads: int | None = Field(None, ge=1, le=1024)
+    # MLP width; null means 4*hidden (gpt2) or 8/3*hidden rounded up to 256 (llama).
+    ffn_hidden_size: int | None = Field(None, ge=1, le=1_048_576)
+    vocab_size: int = Field(8192, ge=2, le=4_194_304)
+    max_seq_len: int = Field(1024, ge=1, le=1_048_576)
+    tie_embeddings: bool = True
+    # Attention implementation, by name (see trainlab.models.attention).
+    attention: str = Field("sdpa", pattern=r"^[a-z][a-z0-9_]*$")
+    norm_eps: float = Field(1e-5, gt=0, le=1e-2)
+    rope_theta: float = Field(10000.0, gt=0)
+    init_std: float = Field(0.02, gt=0, le=1.0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+
+    @model_validator(mode="after")
+    def _fill_defaults(self) -> ModelConfig:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.ffn_hidden_size is None:
+            if self.arch == "gpt2":
+                self.ffn_hidden_size = 4 * self.hidden_size
+            else:
+                self.ffn_hidden_size = 256 * -(-(8 * self.hidden_size // 3) // 256)
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+# --------------------------------------------------------------------------- data
+
+
+class DataConfig(Section):
+    # Directory written by `trainlab prep` (holds manifest.json); relative to the repo root.
+    path: str = "data/demo/prepared"
+    seq_len: int = Field(256, ge=8, le=1_048_576)
+    micro_batch_size: int = Field(8, ge=1, le=65536)
+    grad_accum_steps: int = Field(1, ge=1, le=65536)
+    # Token shares per source name (normalized to sum 1); empty means every
+    # source in the manifest in proportion to its token count.
+    mix: dict[str, Annotated[float, Field(gt=0, le=1e6)]] = Field(default_factory=dict)
+    seed: int = Field(1234, ge=0, le=2**31 - 1)
+    # A source smaller than its share is repeated; more epochs than this is a config error.
+    max_epochs_per_source: float = Field(10.0, gt=0, le=10_000)
+    # Fraction of each source's documents held out for validation (by document).
+    val_fraction: float = Field(0.01, ge=0.0, le=0.5)
+    # Logical CPUs the Ray Data read/mix/pack pipeline may use (caps its resources).
+    loader_cpus: float = Field(1.0, gt=0, le=1024)
+    # Resume even if the prepared dataset's fingerprint differs from the checkpoint's.
+    allow_fingerprint_change: bool = False
+
+
+# --------------------------------------------------------------------------- train
+
+
+# `validate` is a name users write (train.checkpoint.validate); it shadows pydantic's
+# deprecated BaseModel.validate classmethod, which nothing here uses.
+warnings.filterwarnings("ignore", message='Field name "validate"', category=UserWarning)
+
+
+class CheckpointConfig(Section):
+    every_steps: int = Field(100, ge=1)
+    keep_last: int = Field(2, ge=1, le=1000)
+    keep_best: int = Field(1, ge=0, le=1000)
+    async_save: bool = False
+    # Load every saved checkpoint into a fresh CPU model and run one forward.
+    validate: bool = True
+
+
+class ChaosConfig(Section):
+    # Hard-kill one worker process the first time each of these steps is reached.
+    kill_at_steps: list[PosInt] = Field(default_factory=list)
+    kill_rank: int = Field(0, ge=0)
+
+
+class TrainConfig(Section):
+    lr: float = Field(3e-4, gt=0, le=1.0)
+    # Cosine decay ends at min_lr_ratio * lr.
+    min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
+    warmup_steps: int = Field(100, ge=0)
+    total_steps: int = Field(1000, ge=1, le=100_000_000)
+    weight_decay: float = Field(0.1, ge=0.0, le=10.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    eps: float = Field(1e-8, gt=0, le=1e-2)
+    # Clip the global gradient norm to this value; 0 disables clipping.
+    grad_clip: float = Field(1.0, ge=0.0)
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    log_interval: int = Field(10, ge=1)
+    # Validation loss per source every eval_interval steps, over eval_batches batches.
+    eval_interval: int = Field(100, ge=1)
+    eval_batches: int = Field(2, ge=1, le=10_000)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    # Seed everything and use deterministic algorithms: runs become bitwise reproducible.
+    deterministic: bool = False
+    # Worker-group restarts Ray Train may do before the run fails.
+    max_failures: int = Field(3, ge=0, le=1000)
+    # Where run directories go: {runs_root}/{date}/{name}/. Relative to the repo root.
+    runs_root: str = "runs"
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+
+
+# --------------------------------------------------------------------------- parallel
+
+
+class ParallelConfig(Section):
+    """`auto`: the planner fills tp/pp/dp/zero_stage (values given here constrain
+    it). ZeRO stage 0 and 1 run as DDP (1 with a sharded optimizer), 2 and 3 as FSDP."""
+
+    strategy: Literal["auto", "ddp", "fsdp"] = "auto"
+    tp: int | None = Field(None, ge=1, le=1024)
+    pp: int | None = Field(None, ge=1, le=1024)
+    dp: int | None = Field(None, ge=1, le=1_000_000)
+    zero_stage: int | None = Field(None, ge=0, le=3)
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    sequence_parallel: bool = False
+
+
+# --------------------------------------------------------------------------- resource
+
+
+class ResourceConfig(Section):
+    # Ray Train workers = devices (one GPU each when use_gpu).
+    num_workers: int = Field(1, ge=1, le=100_000)
+    use_gpu: bool = False
+    gpu_memory_gb: float = Field(80.0, gt=0, le=4096)
+    gpus_per_node: int = Field(8, ge=1, le=64)
+    cpus_per_worker: float = Field(1.0, gt=0, le=1024)
+    # Memory per CPU worker for planning; null means host RAM / workers on this host.
+    cpu_memory_gb: float | None = Field(None, gt=0, le=65536)
+    # Peak dense TFLOP/s of one device at the training precision, for MFU; null = unknown.
+    peak_tflops: float | None = Field(None, gt=0, le=100_000)
+    # Logical CPUs of the embedded local Ray cluster; null = max(8, 2*cores) so that
+    # training workers and Ray Data never starve each other (see ARCHITECTURE.md).
+    local_num_cpus: int | None = Field(None, ge=1, le=4096)
+    # `trainlab submit`: resubmit a job that failed for infrastructure reasons.
+    job_retries: int = Field(0, ge=0, le=100)
+
+
+# --------------------------------------------------------------------------- tracking
+
+
+Severity = Literal["P0", "P1", "P2"]
+
+
+class AlertRule(Section):
+    enabled: bool = True
+    severity: Severity = "P1"
+    # Steps a condition must hold (or the averaging window) before the rule fires.
+    window: int = Field(1, ge=1, le=1_000_000)
+    # Steps after firing during which the same rule stays quiet.
+    cooldown: int = Field(100, ge=0, le=1_000_000)
+
+
+class NonFiniteRule(AlertRule):
+    severity: Severity = "P0"
+    window: int = Field(1, ge=1, le=1_000_000)
+
+
+class LossRisingRule(AlertRule):
+    severity: Severity = "P1"
+    # The loss's moving average (over `smoothing` steps) rises for `window` consecutive steps.
+    window: int = Field(50, ge=1, le=1_000_000)
+    smoothing: int = Field(20, ge=1, le=1_000_000)
+
+
+class GradSpikeRule(AlertRule):
+    severity: Severity = "P1"
+    # Fires when grad norm > factor * its running mean over `window` steps.
+    factor: float = Field(10.0, gt=1.0)
+    window: int = Field(100, ge=1, le=1_000_000)
+
+
+class ThroughputDropRule(AlertRule):
+    severity: Severity = "P2"
+    # Fires when tokens/s stays below fraction * its running median for `window` steps.
+    fraction: float = Field(0.5, gt=0.0, lt=1.0)
+    window: int = Field(20, ge=1, le=1_000_000)
+
+
+class StaleCheckpointRule(AlertRule):
+    severity: Severity = "P1"
+    # Fires when no valid checkpoint has been written for this many minutes.
+    minutes: float = Field(30.0, gt=0)
+
+
+class AlertsConfig(Section):
+    non_finite: NonFiniteRule = Field(default_factory=NonFiniteRule)
+    loss_rising: LossRisingRule = Field(default_factory=LossRisingRule)
+    grad_spike: GradSpikeRule = Field(default_factory=GradSpikeRule)
+    throughput_drop: ThroughputDropRule = Field(default_factory=ThroughputDropRule)
+    stale_checkpoint: StaleCheckpointRule = Field(default_factory=StaleCheckpointRule)
+    # HTTP POST target for alerts. Give the *name* of an environment variable holding
+    # the URL (secrets stay out of configs), e.g. TRAINLAB_ALERT_WEBHOOK.
+    webhook_url_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
+    # What a P0 alert does besides notifying: nothing, or checkpoint and stop cleanly.
+    on_p0: Literal["notify", "checkpoint_and_stop"] = "notify"
+
+
+class TrackingConfig(Section):
+    # MLflow experiment; null means the recipe family (the top-level recipe file's stem).
+    experiment: str | None = Field(None, min_length=1, max_length=250)
+    # Copy checkpoints into MLflow artifacts (otherwise they are referenced by path).
+    log_checkpoints: bool = False
+    # MLflow system metrics (CPU, memory, GPU when present).
+    system_metrics: bool = True
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+
+
+# --------------------------------------------------------------------------- experiment
+
+
+class ExperimentConfig(Section):
+    """One experiment: what to train, on what, how, where, and why."""
+
+    name: str = Field(..., min_length=1, max_length=100, pattern=NAME_PATTERN)
+    # The experiment record the team keeps for every run.
+    purpose: str = ""
+    expectation: str = ""
+    owner: str = ""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    resource: ResourceConfig = Field(default_factory=ResourceConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> ExperimentConfig:
+        from trainlab.config.rules import check_rules, resolve_parallel_defaults
+
+        resolve_parallel_defaults(self.parallel, self.resource)
+        problems = check_rules(self.model_dump())
+        if problems:
+            raise ValueError("; ".join(p.format() for p in problems))
+        return self
+
+    # Derived quantities used everywhere; kept here so no one re-derives them.
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step across all data-parallel ranks."""
+        dp = self.parallel.dp or self.resource.num_workers
+        return self.data.micro_batch_size * self.data.grad_accum_steps * dp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_size * self.data.seq_len
+
+
+SECTIONS: dict[str, type[Section]] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "resource": ResourceConfig,
+    "tracking": TrackingConfig,
+}

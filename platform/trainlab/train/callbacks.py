@@ -1,0 +1,96 @@
+"""Side effects of a training run live in callbacks, never inside the step.
+
+The training loop calls these hooks on rank 0 only (tracking, alerts,
+checkpoint bookkeeping). A callback that wants the run to stop (a P0 alert with
+`on_p0: checkpoint_and_stop`) sets `stop_requested`; the loop broadcasts that
+decision to every rank, saves a checkpoint and ends the run cleanly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RunContext:
+    """What a callback may know about the run (rank 0's view)."""
+
+    cfg: Any  # trainlab.config.ExperimentConfig, layout resolved
+    plan: dict[str, Any]  # Plan.to_json()
+    run_dir: str  # absolute
+    config_hash: str
+    dataset_fingerprint: str
+    manifest_path: str  # absolute path of the prepared dataset's manifest.json
+    start_step: int  # 0 for a fresh run, the restored step after a restart
+    restarts: int  # worker-group restarts so far
+    ray_job_id: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Callback:
+    """Base class: every hook is optional. Hooks run on rank 0 only."""
+
+    stop_requested: bool = False
+    stop_reason: str = ""
+
+    def on_run_start(self, ctx: RunContext) -> None:
+        """Before the first step (also after each restart, with ctx.start_step > 0)."""
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        """After optimizer step `step` (1-based: the number of steps done).
+
+        Metric keys (all floats): loss, lr, grad_norm, tokens_per_s, step_time_s,
+        data_wait_frac, mem_gb, mem_peak_gb, mfu (when the device peak is known),
+        share/<source> (delivered token share so far), ckpt_age_s, eta_s.
+        Called every `train.log_interval` steps and at the last step.
+        """
+
+    def on_eval(self, step: int, val_losses: dict[str, float]) -> None:
+        """Validation loss per source (keys are source names) and "all"."""
+
+    def on_checkpoint(self, step: int, path: str, valid: bool, val_loss: float | None) -> None:
+        """A checkpoint was written (and validated when train.checkpoint.validate)."""
+
+    def on_run_end(self, summary: dict[str, Any]) -> None:
+        """The run ended (completed, failed or stopped); `summary` is run_summary.json."""
+
+
+class CallbackList(Callback):
+    """Fan a hook out to several callbacks; one failing callback never kills a run."""
+
+    def __init__(self, callbacks: list[Callback]):
+        self.callbacks = list(callbacks)
+
+    def _each(self, hook: str, *args: Any) -> None:
+        import logging
+
+        for cb in self.callbacks:
+            try:
+                getattr(cb, hook)(*args)
+            except Exception:  # noqa: BLE001 - a tracking outage must not end training
+                logging.getLogger(__name__).exception("callback %s.%s failed",
+                                                      type(cb).__name__, hook)
+
+    def on_run_start(self, ctx: RunContext) -> None:
+        self._each("on_run_start", ctx)
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        self._each("on_step_end", step, metrics)
+
+    def on_eval(self, step: int, val_losses: dict[str, float]) -> None:
+        self._each("on_eval", step, val_losses)
+
+    def on_checkpoint(self, step: int, path: str, valid: bool, val_loss: float | None) -> None:
+        self._each("on_checkpoint", step, path, valid, val_loss)
+
+    def on_run_end(self, summary: dict[str, Any]) -> None:
+        self._each("on_run_end", summary)
+
+    @property
+    def stop_requested(self) -> bool:  # type: ignore[override]
+        return any(cb.stop_requested for cb in self.callbacks)
+
+    @property
+    def stop_reason(self) -> str:  # type: ignore[override]
+        return "; ".join(cb.stop_reason for cb in self.callbacks if cb.stop_requested)
