@@ -34,7 +34,6 @@ test-fast: setup
 
 lint: setup
 	$(VENV)/bin/ruff check platform tests data_prep trainers cluster
-	$(VENV)/bin/ruff format --check platform tests data_prep trainers cluster
 
 demo: setup
 	$(PY) -m trainlab.demo

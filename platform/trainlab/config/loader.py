@@ -22,6 +22,8 @@ from trainlab.config.schema import SECTIONS, ExperimentConfig
 from trainlab.errors import ConfigError
 
 EXTENDS_KEY = "extends"
+# What an experiment is and why: each file says it for itself, never inherited.
+NOT_INHERITED = ("name", "purpose", "expectation")
 
 
 # --------------------------------------------------------------------------- YAML + extends
@@ -78,6 +80,8 @@ def load_raw(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     if not isinstance(parent, str) or not parent:
         raise ConfigError(f"{path}: extends = {parent!r}: must be a path to a YAML file")
     base = load_raw(resolved.parent / parent, (*_chain, resolved))
+    for key in NOT_INHERITED:
+        base.pop(key, None)
     return deep_merge(base, data)
 
 

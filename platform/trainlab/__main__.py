@@ -1,0 +1,5 @@
+"""`python -m trainlab ...` is the `trainlab` command."""
+
+from trainlab.cli import main
+
+main()
