@@ -59,15 +59,23 @@ def make_norm(cfg: ModelConfig) -> nn.Module:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables of RoPE (Su et al. 2021) for arbitrary position ids."""
+    """cos/sin tables of RoPE (Su et al. 2021) for arbitrary position ids.
+
+    The frequencies are computed on each call rather than kept in a buffer, so a
+    model materialized from the meta device (checkpoint validation) needs no
+    re-initialization beyond its state dict."""
 
     def __init__(self, head_dim: int, theta: float):
         super().__init__()
-        inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim, self.theta = head_dim, theta
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        angles = position_ids[..., None].float() * self.inv_freq  # [B, T, D/2]
+        exponents = (
+            torch.arange(0, self.head_dim, 2, dtype=torch.float32, device=position_ids.device)
+            / self.head_dim
+        )
+        inv_freq = 1.0 / self.theta**exponents
+        angles = position_ids[..., None].float() * inv_freq  # [B, T, D/2]
         angles = torch.cat((angles, angles), dim=-1)[:, None]  # [B, 1, T, D]
         return angles.cos(), angles.sin()
 

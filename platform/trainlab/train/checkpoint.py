@@ -1,0 +1,389 @@
+"""Checkpoints on disk: atomic commits, validation, retention, resume selection.
+
+Layout under `{run_dir}/checkpoints/`:
+
+    step-00000020/              a committed checkpoint (the rename is the commit)
+      checkpoint.json           written last: step, files + sha256, valid, val_loss, ...
+      trainer.pt                step, data position, config hash, dataset fingerprint
+      rng-rank0.pt ...          RNG of Python, NumPy, torch (CUDA) of every rank
+      model.pt, optimizer.pt    format "torch" (DDP, ZeRO-1, one process)
+      state/                    format "dcp": torch.distributed.checkpoint shards (FSDP)
+    .tmp-step-00000040/         being written; never read, removed on the next start
+
+Protocol, with no collectives off the main thread: every rank writes its files
+into the staging directory and then a `.done-rank{r}` marker; rank 0 waits for
+all markers, hashes the files, loads the model into a fresh CPU model and runs
+one forward on a fixed batch (`validate`), writes checkpoint.json, renames the
+directory into place and prunes old checkpoints (keep_last newest valid + the
+keep_best valid ones of lowest val_loss). With `async_save` the writing runs in
+a background thread while training continues.
+
+Why not Ray Train's own checkpoint registry (`ray.train.report(checkpoint=)`):
+its run snapshot refuses to restore once a checkpoint it recorded is deleted by
+our retention, and `get_checkpoint()` returns the newest reported checkpoint
+whether or not it loads. Resume here picks the newest checkpoint that is marked
+valid AND whose files still match their checksums, warning about each one skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+META_FILE = "checkpoint.json"
+FORMAT_VERSION = 1
+PREFIX = "step-"
+STAGING_PREFIX = ".tmp-"
+DONE_PREFIX = ".done-rank"
+
+log = logging.getLogger(__name__)
+
+
+def dir_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    if not name.startswith(PREFIX):
+        return None
+    digits = name[len(PREFIX) :]
+    return int(digits) if digits.isdigit() else None
+
+
+# --------------------------------------------------------------------------- files
+
+
+def save_file(obj: Any, path: Path) -> None:
+    """torch.save and fsync, so a committed checkpoint survives a power cut."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def load_file(path: Path) -> Any:
+    """Only tensors and plain containers: never unpickles arbitrary objects."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _payload_files(directory: Path) -> list[Path]:
+    """Every file of a checkpoint except its metadata and markers, sorted."""
+    return sorted(
+        p
+        for p in directory.rglob("*")
+        if p.is_file() and p.name != META_FILE and not p.name.startswith(".")
+    )
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    path: Path
+    step: int
+    meta: dict[str, Any]
+
+    @property
+    def valid(self) -> bool:
+        return self.meta.get("valid") is True
+
+    @property
+    def val_loss(self) -> float | None:
+        v = self.meta.get("val_loss")
+        return float(v) if v is not None else None
+
+
+def read_info(path: Path) -> CheckpointInfo | None:
+    """The checkpoint at `path`, or None when it has no readable metadata."""
+    step = parse_step(path.name)
+    if step is None:
+        return None
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("step") != step:
+        return None
+    return CheckpointInfo(path, step, meta)
+
+
+def committed(root: Path) -> list[CheckpointInfo]:
+    """Committed checkpoints under `root`, oldest first; a directory with a
+    missing or broken checkpoint.json is reported and left out."""
+    if not root.is_dir():
+        return []
+    out = []
+    for child in root.iterdir():
+        if not child.is_dir() or parse_step(child.name) is None:
+            continue
+        info = read_info(child)
+        if info is None:
+            log.warning("checkpoint %s has no readable %s; ignoring it", child, META_FILE)
+            continue
+        out.append(info)
+    return sorted(out, key=lambda i: i.step)
+
+
+def verify(info: CheckpointInfo) -> str | None:
+    """None when every file listed in checkpoint.json exists with its size and
+    sha256; otherwise what is wrong."""
+    files = info.meta.get("files")
+    if not isinstance(files, dict) or not files:
+        return "lists no files"
+    for rel, expected in files.items():
+        path = info.path / rel
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return f"{rel} is missing"
+        if size != expected.get("bytes"):
+            return f"{rel} has {size} bytes, expected {expected.get('bytes')}"
+        if sha256_file(path) != expected.get("sha256"):
+            return f"{rel} does not match its sha256 (corrupted)"
+    return None
+
+
+def find_resume(root: Path, require_valid: bool = True) -> CheckpointInfo | None:
+    """The newest checkpoint to resume from: marked valid (when `require_valid`)
+    and intact on disk. Newer ones that fail are skipped with a warning."""
+    for info in reversed(committed(root)):
+        if require_valid and not info.valid:
+            reason = info.meta.get("error") or "it failed validation"
+            log.warning("skipping checkpoint %s: not valid (%s)", info.path, reason)
+            continue
+        problem = verify(info)
+        if problem:
+            log.warning("skipping checkpoint %s: %s", info.path, problem)
+            continue
+        return info
+    return None
+
+
+def best(infos: list[CheckpointInfo]) -> CheckpointInfo | None:
+    """The valid checkpoint with the lowest val_loss (newest on ties)."""
+    scored = [i for i in infos if i.valid and i.val_loss is not None]
+    return min(scored, key=lambda i: (i.val_loss, -i.step)) if scored else None
+
+
+# --------------------------------------------------------------------------- retention
+
+
+def retained_steps(infos: list[CheckpointInfo], keep_last: int, keep_best: int) -> set[int]:
+    """Steps to keep: the keep_last newest valid checkpoints, the keep_best valid ones
+    of lowest val_loss, and anything newer than the newest valid one (a run never
+    deletes what it could still need to diagnose a failed validation)."""
+    valid = [i for i in infos if i.valid]
+    keep = {i.step for i in valid[-keep_last:]} if keep_last else set()
+    scored = sorted(
+        (i for i in valid if i.val_loss is not None), key=lambda i: (i.val_loss, -i.step)
+    )
+    keep |= {i.step for i in scored[:keep_best]}
+    newest_valid = valid[-1].step if valid else -1
+    keep |= {i.step for i in infos if i.step > newest_valid}
+    return keep
+
+
+def prune(root: Path, keep_last: int, keep_best: int) -> list[Path]:
+    """Delete committed checkpoints that retention does not keep; return them."""
+    infos = committed(root)
+    keep = retained_steps(infos, keep_last, keep_best)
+    removed = []
+    for info in infos:
+        if info.step not in keep:
+            shutil.rmtree(info.path, ignore_errors=True)
+            removed.append(info.path)
+    return removed
+
+
+def clean_staging(root: Path) -> None:
+    """Remove half-written checkpoints left by a crashed attempt (rank 0, at start,
+    before any rank writes)."""
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith(STAGING_PREFIX):
+                shutil.rmtree(child, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- writing
+
+
+@dataclass
+class Validation:
+    ok: bool
+    loss: float | None = None
+    error: str | None = None
+
+
+Validator = Callable[[Path], Validation]
+
+
+def commit(
+    staging: Path, final: Path, meta: dict[str, Any], validator: Validator | None
+) -> CheckpointInfo:
+    """Hash, validate, write checkpoint.json, rename into place (rank 0)."""
+    files = {
+        str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        for p in _payload_files(staging)
+    }
+    result = Validation(ok=True)
+    if validator is not None:
+        try:
+            result = validator(staging)
+        except Exception as e:  # noqa: BLE001 - any failure to load means "not valid"
+            result = Validation(ok=False, error=f"{type(e).__name__}: {e}")
+    meta = {
+        **meta,
+        "format_version": FORMAT_VERSION,
+        "files": files,
+        "validated": validator is not None,
+        "valid": result.ok,
+        "validation_loss": result.loss,
+        "error": result.error,
+        "committed_at": time.time(),
+    }
+    if meta.get("val_loss") is None:
+        meta["val_loss"] = result.loss
+    tmp_meta = staging / (META_FILE + ".tmp")
+    tmp_meta.write_text(json.dumps(meta, indent=1, sort_keys=True))
+    with open(tmp_meta, "rb+") as f:
+        os.fsync(f.fileno())
+    tmp_meta.rename(staging / META_FILE)
+    for marker in staging.glob(DONE_PREFIX + "*"):
+        marker.unlink()
+    if final.exists():  # an earlier attempt's checkpoint of this step, skipped on resume
+        shutil.rmtree(final)
+    staging.rename(final)
+    _fsync_dir(final.parent)
+    return CheckpointInfo(final, meta["step"], meta)
+
+
+def write_done_marker(staging: Path, rank: int) -> None:
+    (staging / f"{DONE_PREFIX}{rank}").touch()
+
+
+def wait_for_ranks(staging: Path, world_size: int, timeout_s: float = 3600.0) -> None:
+    """Filesystem barrier: every rank has written its part of the checkpoint."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done = sum(1 for r in range(world_size) if (staging / f"{DONE_PREFIX}{r}").exists())
+        if done == world_size:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"checkpoint {staging}: only {done}/{world_size} ranks wrote "
+                f"their part within {timeout_s:.0f} s"
+            )
+        time.sleep(0.02)
+
+
+class CheckpointWriter:
+    """Runs the write + commit protocol for one rank, inline or in a background
+    thread (`async_save`). At most one checkpoint is in flight per rank; results of
+    rank 0's commits are collected with `completed()` on the main thread."""
+
+    def __init__(
+        self,
+        root: Path,
+        rank: int,
+        world_size: int,
+        keep_last: int,
+        keep_best: int,
+        async_save: bool,
+    ):
+        self.root, self.rank, self.world_size = root, rank, world_size
+        self.keep_last, self.keep_best, self.async_save = keep_last, keep_best, async_save
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._results: queue.Queue[CheckpointInfo] = queue.Queue()
+
+    def staging_dir(self, step: int) -> Path:
+        path = self.root / f"{STAGING_PREFIX}{dir_name(step)}"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def submit(
+        self,
+        step: int,
+        write_files: Callable[[Path], None],
+        meta: dict[str, Any],
+        validator: Validator | None,
+    ) -> None:
+        """Write this rank's part of checkpoint `step` with `write_files(staging)`;
+        rank 0 then commits. Waits for the previous checkpoint of this rank first."""
+        self.wait()
+        staging = self.staging_dir(step)
+
+        def work() -> None:
+            write_files(staging)
+            write_done_marker(staging, self.rank)
+            if self.rank == 0:
+                wait_for_ranks(staging, self.world_size)
+                info = commit(staging, self.root / dir_name(step), meta, validator)
+                prune(self.root, self.keep_last, self.keep_best)
+                self._results.put(info)
+
+        if not self.async_save:
+            work()
+            return
+
+        def guarded() -> None:
+            try:
+                work()
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+                self._error = e
+
+        self._thread = threading.Thread(target=guarded, name=f"checkpoint-{step}", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until this rank's checkpoint in flight is written (and, on rank 0,
+        committed); re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint failed: {err}") from err
+
+    def completed(self) -> list[CheckpointInfo]:
+        """Checkpoints committed since the last call (rank 0)."""
+        out = []
+        while True:
+            try:
+                out.append(self._results.get_nowait())
+            except queue.Empty:
+                return out
