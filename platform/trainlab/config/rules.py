@@ -197,3 +197,21 @@ def _sequence_parallel_needs_tp(cfg: dict[str, Any]) -> Iterator[Problem]:
     p = cfg["parallel"]
     if p["sequence_parallel"] and p["tp"] == 1:
         yield Problem("parallel.sequence_parallel", True, "needs parallel.tp > 1")
+
+
+# --------------------------------------------------------------------------- resource
+
+
+@rule("resource")
+def _storage_form(cfg: dict[str, Any]) -> Iterator[Problem]:
+    storage = cfg["resource"].get("storage")
+    if storage is None or "://" not in storage:
+        return
+    scheme, _, rest = storage.partition("://")
+    if scheme not in ("s3", "file"):
+        yield Problem("resource.storage", storage,
+                      "must be a filesystem path every node sees or s3://bucket/prefix")
+    elif scheme == "s3" and (not rest.split("/")[0] or "?" in rest):
+        yield Problem("resource.storage", storage,
+                      "expected s3://bucket/prefix (endpoint via AWS_ENDPOINT_URL, "
+                      "credentials via AWS_* variables, never in the URI)")

@@ -174,6 +174,9 @@ class ResourceConfig(Section):
     local_num_cpus: int | None = Field(None, ge=1, le=4096)
     # `trainlab submit`: resubmit a job that failed for infrastructure reasons.
     job_retries: int = Field(0, ge=0, le=100)
+    # Checkpoint storage every node reaches (multi-node runs): a shared-filesystem path
+    # or s3://bucket/prefix (endpoint from AWS_ENDPOINT_URL); null = train.runs_root.
+    storage: str | None = Field(None, min_length=1, max_length=1024)
 
 
 # --------------------------------------------------------------------------- tracking

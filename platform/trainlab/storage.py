@@ -1,0 +1,159 @@
+"""Where runs and checkpoints live: a local or shared filesystem path, or S3.
+
+A multi-node run needs storage that every node reaches: a shared filesystem
+mounted at the same path on every node (NFS, Lustre, EFS...) or an
+S3-compatible bucket. `resolve_storage` turns what the user wrote into what
+Ray Train's `RunConfig` takes:
+
+    storage = resolve_storage("s3://bucket/trainlab/runs")
+    RunConfig(name=..., **storage.run_config_kwargs())
+
+S3-compatible servers (MinIO, Ceph, a local test server) are reached through an
+endpoint override: the `endpoint_url` argument, else the standard AWS variables
+`AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`. Credentials are never part of a
+URI or a config: the AWS SDK reads them from the environment
+(`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`) or the
+node's instance role.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from trainlab.errors import UserError
+
+ENDPOINT_ENV_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+REGION_ENV_VARS = ("AWS_REGION", "AWS_DEFAULT_REGION")
+# With an endpoint override the region is only a signing parameter; S3-compatible
+# servers accept the SDK's default one.
+DEFAULT_REGION = "us-east-1"
+
+
+@dataclass(frozen=True)
+class Storage:
+    """A resolved storage location.
+
+    `uri`: normalized, for people and records (absolute path or s3://bucket/prefix).
+    `path`: the location inside `filesystem` (absolute path, or bucket/prefix).
+    """
+
+    kind: Literal["local", "s3"]
+    uri: str
+    path: str
+    filesystem: Any  # pyarrow.fs.FileSystem; Any keeps this module import-light
+    endpoint_url: str | None = None
+
+    @property
+    def is_shared(self) -> bool:
+        """True when other machines can reach it without a shared mount (S3)."""
+        return self.kind == "s3"
+
+    def join(self, *parts: str) -> str:
+        """A path inside the filesystem below this location."""
+        return "/".join([self.path.rstrip("/"), *(p.strip("/") for p in parts)])
+
+    def uri_of(self, *parts: str) -> str:
+        """The URI of a location below this one (for records and messages)."""
+        return "/".join([self.uri.rstrip("/"), *(p.strip("/") for p in parts)])
+
+    def run_config_kwargs(self) -> dict[str, Any]:
+        """`storage_path` and `storage_filesystem` for `ray.train.RunConfig`."""
+        return {"storage_path": self.path, "storage_filesystem": self.filesystem}
+
+
+def resolve_storage(location: str | os.PathLike[str], *, base_dir: str | Path | None = None,
+                    endpoint_url: str | None = None) -> Storage:
+    """Resolve a path or `s3://bucket/prefix` URI (no network access).
+
+    A relative path is taken relative to `base_dir` (default: the current
+    directory). Other URI schemes are refused with a message naming the two
+    supported forms.
+    """
+    text = os.fspath(location).strip()
+    if not text:
+        raise UserError("storage location is empty: give a path or s3://bucket/prefix")
+    scheme = urlsplit(text).scheme.lower() if "://" in text else ""
+    if scheme in ("", "file"):
+        return _local(text.removeprefix("file://"), base_dir)
+    if scheme in ("s3", "s3a"):
+        return _s3(text, endpoint_url)
+    raise UserError(f"storage {text!r}: unsupported scheme {scheme!r}; use a filesystem "
+                    "path (shared by every node for multi-node runs) or s3://bucket/prefix")
+
+
+def _local(path: str, base_dir: str | Path | None) -> Storage:
+    from pyarrow import fs
+
+    p = Path(path).expanduser()
+    if not p.is_absolute():
+        p = Path(base_dir or Path.cwd()) / p
+    p = Path(os.path.normpath(p))
+    return Storage(kind="local", uri=str(p), path=str(p), filesystem=fs.LocalFileSystem())
+
+
+def s3_endpoint(endpoint_url: str | None = None) -> str | None:
+    """The S3 endpoint override: the argument, else AWS_ENDPOINT_URL_S3/AWS_ENDPOINT_URL."""
+    if endpoint_url:
+        return endpoint_url
+    for var in ENDPOINT_ENV_VARS:
+        if os.environ.get(var):
+            return os.environ[var]
+    return None
+
+
+def _s3(uri: str, endpoint_url: str | None) -> Storage:
+    from pyarrow import fs
+
+    parts = urlsplit(uri)
+    bucket, prefix = parts.netloc, parts.path.strip("/")
+    if not bucket:
+        raise UserError(f"storage {uri!r}: no bucket; expected s3://bucket/prefix")
+    if parts.query:
+        raise UserError(f"storage {uri!r}: options do not go in the URI; set the endpoint "
+                        "with AWS_ENDPOINT_URL and credentials with AWS_* variables")
+    endpoint = s3_endpoint(endpoint_url)
+    region = next((os.environ[v] for v in REGION_ENV_VARS if os.environ.get(v)), None)
+    kwargs: dict[str, Any] = {"region": region or DEFAULT_REGION}
+    if endpoint:
+        ep = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
+        if ep.scheme not in ("http", "https") or not ep.netloc:
+            raise UserError(f"S3 endpoint {endpoint!r}: expected http(s)://host:port")
+        kwargs.update(endpoint_override=ep.netloc, scheme=ep.scheme)
+    path = f"{bucket}/{prefix}" if prefix else bucket
+    return Storage(kind="s3", uri=f"s3://{path}", path=path,
+                   filesystem=fs.S3FileSystem(**kwargs), endpoint_url=endpoint)
+
+
+def check_writable(storage: Storage) -> None:
+    """Write, read back and delete a small probe file; raise UserError naming the
+    location and the cause when any step fails (missing bucket, no permission,
+    unreachable endpoint, read-only mount)."""
+    probe = storage.join(f".trainlab-probe-{uuid.uuid4().hex}")
+    payload = b"trainlab storage probe"
+    fs = storage.filesystem
+    try:
+        if storage.kind == "local":
+            fs.create_dir(storage.path, recursive=True)
+        with fs.open_output_stream(probe) as out:
+            out.write(payload)
+        with fs.open_input_stream(probe) as inp:
+            back = inp.read()
+        fs.delete_file(probe)
+    except (OSError, ValueError) as e:  # pyarrow raises OSError subclasses
+        where = f" (endpoint {storage.endpoint_url})" if storage.endpoint_url else ""
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"storage {storage.uri}{where} is not writable: {first}") from None
+    if back != payload:
+        raise UserError(f"storage {storage.uri}: a probe file read back differently")
+
+
+def storage_for(cfg: Any, repo_root: str | Path) -> Storage:
+    """The storage of a config's runs: `resource.storage` when set, else `train.runs_root`
+    (relative paths are relative to `repo_root`)."""
+    location = getattr(cfg.resource, "storage", None) or cfg.train.runs_root
+    return resolve_storage(location, base_dir=repo_root)
