@@ -1,0 +1,146 @@
+"""Parallelism and memory techniques, applied to a model from outside.
+
+The model file knows nothing of these. Strategies (parallel.strategy after
+`resolve_layout`) and ZeRO stages:
+
+- ddp, zero_stage 0: DistributedDataParallel (full replicas, gradient all-reduce).
+- ddp, zero_stage 1: DDP + ZeroRedundancyOptimizer (optimizer state sharded).
+- fsdp, zero_stage 2: FSDP2 `fully_shard(reshard_after_forward=False)`: gradients
+  and optimizer state sharded, parameters kept gathered between forward and
+  backward (SHARD_GRAD_OP).
+- fsdp, zero_stage 3: FSDP2 `fully_shard(reshard_after_forward=True)`:
+  everything sharded (FULL_SHARD).
+
+Activation checkpointing: `full` recomputes every block in backward,
+`selective` every other block (layer-wise selective, as in torchtitan).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+from torch import nn
+
+from trainlab.config.schema import ExperimentConfig, TrainConfig
+from trainlab.errors import UserError
+from trainlab.models.transformer import Block, TransformerLM
+from trainlab.train.distributed import DistEnv
+
+
+def check_executable(cfg: ExperimentConfig) -> None:
+    """Refuse layouts this version cannot execute, before any worker starts."""
+    p = cfg.parallel
+    if (p.tp or 1) > 1 or (p.pp or 1) > 1:
+        raise UserError(
+            f"parallel: tp={p.tp} pp={p.pp}: trainlab executes data parallelism only "
+            "(DDP, ZeRO-1, FSDP with ZeRO 2/3); tensor and pipeline parallelism are planned "
+            "but not executed yet. Set parallel.tp: 1 and parallel.pp: 1 (or add workers / "
+            "use strategy fsdp to fit the model)"
+        )
+    if p.strategy not in ("ddp", "fsdp"):
+        raise UserError(
+            f"parallel.strategy = {p.strategy!r}: resolve the layout first "
+            "(trainlab.plan.resolve_layout)"
+        )
+    if cfg.parallel.sequence_parallel:
+        raise UserError(
+            "parallel.sequence_parallel = true: needs tensor parallelism, "
+            "which this version does not execute"
+        )
+
+
+def apply_activation_checkpointing(model: TransformerLM, mode: str) -> None:
+    if mode == "none":
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    every = 1 if mode == "full" else 2
+    chosen = {id(b) for i, b in enumerate(model.layers) if i % every == 0}
+    apply_activation_checkpointing(
+        model,
+        checkpoint_wrapper_fn=partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+        check_fn=lambda m: isinstance(m, Block) and id(m) in chosen,
+    )
+
+
+def apply_parallelism(model: TransformerLM, cfg: ExperimentConfig, env: DistEnv) -> nn.Module:
+    """Wrap `model` (already on env.device) for the configured strategy."""
+    apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
+    if not env.distributed:
+        return model
+    if cfg.parallel.strategy == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        reshard = cfg.parallel.zero_stage == 3
+        for block in model.layers:
+            fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(model, reshard_after_forward=reshard)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    device_ids = [env.device.index] if env.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def unwrap(model: nn.Module) -> TransformerLM:
+    """The TransformerLM inside DDP (FSDP2 shards in place and needs no unwrapping)."""
+    return model.module if hasattr(model, "module") else model  # type: ignore[return-value]
+
+
+def uses_zero1(cfg: ExperimentConfig, env: DistEnv) -> bool:
+    return env.distributed and cfg.parallel.strategy == "ddp" and cfg.parallel.zero_stage == 1
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices (and embeddings), none on norms and biases."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> torch.optim.Optimizer:
+    t: TrainConfig = cfg.train
+    kwargs = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps}
+    groups = param_groups(model, t.weight_decay)
+    if uses_zero1(cfg, env):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        opt = ZeroRedundancyOptimizer(
+            groups[0]["params"],
+            optimizer_class=torch.optim.AdamW,
+            weight_decay=t.weight_decay,
+            **kwargs,
+        )
+        opt.add_param_group(groups[1])
+        return opt
+    return torch.optim.AdamW(groups, **kwargs)
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the gradient all-reduce / reduce-scatter on all but the last micro batch."""
+    if enabled:
+        yield
+    elif hasattr(model, "no_sync"):  # DDP
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
