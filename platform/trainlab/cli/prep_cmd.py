@@ -1,0 +1,103 @@
+"""`trainlab prep SOURCES.yaml --out DIR [--tokenizer PATH | --vocab-size N] [--json]`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import click
+
+from trainlab.cli.common import echo_json, json_option
+
+
+@click.command()
+@click.argument("sources", type=click.Path(dir_okay=False))
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
+              help="Output directory (manifest.json, tokenizer.json, <source>/part-*.parquet).")
+@click.option("--tokenizer", "tokenizer", type=click.Path(dir_okay=False), default=None,
+              help="A Hugging Face tokenizers JSON file to use as is.")
+@click.option("--vocab-size", "vocab_size", type=click.IntRange(min=1), default=None,
+              help="Train a byte-level BPE of this size on the sources instead.")
+@json_option
+def prep(sources: str, out: str, tokenizer: str | None, vocab_size: int | None,
+         as_json: bool) -> int:
+    """Clean, deduplicate and tokenize SOURCES (a sources YAML) into Parquet shards
+    plus manifest.json in --out, on Ray Data. A re-run with unchanged inputs does no
+    work and says "up to date"."""
+    from trainlab.data.prep import run_prep
+
+    _quiet_ray_data_console()
+    with _progress_bar() as progress:
+        result = run_prep(sources, out, tokenizer=tokenizer, vocab_size=vocab_size,
+                          progress=progress)
+    if as_json:
+        echo_json(result.manifest)
+    else:
+        _print_summary(result)
+    return 0
+
+
+def _quiet_ray_data_console() -> None:
+    """Ray Data logs every dataset's start and plan to the console; our progress bar
+    says the same. Keep its warnings and errors there (its log files keep everything)."""
+    import logging
+
+    import ray.data  # noqa: F401 - configures the "ray.data" logger and its handlers
+
+    class _WarningsOnly(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return (record.levelno >= logging.WARNING
+                    and not record.getMessage().startswith("Progress bars disabled"))
+
+    for handler in logging.getLogger("ray.data").handlers:
+        if type(handler).__name__ == "PlainRayHandler":
+            handler.addFilter(_WarningsOnly())
+
+
+@contextmanager
+def _progress_bar() -> Iterator:
+    """A progress callback drawing one bar per phase on stderr (stdout stays clean
+    for --json)."""
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
+
+    labels = {"sample": "reading a sample for the tokenizer", "tokenize": "read/clean/tokenize/write"}
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
+                   TimeElapsedColumn(), TimeRemainingColumn(),
+                   console=Console(stderr=True), transient=False)
+    tasks: dict[str, int] = {}
+
+    def update(phase: str, done: int, total: int) -> None:
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(labels.get(phase, phase), total=total)
+        bar.update(tasks[phase], completed=done, total=total)
+
+    with bar:
+        yield update
+
+
+def _print_summary(result) -> None:  # noqa: ANN001 - PrepResult, imported lazily
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    m = result.manifest
+    status = "up to date" if result.up_to_date else f"prepared in {result.seconds:.1f} s"
+    con.print(f"{result.out_dir}: {status} (fingerprint {m['fingerprint'][:16]}, "
+              f"vocab {m['tokenizer']['vocab_size']}, {m['tokenizer']['dtype']})", highlight=False)
+    t = Table(title_justify="left")
+    for col in ("source", "docs in", "docs out", "rejected", "tokens", "shards"):
+        t.add_column(col, justify="left" if col in ("source", "rejected") else "right")
+    for name, s in m["sources"].items():
+        rejected = ", ".join(f"{reason} {r['count']:,}" for reason, r in s["rejected"].items()
+                             if r["count"]) or "-"
+        t.add_row(name, f"{s['docs_in']:,}", f"{s['docs_out']:,}", rejected,
+                  f"{s['tokens']:,}", str(len(s["shards"])))
+    con.print(t)

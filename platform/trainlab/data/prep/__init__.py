@@ -1,0 +1,17 @@
+"""Data preparation (`trainlab prep`): raw sources -> clean -> dedup -> tokenize ->
+Parquet shards + manifest.json (docs/contracts.md, contract 2), on Ray Data.
+
+    from trainlab.data.prep import run_prep
+    result = run_prep("data_prep/sources/demo.yaml", "data/demo/prepared")
+
+Modules: `spec` (the sources YAML), `paths` (listing files, local or s3/gs),
+`readers` (records of one file), `cleaning`, `tokenizer`, `units` (per-unit
+stages), `executors` (Ray Data or in-process), `shards` (dedup, accounting,
+shard writing), `manifest`, `pipeline` (`run_prep`), `demo_corpus`.
+"""
+
+from trainlab.data.prep.cleaning import REASONS
+from trainlab.data.prep.pipeline import PrepResult, run_prep
+from trainlab.data.prep.spec import load_sources_file
+
+__all__ = ["REASONS", "PrepResult", "load_sources_file", "run_prep"]

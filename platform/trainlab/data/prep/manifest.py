@@ -1,0 +1,91 @@
+"""manifest.json: what a prepared dataset holds, and whether it is still current.
+
+The manifest is written last, atomically; a directory without one is not a
+finished dataset. `input_signature` (beyond contract 2's keys) identifies the
+inputs and settings the dataset was built from, so a re-run with the same
+ones can say "up to date" and do nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+from trainlab.data.prep.shards import SourceAccount, atomic_write_bytes
+from trainlab.data.prep.tokenizer import TokenizerInfo, sha256_bytes
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+def _canonical(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode("utf-8")
+
+
+def signature(obj: Any) -> str:
+    """sha256 of a JSON-able object, independent of key order."""
+    return hashlib.sha256(_canonical(obj)).hexdigest()
+
+
+def fingerprint(tokenizer_sha256: str, cleaning: dict, accounts: dict[str, SourceAccount]) -> str:
+    """The dataset's identity: tokenizer, cleaning settings and every shard's checksum."""
+    shards = [[name, s["file"], s["sha256"]] for name, acc in accounts.items() for s in acc.shards]
+    return signature({"tokenizer": tokenizer_sha256, "cleaning": cleaning, "shards": shards})
+
+
+def build_manifest(tokenizer: TokenizerInfo, cleaning: dict,
+                   accounts: dict[str, SourceAccount], input_signature: str) -> dict:
+    return {
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fingerprint(tokenizer.sha256, cleaning, accounts),
+        "tokenizer": tokenizer.to_json(),
+        "cleaning": cleaning,
+        "sources": {name: acc.to_json() for name, acc in accounts.items()},
+        "input_signature": input_signature,
+    }
+
+
+def write_manifest(out_dir: Path, manifest: dict) -> None:
+    atomic_write_bytes(out_dir / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+
+
+def read_manifest(out_dir: Path) -> dict | None:
+    """The manifest in `out_dir`, or None if there is none or it is unreadable."""
+    try:
+        data = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def current_manifest(out_dir: Path, input_signature: str) -> dict | None:
+    """The existing manifest if it was built from exactly these inputs and every file
+    it lists is intact (checksums match); otherwise None (the dataset is rebuilt)."""
+    manifest = read_manifest(out_dir)
+    if not manifest or manifest.get("input_signature") != input_signature:
+        return None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return None
+    try:
+        files = [(manifest["tokenizer"]["file"], manifest["tokenizer"]["sha256"])]
+        files += [(s["file"], s["sha256"]) for src in manifest["sources"].values()
+                  for s in src["shards"]]
+    except (KeyError, TypeError):
+        return None
+    for rel, digest in files:
+        try:
+            if sha256_bytes((out_dir / rel).read_bytes()) != digest:
+                return None
+        except OSError:
+            return None
+    return manifest
+
+
+def listed_files(manifest: dict | None) -> set[str]:
+    """Shard paths (relative) a manifest lists; empty for None or a broken manifest."""
+    try:
+        return {s["file"] for src in manifest["sources"].values() for s in src["shards"]}
+    except (KeyError, TypeError, AttributeError):
+        return set()

@@ -1,0 +1,183 @@
+"""From a source's `paths` (files, directories, globs; local or s3:// / gs://)
+to the sorted list of files it reads.
+
+Listing happens on the driver before any work, so a path that does not exist
+or a glob that matches nothing is a `UserError`, not an empty source. Reading
+happens in the workers (`open_bytes`), through pyarrow filesystems for URIs.
+Hidden files and folders (a name starting with ".") are skipped when a
+directory or glob is expanded, as a shell glob would.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainlab.errors import UserError
+
+GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+@dataclass(frozen=True, order=True)
+class InputFile:
+    """One raw file: where it is and what identifies its version (size, mtime)."""
+
+    location: str  # absolute local path, or a URI such as s3://bucket/key
+    size: int
+    mtime_ns: int
+
+
+def is_uri(path: str) -> bool:
+    return "://" in path
+
+
+@functools.lru_cache(maxsize=16)
+def _filesystem(prefix: str):  # noqa: ANN202 - pyarrow.fs.FileSystem
+    """The pyarrow filesystem for `scheme://bucket`, cached per process."""
+    from pyarrow import fs
+
+    return fs.FileSystem.from_uri(prefix)[0]
+
+
+def _split_uri(location: str) -> tuple[object, str, str]:
+    """(filesystem, path inside it, `scheme://` prefix to rebuild locations)."""
+    from pyarrow import fs
+
+    scheme, _, rest = location.partition("://")
+    if scheme == "file":
+        return fs.LocalFileSystem(), "/" + rest.lstrip("/"), "file://"
+    bucket = rest.split("/", 1)[0]
+    return _filesystem(f"{scheme}://{bucket}"), rest, f"{scheme}://"
+
+
+def open_bytes(location: str) -> bytes:
+    """The whole content of a file (local path or URI)."""
+    if not is_uri(location):
+        with open(location, "rb") as f:
+            return f.read()
+    filesystem, path, _ = _split_uri(location)
+    with filesystem.open_input_stream(path) as f:  # type: ignore[attr-defined]
+        return f.read()
+
+
+def glob_to_regex(pattern: str) -> re.Pattern[str]:
+    """`*` and `?` stay within one path segment, `**` spans any number of them."""
+    parts = pattern.split("/")
+    out = []
+    for i, seg in enumerate(parts):
+        last = i == len(parts) - 1
+        if seg == "**":
+            out.append(".*" if last else "(?:[^/]+/)*")
+            continue
+        out.append(_segment_regex(seg) + ("" if last else "/"))
+    return re.compile("".join(out) + r"\Z")
+
+
+def _segment_regex(seg: str) -> str:
+    out, i = [], 0
+    while i < len(seg):
+        c = seg[i]
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and (end := _class_end(seg, i)) > 0:
+            body = seg[i + 1:end]
+            if body.startswith("!"):
+                body = "^" + body[1:]
+            out.append("[" + body.replace("\\", "\\\\") + "]")
+            i = end
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "".join(out)
+
+
+def _class_end(seg: str, start: int) -> int:
+    """Index of the `]` closing the class opened at `start`, or -1 (then `[` is literal)."""
+    j = start + 1
+    if seg[j:j + 1] == "!":
+        j += 1
+    if seg[j:j + 1] == "]":
+        j += 1
+    return seg.find("]", j)
+
+
+def _glob_base(pattern: str) -> str:
+    """The longest leading part of `pattern` without glob characters (a directory)."""
+    parts = pattern.split("/")
+    base = []
+    for seg in parts:
+        if GLOB_CHARS.search(seg):
+            break
+        base.append(seg)
+    return "/".join(base) or "/"
+
+
+def _hidden_below(path: str, base: str) -> bool:
+    rel = path[len(base):].lstrip("/")
+    return any(part.startswith(".") for part in rel.split("/"))
+
+
+def list_files(entry: str, root: Path, source_name: str) -> list[InputFile]:
+    """The files one `paths` entry names, sorted; UserError when there are none."""
+    from pyarrow import fs
+
+    if is_uri(entry):
+        filesystem, target, prefix = _split_uri(entry)
+    else:
+        filesystem, prefix = fs.LocalFileSystem(), ""
+        target = str((root / entry).resolve()) if not Path(entry).is_absolute() else entry
+        if entry.endswith("/") and not target.endswith("/"):
+            target += "/"
+    where = f"source {source_name!r}: {entry!r}"
+    try:
+        if GLOB_CHARS.search(target):
+            found = _expand_glob(filesystem, target)
+            if not found:
+                raise UserError(f"{where}: glob matches no files")
+        else:
+            found = _expand_plain(filesystem, target.rstrip("/") or "/", where)
+    except OSError as e:
+        raise UserError(f"{where}: cannot list ({e})") from None
+    return sorted(InputFile(prefix + info.path if prefix else info.path, info.size or 0,
+                            info.mtime_ns or 0) for info in found)
+
+
+def _expand_plain(filesystem, target: str, where: str) -> list:  # noqa: ANN001
+    from pyarrow import fs
+
+    info = filesystem.get_file_info(target)
+    if info.type == fs.FileType.NotFound:
+        raise UserError(f"{where}: path does not exist ({target})")
+    if info.type == fs.FileType.File:
+        return [info]
+    found = [i for i in filesystem.get_file_info(fs.FileSelector(target, recursive=True))
+             if i.type == fs.FileType.File and not _hidden_below(i.path, target)]
+    if not found:
+        raise UserError(f"{where}: directory holds no files ({target})")
+    return found
+
+
+def _expand_glob(filesystem, pattern: str) -> list:  # noqa: ANN001
+    from pyarrow import fs
+
+    base = _glob_base(pattern)
+    if filesystem.get_file_info(base).type != fs.FileType.Directory:
+        return []
+    regex = glob_to_regex(pattern)
+    selector = fs.FileSelector(base, recursive=True)
+    return [i for i in filesystem.get_file_info(selector)
+            if i.type == fs.FileType.File and regex.match(i.path)
+            and not _hidden_below(i.path, base)]
+
+
+def list_source_files(entries: list[str], root: Path, source_name: str) -> list[InputFile]:
+    """Every file of one source, each once, sorted by location (the dedup order)."""
+    files: dict[str, InputFile] = {}
+    for entry in entries:
+        for f in list_files(entry, root, source_name):
+            files.setdefault(f.location, f)
+    return sorted(files.values())

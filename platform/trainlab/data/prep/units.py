@@ -1,0 +1,221 @@
+"""Work units and the per-unit stages: read -> clean -> hash, then tokenize.
+
+A unit is a run of consecutive files of one source (in dedup order). Units are
+what Ray Data schedules; each stage maps one unit's Arrow table to the next,
+so the same functions run in a Ray worker or, for tiny inputs and tests, in
+the calling process. Results never depend on where units are cut.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from trainlab.data.prep.cleaning import clean_text, content_id, hash_fraction
+from trainlab.data.prep.paths import InputFile
+from trainlab.data.prep.readers import read_records
+from trainlab.data.prep.spec import CleaningSettings
+
+# Columns of a unit's table after read -> clean -> hash (one row per raw record).
+CLEANED_SCHEMA = pa.schema([
+    ("unit", pa.int64()), ("source", pa.string()), ("location", pa.string()),
+    ("doc_id", pa.string()), ("text", pa.large_string()), ("reason", pa.string()),
+])
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    index: int
+    source: str
+    format: str
+    text_field: str | None
+    min_chars: int
+    max_chars: int
+    files: tuple[str, ...]
+    nbytes: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, s: str) -> WorkUnit:
+        d = json.loads(s)
+        return cls(**{**d, "files": tuple(d["files"])})
+
+
+@dataclass(frozen=True)
+class SourceFiles:
+    """One source, ready to cut into units: its settings and its sorted files."""
+
+    name: str
+    format: str
+    text_field: str | None
+    cleaning: CleaningSettings
+    files: list[InputFile]
+
+
+def unit_target_bytes(total_bytes: int, parallelism: int) -> int:
+    """Enough units to keep `parallelism` workers busy and balanced (about 8 each),
+    none so small that scheduling overhead dominates nor so big it hogs memory."""
+    return int(min(16 << 20, max(256 << 10, total_bytes / max(1, 8 * parallelism))))
+
+
+def plan_units(sources: Iterable[SourceFiles], target_bytes: int) -> list[WorkUnit]:
+    """Cut every source's file list, in order, into units of about `target_bytes`."""
+    units: list[WorkUnit] = []
+    for src in sources:
+        batch: list[InputFile] = []
+        size = 0
+        for f in src.files:
+            batch.append(f)
+            size += f.size
+            if size >= target_bytes:
+                units.append(_unit(len(units), src, batch))
+                batch, size = [], 0
+        if batch:
+            units.append(_unit(len(units), src, batch))
+    return units
+
+
+def _unit(index: int, src: SourceFiles, files: list[InputFile]) -> WorkUnit:
+    return WorkUnit(index, src.name, src.format, src.text_field, src.cleaning.min_chars,
+                    src.cleaning.max_chars, tuple(f.location for f in files),
+                    sum(f.size for f in files))
+
+
+# --------------------------------------------------------------------------- read -> clean
+
+
+def read_clean_unit(unit: WorkUnit) -> pa.Table:
+    """Every raw record of the unit's files, cleaned and hashed, in file order."""
+    settings = CleaningSettings(min_chars=unit.min_chars, max_chars=unit.max_chars)
+    locations, doc_ids, texts, reasons = [], [], [], []
+    for location in unit.files:
+        for rec in read_records(location, unit.format, unit.text_field):
+            text, reason, doc_id = None, rec.reason, None
+            if reason is None:
+                cleaned, reason = clean_text(rec.text or "", settings)
+                if reason is None:
+                    doc_id = content_id(cleaned)
+                    if doc_id is None:
+                        reason = "bad_encoding"
+                    else:
+                        text = cleaned
+            locations.append(rec.location)
+            doc_ids.append(doc_id)
+            texts.append(text)
+            reasons.append(reason)
+    n = len(locations)
+    return pa.table([pa.array([unit.index] * n, pa.int64()), pa.array([unit.source] * n),
+                     pa.array(locations, pa.string()), pa.array(doc_ids, pa.string()),
+                     pa.array(texts, pa.large_string()), pa.array(reasons, pa.string())],
+                    schema=CLEANED_SCHEMA)
+
+
+def read_clean_batch(batch: pa.Table) -> pa.Table:
+    """Ray Data stage: a batch of serialized units -> their cleaned records."""
+    units = [WorkUnit.from_json(s) for s in batch.column("unit").to_pylist()]
+    return pa.concat_tables([read_clean_unit(u) for u in units])
+
+
+# --------------------------------------------------------------------------- tokenizer sample
+
+
+def sample_texts(table: pa.Table, fraction: float) -> pa.Table:
+    """The kept documents whose hash falls below `fraction` (a deterministic sample,
+    independent of order and of where units are cut)."""
+    ids = table.column("doc_id").to_pylist()
+    texts = table.column("text").to_pylist()
+    picked = [(d, t) for d, t in zip(ids, texts, strict=True)
+              if d is not None and hash_fraction(d) < fraction]
+    return pa.table({"doc_id": pa.array([d for d, _ in picked], pa.string()),
+                     "text": pa.array([t for _, t in picked], pa.large_string())})
+
+
+# --------------------------------------------------------------------------- tokenize
+
+
+class ByRef:
+    """A large stage argument passed through Ray's object store: the actor fetches it
+    in its constructor (a top-level argument that large would be copied into every
+    actor's creation task instead)."""
+
+    def __init__(self, ref: object):
+        self.refs = [ref]  # nested in a list, so Ray hands the ref over unresolved
+
+    def get(self) -> object:
+        import ray
+
+        return ray.get(self.refs[0])
+
+
+def resolve(value: object) -> object:
+    return value.get() if isinstance(value, ByRef) else value
+
+
+class TokenizeStage:
+    """Tokenize the kept documents of a unit's table; EOS appended to each.
+
+    A Ray Data actor (the tokenizer is built once per actor) or a plain callable.
+    Later copies of a document within the same table are marked `duplicate`
+    here and not tokenized; duplicates across tables are found by the writer.
+    `threads=False` turns off the tokenizer's own thread pool, for when the
+    actors already occupy every core.
+    """
+
+    def __init__(self, tokenizer_json: str | ByRef, eos_id: int, dtype: str,
+                 threads: bool = True):
+        if not threads:
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_str(resolve(tokenizer_json))  # type: ignore[arg-type]
+        self.eos_id = eos_id
+        self.dtype = np.dtype(dtype)
+
+    def __call__(self, table: pa.Table) -> pa.Table:
+        reasons = table.column("reason").to_pylist()
+        doc_ids = table.column("doc_id").to_pylist()
+        todo = _first_copies(doc_ids, reasons)
+        texts = table.column("text").to_pylist()
+        encodings = self.tokenizer.encode_batch_fast([texts[i] for i in todo],
+                                                     add_special_tokens=False)
+        ids = [e.ids for e in encodings]
+        lengths = np.zeros(len(table), dtype=np.int64)
+        lengths[todo] = [len(x) + 1 for x in ids]
+        return pa.table({
+            "unit": table.column("unit"), "source": table.column("source"),
+            "location": table.column("location"), "doc_id": table.column("doc_id"),
+            "reason": pa.array(reasons, pa.string()), "tokens": self._token_lists(ids, lengths),
+            "n_tokens": pa.array(lengths, pa.int64()),
+        })
+
+    def _token_lists(self, ids: list[list[int]], lengths: np.ndarray) -> pa.ListArray:
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = np.empty(int(offsets[-1]), dtype=self.dtype)
+        ends = offsets[1:][lengths > 0]
+        for end, doc in zip(ends, ids, strict=True):
+            flat[end - 1 - len(doc):end - 1] = doc
+        flat[ends - 1] = self.eos_id
+        return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat))
+
+
+def _first_copies(doc_ids: list[str | None], reasons: list[str | None]) -> list[int]:
+    """Indices of kept rows to tokenize; marks later in-table copies as duplicates."""
+    seen: set[str] = set()
+    todo = []
+    for i, (doc_id, reason) in enumerate(zip(doc_ids, reasons, strict=True)):
+        if reason is not None or doc_id is None:
+            continue
+        if doc_id in seen:
+            reasons[i] = "duplicate"
+        else:
+            seen.add(doc_id)
+            todo.append(i)
+    return todo
