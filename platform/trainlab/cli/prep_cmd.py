@@ -26,7 +26,6 @@ def prep(sources: str, out: str, tokenizer: str | None, vocab_size: int | None,
     work and says "up to date"."""
     from trainlab.data.prep import run_prep
 
-    _quiet_ray_data_console()
     with _progress_bar() as progress:
         result = run_prep(sources, out, tokenizer=tokenizer, vocab_size=vocab_size,
                           progress=progress)
@@ -35,23 +34,6 @@ def prep(sources: str, out: str, tokenizer: str | None, vocab_size: int | None,
     else:
         _print_summary(result)
     return 0
-
-
-def _quiet_ray_data_console() -> None:
-    """Ray Data logs every dataset's start and plan to the console; our progress bar
-    says the same. Keep its warnings and errors there (its log files keep everything)."""
-    import logging
-
-    import ray.data  # noqa: F401 - configures the "ray.data" logger and its handlers
-
-    class _WarningsOnly(logging.Filter):
-        def filter(self, record: logging.LogRecord) -> bool:
-            return (record.levelno >= logging.WARNING
-                    and not record.getMessage().startswith("Progress bars disabled"))
-
-    for handler in logging.getLogger("ray.data").handlers:
-        if type(handler).__name__ == "PlainRayHandler":
-            handler.addFilter(_WarningsOnly())
 
 
 @contextmanager

@@ -77,6 +77,7 @@ class RayDataExecutor:
         from trainlab.raycluster import ensure_ray
 
         resources = ensure_ray()
+        _quiet_ray_data_console()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         # One node is this machine (the embedded cluster advertises more logical CPUs
         # than it has cores); on a real cluster the logical CPUs are the cores.
@@ -88,9 +89,7 @@ class RayDataExecutor:
 
     def map_units(self, units: list[WorkUnit], stage_cls: type,
                   stage_kwargs: dict[str, Any]) -> Iterator[pa.Table]:
-        import ray.data
-
-        import ray
+        import ray.data  # binds `ray` too
 
         items = [{"unit": u.to_json()} for u in units]
         ds = ray.data.from_items(items, override_num_blocks=len(items))
@@ -105,3 +104,21 @@ class RayDataExecutor:
                             batch_format="pyarrow", num_cpus=1,
                             compute=ray.data.ActorPoolStrategy(size=self.plan.stage_actors))
         yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+
+
+class _WarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno >= logging.WARNING
+                and not record.getMessage().startswith("Progress bars disabled"))
+
+
+def _quiet_ray_data_console() -> None:
+    """Ray Data logs every dataset's start and plan to the console, and warns that its
+    own progress bars are off; prep reports progress itself. Its warnings and errors
+    still reach the console, and its log files keep everything."""
+    import ray.data  # noqa: F401 - configures the "ray.data" logger and its handlers
+
+    for handler in logging.getLogger("ray.data").handlers:
+        if type(handler).__name__ == "PlainRayHandler" and not any(
+                isinstance(f, _WarningsOnly) for f in handler.filters):
+            handler.addFilter(_WarningsOnly())
