@@ -1,0 +1,241 @@
+"""`WorkerLoader`: one training rank's view of the stream, fed by Ray Data.
+
+Each rank runs its own small Ray Data pipeline: a dataset of step numbers
+(`from_numpy`, no read tasks) -> `map_batches` on one packing actor that holds
+the corpus and computes that rank's rows of each step (TrainStream) -> an
+ordered iterator in the training worker. That is "a Ray Data iterator per
+rank" rather than `streaming_split`, because exactness needs rank r to get
+exactly its rows of each step, which a dynamic split does not promise.
+
+Resources are capped per pipeline: the actor asks for `data.loader_cpus /
+world_size` CPUs and the dataset's resource limit is the same, so the data side
+never takes the CPUs the training workers hold (the 2-core deadlock in
+ARCHITECTURE.md) and never grows beyond its budget.
+
+Without a running Ray (unit tests, notebooks) the same rows are computed in
+process (`backend="local"`); `auto` picks Ray Data whenever Ray is initialized.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from trainlab.data.mix import BlendSchedule
+from trainlab.data.pack import BATCH_KEYS, Batch, PackedRows
+from trainlab.data.spec import DataSpec, rows_per_rank
+from trainlab.data.stream import TrainStream, split_micro_batches
+from trainlab.errors import UserError
+
+log = logging.getLogger(__name__)
+
+Backend = Literal["auto", "ray_data", "local"]
+META_KEYS = ("row_source", "row_doc_starts", "row_split")
+# Steps per Ray Data block: enough tokens per actor call to amortize the per-call
+# overhead, few enough that the first step arrives quickly.
+TOKENS_PER_BLOCK = 1 << 18
+MAX_STEPS_PER_BLOCK = 64
+
+
+@dataclass
+class Delivery:
+    """What this rank actually received (counted from the delivered rows)."""
+
+    steps: int = 0
+    rows: dict[str, int] = field(default_factory=dict)
+    doc_starts: dict[str, int] = field(default_factory=dict)
+    rows_split: int = 0
+    tokens: int = 0
+    padding_tokens: int = 0
+
+    def add(self, spec: DataSpec, batch: Batch, meta: dict[str, np.ndarray]) -> None:
+        self.steps += 1
+        self.tokens += batch["input_ids"].size
+        self.padding_tokens += int((batch["document_ids"] < 0).sum())
+        self.rows_split += int(meta["row_split"].sum())
+        for i, name in enumerate(spec.sources):
+            mask = meta["row_source"] == i
+            self.rows[name] = self.rows.get(name, 0) + int(mask.sum())
+            self.doc_starts[name] = self.doc_starts.get(name, 0) + int(
+                meta["row_doc_starts"][mask].sum())
+
+
+def _meta(packed: PackedRows) -> dict[str, np.ndarray]:
+    return {"row_source": packed.row_source, "row_doc_starts": packed.row_doc_starts,
+            "row_split": packed.row_split}
+
+
+class _StepPacker:
+    """Ray Data actor: step numbers in, this rank's packed rows of those steps out
+    (one output row per step, arrays shaped [rows_per_rank, seq_len])."""
+
+    def __init__(self, spec: DataSpec, rank: int, world_size: int):
+        self.stream = TrainStream(spec)
+        self.rank, self.world_size = rank, world_size
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        steps = batch["data"].astype(np.int64).ravel()
+        packed = [self.stream.rank_rows(int(s), self.rank, self.world_size) for s in steps]
+        out = {"step": steps}
+        for key in BATCH_KEYS:
+            out[key] = np.stack([p.batch[key] for p in packed])
+        for key in META_KEYS:
+            out[key] = np.stack([_meta(p)[key] for p in packed])
+        return out
+
+
+def _resolve_backend(backend: Backend) -> Literal["ray_data", "local"]:
+    if backend != "auto":
+        return backend
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - ray is a dependency
+        return "local"
+    return "ray_data" if ray.is_initialized() else "local"
+
+
+class WorkerLoader:
+    """Rank `rank` of `world_size`: micro batches of each global step, in order.
+
+    `iter_from(step)` yields `(step, micro_batches)` for step, step+1, ... up to
+    `spec.total_steps` (or `end`). After a step is yielded, `state_dict()` says the
+    next step is step+1, so a checkpoint written after training on it resumes
+    after it."""
+
+    def __init__(self, spec: DataSpec, rank: int = 0, world_size: int = 1,
+                 backend: Backend = "auto"):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} not in [0, {world_size})")
+        self.spec = spec
+        self.rank, self.world_size = rank, world_size
+        self.rows_per_rank = rows_per_rank(spec, world_size)
+        self.backend = _resolve_backend(backend)
+        self.delivery = Delivery()
+        self._next_step = 0
+        self._stream: TrainStream | None = None
+        self._schedule = BlendSchedule(spec.weights)
+
+    # ------------------------------------------------------------------ the stream
+
+    @property
+    def stream(self) -> TrainStream:
+        """The in-process stream (loads the corpus on first use)."""
+        if self._stream is None:
+            self._stream = TrainStream(self.spec)
+        return self._stream
+
+    @property
+    def step(self) -> int:
+        """The next step this loader will deliver."""
+        return self._next_step
+
+    def iter_from(self, step: int | None = None,
+                  end: int | None = None) -> Iterator[tuple[int, list[Batch]]]:
+        start = self._next_step if step is None else step
+        stop = self.spec.total_steps if end is None else end
+        self._next_step = start
+        source = self._iter_ray_data if self.backend == "ray_data" else self._iter_local
+        for s, batch, meta in source(start, stop):
+            if s != self._next_step:  # exactness is the point: never deliver out of order
+                raise RuntimeError(f"loader delivered step {s}, expected {self._next_step}")
+            self.delivery.add(self.spec, batch, meta)
+            self._next_step = s + 1
+            yield s, split_micro_batches(batch, self.spec.micro_batch_size)
+
+    def _iter_local(self, start: int, stop: int) -> Iterator[tuple[int, Batch, dict]]:
+        for s in range(start, stop):
+            packed = self.stream.rank_rows(s, self.rank, self.world_size)
+            yield s, packed.batch, _meta(packed)
+
+    def _steps_per_block(self) -> int:
+        tokens = self.rows_per_rank * self.spec.seq_len
+        return max(1, min(MAX_STEPS_PER_BLOCK, TOKENS_PER_BLOCK // tokens))
+
+    def build_dataset(self, start: int, stop: int) -> Any:
+        """This rank's Ray Data pipeline for steps [start, stop) (not yet executing)."""
+        import ray.data
+        from ray.data import ExecutionResources
+
+        per_block = self._steps_per_block()
+        blocks = [np.arange(b, min(b + per_block, stop), dtype=np.int64)
+                  for b in range(start, stop, per_block)]
+        cpus = self.spec.loader_cpus / self.world_size
+        ds = ray.data.from_numpy(blocks).map_batches(
+            _StepPacker, fn_constructor_args=(self.spec, self.rank, self.world_size),
+            batch_size=None, concurrency=1, num_cpus=cpus, batch_format="numpy",
+            zero_copy_batch=True)
+        ds.context.execution_options.preserve_order = True
+        ds.context.execution_options.resource_limits = ExecutionResources(cpu=cpus)
+        return ds
+
+    def _iter_ray_data(self, start: int, stop: int) -> Iterator[tuple[int, Batch, dict]]:
+        if start >= stop:
+            return
+        ds = self.build_dataset(start, stop)
+        for block in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
+            for i, s in enumerate(block["step"].tolist()):
+                yield (int(s), {k: block[k][i] for k in BATCH_KEYS},
+                       {k: block[k][i] for k in META_KEYS})
+
+    # ------------------------------------------------------------------ validation, shares
+
+    def validation_batches(self, source: str, n: int) -> list[Batch]:
+        """This rank's micro batches of the first `n` validation global batches of
+        `source` (its held-out documents, never trained on). The evaluated rows do
+        not depend on the number of ranks. Rows past the end of a small validation
+        set are padding (labels -100): weight losses by the number of labels."""
+        first = self.rank * self.rows_per_rank
+        g = self.spec.global_batch_size
+        out: list[Batch] = []
+        for k in range(n):
+            packed = self.stream.validation_rows(source, k * g + first,
+                                                 k * g + first + self.rows_per_rank)
+            out.extend(split_micro_batches(packed.batch, self.spec.micro_batch_size))
+        return out
+
+    def delivered_shares(self, step: int) -> dict[str, float]:
+        """Token share per source over global steps [0, step), all ranks together."""
+        rows = self._schedule.counts_at(step * self.spec.global_batch_size)
+        total = int(rows.sum())
+        if total == 0:
+            return dict(zip(self.spec.sources, self.spec.weights, strict=True))
+        return {n: int(r) / total for n, r in zip(self.spec.sources, rows, strict=True)}
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self._next_step, "fingerprint": self.spec.fingerprint,
+                "stream": self.spec.stream_identity()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue at `state["step"]`. A different dataset fingerprint is a UserError
+        unless data.allow_fingerprint_change; other stream changes are logged."""
+        check_resume(self.spec, state)
+        self._next_step = int(state["step"])
+
+
+def check_resume(spec: DataSpec, state: dict[str, Any]) -> None:
+    """Refuse to resume on a different prepared dataset unless allowed."""
+    if "step" not in state or "fingerprint" not in state:
+        raise UserError("data loader state: missing 'step' or 'fingerprint' (not a trainlab "
+                        "checkpoint?)")
+    old = state["fingerprint"]
+    if old != spec.fingerprint:
+        if not spec.allow_fingerprint_change:
+            raise UserError(
+                f"data.path = {spec.path}: prepared dataset fingerprint {spec.fingerprint[:16]} "
+                f"differs from the checkpoint's {str(old)[:16]}; the data changed since the "
+                "run started. Set data.allow_fingerprint_change=true to resume anyway")
+        log.warning("resuming on a different prepared dataset (fingerprint %s -> %s) because "
+                    "data.allow_fingerprint_change is set", str(old)[:16], spec.fingerprint[:16])
+    previous = state.get("stream") or {}
+    changed = sorted(k for k, v in spec.stream_identity().items()
+                     if k != "fingerprint" and k in previous and previous[k] != v)
+    if changed:
+        log.warning("resuming with a changed data stream (%s): steps from %s on follow the new "
+                    "schedule, so some sequences may repeat or be skipped",
+                    ", ".join(changed), state["step"])

@@ -1,0 +1,119 @@
+"""The training stream as a pure function of the step.
+
+Global step s is rows [s*G, (s+1)*G) of the blended stream (G = global batch
+size); row r is unit `units[r]` of source `sources[r]` from the BlendSchedule.
+Rank `rank` of `world` gets the contiguous slice [rank*G/world, (rank+1)*G/world)
+of each step, so the global sequence order does not depend on the number of
+data-parallel workers. Nothing here keeps a position: resuming is asking for a
+later step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from trainlab.data.corpus import SourceTokens, load_corpus
+from trainlab.data.mix import BlendSchedule
+from trainlab.data.pack import (
+    Batch,
+    PackedRows,
+    SourceStream,
+    empty_batch,
+    fill_row,
+    pack_units,
+    slice_batch,
+)
+from trainlab.data.spec import DataSpec, rows_per_rank
+from trainlab.errors import UserError
+
+
+def split_micro_batches(batch: Batch, micro_batch_size: int) -> list[Batch]:
+    rows = len(batch["input_ids"])
+    return [slice_batch(batch, i, i + micro_batch_size) for i in range(0, rows, micro_batch_size)]
+
+
+class TrainStream:
+    """Training rows, validation rows and delivery statistics of one DataSpec."""
+
+    def __init__(self, spec: DataSpec, corpus: dict[str, SourceTokens] | None = None):
+        self.spec = spec
+        if corpus is None:
+            corpus = load_corpus(spec.path, spec.fingerprint,
+                                 spec.all_sources or spec.sources, spec.val_fraction)
+        self.corpus = corpus
+        self.schedule = BlendSchedule(spec.weights)
+        self.streams = [SourceStream(corpus[n], corpus[n].train_docs, spec.seed, shuffle=True)
+                        for n in spec.sources]
+        self._val_streams: dict[str, SourceStream] = {}
+
+    # ------------------------------------------------------------------ training rows
+
+    def rows(self, start: int, stop: int) -> PackedRows:
+        sources, units = self.schedule.assign(start, stop)
+        return pack_units(self.streams, sources, units, self.spec.seq_len, self.spec.eos_id)
+
+    def rank_rows(self, step: int, rank: int = 0, world_size: int = 1) -> PackedRows:
+        """This rank's rows of global step `step`."""
+        per_rank = rows_per_rank(self.spec, world_size)
+        first = step * self.spec.global_batch_size + rank * per_rank
+        return self.rows(first, first + per_rank)
+
+    def global_batch(self, step: int) -> Batch:
+        return self.rank_rows(step).batch
+
+    # ------------------------------------------------------------------ validation rows
+
+    def validation_stream(self, source: str) -> SourceStream:
+        if source not in self.corpus:
+            raise UserError(f"validation source {source!r}: not in the prepared dataset "
+                            f"(sources: {', '.join(self.corpus)})")
+        if source not in self._val_streams:
+            src = self.corpus[source]
+            self._val_streams[source] = SourceStream(src, src.val_docs, self.spec.seed,
+                                                     shuffle=False, finite=True)
+        return self._val_streams[source]
+
+    def validation_rows(self, source: str, start: int, stop: int) -> PackedRows:
+        """Rows [start, stop) of the source's held-out documents, packed in a fixed
+        order. Past the end of the validation set rows are padding (labels -100)."""
+        stream = self.validation_stream(source)
+        n, seq_len = stop - start, self.spec.seq_len
+        packed = PackedRows(batch=empty_batch(n, seq_len, self.spec.eos_id),
+                            row_source=np.full(n, -1, np.int64),
+                            row_unit=np.arange(start, stop, dtype=np.int64),
+                            row_doc_starts=np.zeros(n, np.int64), row_split=np.zeros(n, bool))
+        for i in range(n):
+            pieces = stream.pieces((start + i) * seq_len, seq_len)
+            packed.row_doc_starts[i], packed.row_split[i] = fill_row(packed.batch, i,
+                                                                     stream.src, pieces)
+        return packed
+
+    # ------------------------------------------------------------------ accounting
+
+    def delivered_rows(self, step: int) -> np.ndarray:
+        """Rows per source in global steps [0, step)."""
+        return self.schedule.counts_at(step * self.spec.global_batch_size)
+
+    def delivered_shares(self, step: int) -> dict[str, float]:
+        """Token share per source over global steps [0, step) (the weights at step 0)."""
+        rows = self.delivered_rows(step)
+        total = int(rows.sum())
+        if total == 0:
+            return dict(zip(self.spec.sources, self.spec.weights, strict=True))
+        return {n: int(r) / total for n, r in zip(self.spec.sources, rows, strict=True)}
+
+    def source_stats(self, step: int) -> dict[str, dict[str, Any]]:
+        """Per source over steps [0, step): weight, token_share, tokens, docs (documents
+        started, counting each epoch's repeat), epochs (consumed, fractional)."""
+        rows = self.delivered_rows(step)
+        total = max(1, int(rows.sum()))
+        out = {}
+        for i, name in enumerate(self.spec.sources):
+            tokens = int(rows[i]) * self.spec.seq_len
+            stream = self.streams[i]
+            out[name] = {"weight": self.spec.weights[i], "token_share": int(rows[i]) / total,
+                         "tokens": tokens, "docs": stream.docs_started(tokens),
+                         "epochs": tokens / stream.epoch_tokens}
+        return out
