@@ -1,0 +1,241 @@
+"""`trainlab submit | jobs | stop | cluster up/down`: orchestration on Ray clusters.
+
+Progress goes to stderr; stdout carries the result (the job id, a table) or,
+with --json, one JSON object on its last line.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from trainlab.cli.common import config_args, echo_json, json_option
+
+
+def _address_option(fn):  # noqa: ANN001, ANN202 - click decorator
+    return click.option(
+        "--address",
+        default=None,
+        metavar="URL",
+        help="Jobs API of the cluster, e.g. http://127.0.0.1:8265 (default: "
+        "RAY_API_SERVER_ADDRESS, RAY_ADDRESS if a URL, or `trainlab cluster up`'s).",
+    )(fn)
+
+
+def _err(msg: str) -> None:
+    click.echo(msg, err=True)
+
+
+@click.command()
+@config_args
+@_address_option
+@click.option(
+    "--smoke-first",
+    is_flag=True,
+    help="Rehearse the config with --smoke as a job on the cluster first; "
+    "submit only if it passes.",
+)
+@click.option(
+    "--follow", is_flag=True, help="Stream the job's logs until it ends; exit with its outcome."
+)
+@click.option(
+    "--use-cluster-library",
+    is_flag=True,
+    help="The cluster image has trainlab installed: do not ship platform/trainlab.",
+)
+@json_option
+def submit(
+    config: str,
+    overrides: tuple[str, ...],
+    address: str | None,
+    smoke_first: bool,
+    follow: bool,
+    use_cluster_library: bool,
+    as_json: bool,
+) -> int:
+    """Validate, plan, check and submit CONFIG as a Ray job; print its job id."""
+    from trainlab.jobs.submit import submit as run_submit
+
+    # Logs go to stdout unless stdout is reserved for the JSON result.
+    write_logs = (lambda s: _write(sys.stderr, s)) if as_json else (lambda s: _write(sys.stdout, s))
+    result = run_submit(
+        config,
+        overrides,
+        address=address,
+        smoke_first=smoke_first,
+        follow=follow,
+        ship_library=not use_cluster_library,
+        say=_err,
+        write_logs=write_logs,
+    )
+    if as_json:
+        echo_json(result.to_json())
+    else:
+        click.echo(result.job_id)
+    return result.exit_code
+
+
+def _write(stream, text: str) -> None:  # noqa: ANN001 - a text stream
+    stream.write(text)
+    stream.flush()
+
+
+@click.command()
+@_address_option
+@json_option
+def jobs(address: str | None, as_json: bool) -> int:
+    """List the cluster's jobs, newest first, with their status."""
+    from trainlab.jobs.client import connect, list_jobs, resolve_address
+
+    rows = list_jobs(connect(resolve_address(address)))
+    if as_json:
+        echo_json([r.to_json() for r in rows])
+        return 0
+    if not rows:
+        click.echo("no jobs")
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(show_header=True, header_style="bold")
+    for col in ("job id", "status", "name", "kind", "started", "duration", "message"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(
+            r.job_id,
+            r.status,
+            r.name or "-",
+            r.kind or "-",
+            _clock(r.start_time),
+            f"{r.duration_s:.0f} s" if r.duration_s is not None else "-",
+            r.message[:60],
+        )
+    Console(width=160).print(t)
+    return 0
+
+
+def _clock(ts: float | None) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "-"
+
+
+@click.command()
+@click.argument("job_id")
+@_address_option
+@json_option
+def stop(job_id: str, address: str | None, as_json: bool) -> int:
+    """Stop JOB_ID (its workers are released; checkpoints already written stay)."""
+    from trainlab.jobs.client import connect, resolve_address, stop_job
+
+    url = resolve_address(address)
+    status = stop_job(connect(url), job_id)
+    if as_json:
+        echo_json({"job_id": job_id, "address": url, "status": status})
+    else:
+        click.echo(f"{job_id} {status}")
+    return 0
+
+
+@click.group()
+def cluster() -> None:
+    """Start or stop a local Ray cluster (head on 127.0.0.1, token auth on)."""
+
+
+@cluster.command()
+@click.option(
+    "--num-cpus",
+    type=click.IntRange(1, 4096),
+    default=None,
+    help="Logical CPUs of the head (default max(8, 2 x cores): training workers "
+    "and Ray Data must not starve each other).",
+)
+@click.option(
+    "--worker-nodes",
+    type=click.IntRange(0, 16),
+    default=0,
+    help="Extra raylets on this machine (rehearse multi-node runs).",
+)
+@click.option(
+    "--worker-cpus",
+    type=click.IntRange(1, 4096),
+    default=2,
+    help="Logical CPUs of each worker node.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Head (GCS) port (default 6390, or a free one).",
+)
+@click.option(
+    "--dashboard-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Dashboard / Jobs API port (default 8290, or a free one).",
+)
+@json_option
+def up(
+    num_cpus: int | None,
+    worker_nodes: int,
+    worker_cpus: int,
+    port: int | None,
+    dashboard_port: int | None,
+    as_json: bool,
+) -> int:
+    """Start a local Ray head node from this environment; print where it is."""
+    from trainlab.jobs.localcluster import cluster_up, how_to_submit
+
+    _err("starting the Ray head on 127.0.0.1 (token auth on) ...")
+    state = cluster_up(
+        num_cpus=num_cpus,
+        worker_nodes=worker_nodes,
+        worker_cpus=worker_cpus,
+        gcs_port=port,
+        dashboard_port=dashboard_port,
+    )
+    if as_json:
+        echo_json(state.to_json())
+    else:
+        for line in how_to_submit(state):
+            click.echo(line)
+    return 0
+
+
+@cluster.command()
+@json_option
+def down(as_json: bool) -> int:
+    """Stop the local cluster started by `trainlab cluster up` (by process group id)."""
+    from trainlab.jobs.localcluster import cluster_down
+
+    state = cluster_down()
+    if as_json:
+        echo_json(
+            {"stopped": state is not None, "dashboard_url": state.dashboard_url if state else None}
+        )
+    elif state is None:
+        click.echo("no local cluster is running")
+    else:
+        click.echo(
+            f"stopped the local cluster at {state.dashboard_url} "
+            f"({len(state.nodes)} node(s)); Ray's logs stay in {state.temp_dir}"
+        )
+    return 0
+
+
+@cluster.command()
+@json_option
+def status(as_json: bool) -> int:
+    """Show the local cluster started by `trainlab cluster up`, if any."""
+    from trainlab.jobs.localcluster import how_to_submit, read_state
+
+    state = read_state()
+    if as_json:
+        echo_json(state.to_json() if state else None)
+    elif state is None:
+        click.echo("no local cluster is running (`trainlab cluster up` starts one)")
+    else:
+        for line in how_to_submit(state):
+            click.echo(line)
+    return 0

@@ -1,0 +1,379 @@
+"""A local Ray cluster on this machine: `trainlab cluster up` / `down`.
+
+The head is `ray start --head --block` run from this Python environment (a
+job's `python` is whatever is first on the head's PATH), in its own process
+group, bound to 127.0.0.1, with token authentication on and every port
+chosen free (other clusters may run on this machine). Optional worker nodes
+are more raylets joining it (`ray start --address`), each in its own process
+group. What was started is recorded in a state file; `down` ends exactly those
+process groups, by id, never Ray processes by name and never `ray stop` (which
+would end every cluster on the machine).
+
+Loopback only: the head runs in Ray's single-machine mode
+(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), which keeps every address on 127.0.0.1.
+`ray start` refuses extra raylets in that mode, so worker nodes start through
+`python -m trainlab.jobs.raynode`, which is `ray start` with that one check
+lifted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trainlab.errors import UserError
+
+HOST = "127.0.0.1"
+DEFAULT_GCS_PORT = 6390
+DEFAULT_DASHBOARD_PORT = 8290
+READY_MARK = "Ray runtime started"
+SINGLE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def home_dir() -> Path:
+    """Where trainlab keeps local state: $TRAINLAB_HOME or ~/.trainlab."""
+    return Path(os.environ.get("TRAINLAB_HOME") or Path.home() / ".trainlab").expanduser()
+
+
+def state_path() -> Path:
+    return home_dir() / "cluster.json"
+
+
+@dataclass
+class NodeProc:
+    """One `ray start --block` process group."""
+
+    role: str  # "head" or "worker"
+    pgid: int
+    log: str
+    num_cpus: int
+
+
+@dataclass
+class ClusterState:
+    gcs_address: str
+    dashboard_url: str
+    temp_dir: str
+    nodes: list[NodeProc] = field(default_factory=list)
+    started_at: float = 0.0
+
+    @property
+    def head(self) -> NodeProc:
+        return next(n for n in self.nodes if n.role == "head")
+
+    @property
+    def workers(self) -> list[NodeProc]:
+        return [n for n in self.nodes if n.role == "worker"]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ClusterState:
+        nodes = [NodeProc(**n) for n in d.pop("nodes", [])]
+        return cls(nodes=nodes, **d)
+
+
+def read_state(path: Path | None = None) -> ClusterState | None:
+    """The recorded local cluster if its head process group is still alive."""
+    path = path or state_path()
+    try:
+        state = ClusterState.from_json(json.loads(path.read_text()))
+    except (FileNotFoundError, ValueError, TypeError, KeyError):
+        return None
+    return state if group_alive(state.head.pgid) else None
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (non-zombie) processes of a process group (Linux /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...; comm may contain spaces or parentheses
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def stop_group(pgid: int, grace_s: float = 5.0) -> None:
+    """SIGTERM the process group, then SIGKILL what is left after `grace_s`
+    (`ray start --block` does not always stop its children on SIGTERM)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if not group_members(pgid):
+                return
+            time.sleep(0.2)
+
+
+def _ray_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    # The job's `python` is the first on the head's PATH: make it this environment's.
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["RAY_AUTH_MODE"] = "token"
+    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    for k in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS"):
+        env.pop(k, None)
+    env.update(extra or {})
+    return env
+
+
+def _launch(cmd: list[str], log: Path, env: dict[str, str]) -> int:
+    """Start `cmd` in a new session (so it leads its own process group); return the pgid."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+    return proc.pid
+
+
+def _wait_ready(pgid: int, log: Path, what: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if READY_MARK in text:
+            return
+        if not group_members(pgid):
+            tail = "\n".join(text.strip().splitlines()[-5:])
+            raise UserError(f"{what} exited while starting; last lines of {log}:\n{tail}")
+        time.sleep(0.5)
+    stop_group(pgid)
+    raise UserError(f"{what} did not start within {timeout_s:.0f} s; see {log}")
+
+
+def _agent_port_flags() -> list[str]:
+    """Ports every raylet opens besides its own; Ray's fixed defaults (52365...)
+    would collide with other clusters on this machine."""
+    return [
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+    ]
+
+
+def _ray_exe() -> str:
+    exe = Path(sys.executable).parent / "ray"
+    return str(exe) if exe.exists() else "ray"
+
+
+def start_head(
+    num_cpus: int, gcs_port: int, dashboard_port: int, temp_dir: Path, log: Path, timeout_s: float
+) -> NodeProc:
+    cmd = [
+        _ray_exe(),
+        "start",
+        "--head",
+        "--block",
+        "--disable-usage-stats",
+        f"--node-ip-address={HOST}",
+        f"--port={gcs_port}",
+        "--include-dashboard=true",
+        f"--dashboard-host={HOST}",
+        f"--dashboard-port={dashboard_port}",
+        f"--ray-client-server-port={free_port()}",
+        f"--num-cpus={num_cpus}",
+        f"--temp-dir={temp_dir}",
+        *_agent_port_flags(),
+    ]
+    pgid = _launch(cmd, log, _ray_env(SINGLE_MACHINE_ENV))
+    _wait_ready(pgid, log, "the Ray head", timeout_s)
+    return NodeProc("head", pgid, str(log), num_cpus)
+
+
+def start_worker(
+    gcs_address: str,
+    num_cpus: int,
+    log: Path,
+    timeout_s: float,
+    resources: dict[str, float] | None = None,
+) -> NodeProc:
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainlab.jobs.raynode",
+        "start",
+        "--block",
+        "--disable-usage-stats",
+        f"--address={gcs_address}",
+        f"--node-ip-address={HOST}",
+        f"--num-cpus={num_cpus}",
+        *_agent_port_flags(),
+    ]
+    if resources:
+        cmd.append(f"--resources={json.dumps(resources)}")
+    pgid = _launch(cmd, log, _ray_env(SINGLE_MACHINE_ENV))
+    _wait_ready(pgid, log, "a Ray worker node", timeout_s)
+    return NodeProc("worker", pgid, str(log), num_cpus)
+
+
+# --------------------------------------------------------------------------- up / down
+
+
+def cluster_up(
+    num_cpus: int | None = None,
+    worker_nodes: int = 0,
+    worker_cpus: int = 2,
+    gcs_port: int | None = None,
+    dashboard_port: int | None = None,
+    timeout_s: float = 120.0,
+) -> ClusterState:
+    """Start the head (and `worker_nodes` more raylets); record and return the state."""
+    from trainlab.jobs.client import ensure_token
+    from trainlab.raycluster import local_num_cpus
+
+    if read_state() is not None:
+        state = read_state()
+        raise UserError(
+            f"a local cluster is already running at {state.dashboard_url} "
+            "(`trainlab cluster down` stops it)"
+        )
+    gcs_port = gcs_port or _pick(DEFAULT_GCS_PORT)
+    dashboard_port = dashboard_port or _pick(DEFAULT_DASHBOARD_PORT)
+    for name, port in (("--port", gcs_port), ("--dashboard-port", dashboard_port)):
+        if not port_free(port):
+            raise UserError(f"{name} {port}: already in use on {HOST}; choose another")
+    ensure_token()
+    home = home_dir()
+    # Short path: Ray's unix sockets live under it (108-byte limit on Linux).
+    temp_dir = Path(f"/tmp/trainlab-ray-{os.getuid()}-{gcs_port}")
+    logs = home / "logs"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    state = ClusterState(
+        gcs_address=f"{HOST}:{gcs_port}",
+        dashboard_url=f"http://{HOST}:{dashboard_port}",
+        temp_dir=str(temp_dir),
+        started_at=time.time(),
+    )
+    head = start_head(
+        local_num_cpus(num_cpus),
+        gcs_port,
+        dashboard_port,
+        temp_dir,
+        logs / f"head-{stamp}.log",
+        timeout_s,
+    )
+    state.nodes.append(head)
+    _write_state(state)
+    try:
+        for i in range(worker_nodes):
+            node = start_worker(
+                state.gcs_address,
+                worker_cpus,
+                logs / f"worker{i}-{stamp}.log",
+                timeout_s,
+                resources={"trainlab_worker_node": 1},
+            )
+            state.nodes.append(node)
+            _write_state(state)
+    except BaseException:
+        cluster_down()
+        raise
+    return state
+
+
+def _pick(preferred: int) -> int:
+    return preferred if port_free(preferred) else free_port()
+
+
+def _write_state(state: ClusterState) -> None:
+    path = state_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(state.to_json(), indent=2))
+    tmp.replace(path)
+
+
+def cluster_down(path: Path | None = None) -> ClusterState | None:
+    """Stop the recorded cluster's process groups (workers first); None if none ran."""
+    path = path or state_path()
+    try:
+        state = ClusterState.from_json(json.loads(path.read_text()))
+    except (FileNotFoundError, ValueError, TypeError, KeyError):
+        return None
+    for node in [*state.workers, state.head]:
+        stop_group(node.pgid)
+    path.unlink(missing_ok=True)
+    return state
+
+
+def kill_raylet(node: NodeProc) -> int:
+    """SIGKILL the raylet of one node (an infrastructure failure, for rehearsals and
+    tests); returns its pid. Looked up inside the node's own process group only."""
+    for pid in group_members(node.pgid):
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            continue
+        if Path(exe).name == "raylet":
+            os.kill(pid, signal.SIGKILL)
+            return pid
+    raise RuntimeError(f"no raylet in process group {node.pgid}")
+
+
+def how_to_submit(state: ClusterState) -> list[str]:
+    """The lines `cluster up` prints: where it is and what to run next."""
+    workers = f" + {len(state.workers)} worker node(s)" if state.workers else ""
+    return [
+        f"Ray cluster up{workers}: head {state.gcs_address}, "
+        f"dashboard and Jobs API {state.dashboard_url} (token auth on)",
+        "  submit:  trainlab submit trainers/recipes/tiny.yaml --follow",
+        f"  or:      RAY_AUTH_MODE=token RAY_API_SERVER_ADDRESS={state.dashboard_url} "
+        "ray job submit --working-dir . --runtime-env cluster/runtime_env.yaml -- "
+        "python trainers/pretrain.py trainers/recipes/tiny.yaml "
+        "--set data.path=$PWD/data/demo/prepared --set train.runs_root=$PWD/runs",
+        "  jobs:    trainlab jobs",
+        "  stop:    trainlab cluster down",
+    ]

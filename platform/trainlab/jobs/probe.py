@@ -1,0 +1,104 @@
+"""Run on the cluster before a submission: can every node see the data and storage?
+
+`python -m trainlab.jobs.probe --data DIR --storage URI` (a short Ray job
+submitted by `trainlab submit`). The driver writes a marker file into the
+storage; a zero-CPU task pinned to each alive node checks that the prepared
+dataset's manifest is readable there and that the marker is visible there, so
+a node-local path that only *looks* shared is caught before training starts.
+Prints one `PROBLEM: ...` line per problem and exits 3 if there is any.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import uuid
+from typing import Any
+
+PROBLEM_PREFIX = "PROBLEM: "
+RESULT_PREFIX = "PROBE-RESULT: "
+EXIT_PROBLEMS = 3
+
+
+def check_node(
+    data_dir: str, storage_uri: str, marker: str, payload: bytes, endpoint_url: str | None
+) -> dict[str, Any]:
+    """What one node sees (runs inside a Ray task on that node)."""
+    import socket
+
+    from trainlab.storage import resolve_storage
+
+    problems = []
+    manifest = os.path.join(data_dir, "manifest.json")
+    if not os.path.isfile(manifest):
+        problems.append(
+            f"prepared data not found: {manifest} does not exist on this node "
+            "(run `trainlab prep` there, or put data.path on a shared filesystem)"
+        )
+    elif not os.access(manifest, os.R_OK):
+        problems.append(f"prepared data not readable: {manifest}")
+    try:
+        storage = resolve_storage(storage_uri, endpoint_url=endpoint_url)
+        with storage.filesystem.open_input_stream(storage.join(marker)) as f:
+            if f.read() != payload:
+                problems.append(f"storage {storage_uri}: marker differs on this node")
+    except (OSError, ValueError) as e:
+        problems.append(
+            f"storage {storage_uri} is not shared with this node: the marker "
+            f"written by the head is not visible here ({str(e).splitlines()[0]})"
+        )
+    return {"host": socket.gethostname(), "problems": problems}
+
+
+def run(data_dir: str, storage_uri: str) -> list[str]:
+    """Probe every alive node; return the problems, each naming its node."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    import ray
+    from trainlab.errors import UserError
+    from trainlab.storage import check_writable, resolve_storage
+
+    storage = resolve_storage(storage_uri)
+    try:
+        check_writable(storage)
+    except UserError as e:
+        return [f"head node: {line}" for line in e.lines]
+    marker = f".trainlab-probe-{uuid.uuid4().hex}"
+    payload = marker.encode()
+    with storage.filesystem.open_output_stream(storage.join(marker)) as f:
+        f.write(payload)
+    try:
+        ray.init(logging_level="WARNING")
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        task = ray.remote(num_cpus=0)(check_node)
+        refs = {
+            n["NodeID"]: task.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+            ).remote(data_dir, storage.uri, marker, payload, storage.endpoint_url)
+            for n in nodes
+        }
+        problems = []
+        for node_id, ref in refs.items():
+            seen = ray.get(ref, timeout=120)
+            problems += [f"node {node_id[:8]} ({seen['host']}): {p}" for p in seen["problems"]]
+        print(RESULT_PREFIX + json.dumps({"nodes": len(nodes), "problems": len(problems)}))
+        return problems
+    finally:
+        storage.filesystem.delete_file(storage.join(marker))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainlab.jobs.probe")
+    ap.add_argument("--data", required=True, help="prepared dataset directory (absolute)")
+    ap.add_argument("--storage", required=True, help="storage path or s3:// URI")
+    args = ap.parse_args(argv)
+    problems = run(args.data, args.storage)
+    for p in problems:
+        print(PROBLEM_PREFIX + p, flush=True)
+    return EXIT_PROBLEMS if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

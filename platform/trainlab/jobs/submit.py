@@ -1,0 +1,324 @@
+"""`trainlab submit`: from a config to a Ray job on a cluster.
+
+validate -> plan (a plan that does not fit is refused) -> stage the working_dir
+(size checked) -> connect -> probe: every node sees the prepared data and the
+storage -> optional smoke rehearsal (`--smoke`, as a job on the same cluster)
+-> submit the training job -> job id; with follow, stream its logs until it
+ends and resubmit it after an infrastructure failure (resource.job_retries).
+
+The job gets the fully resolved config (a YAML file inside the working_dir),
+with data.path and train.runs_root made absolute: the job runs in Ray's copy
+of the working_dir, and its run and MLflow record must land in this
+repository's runs root (or the configured shared storage), not in that copy.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import secrets
+import shlex
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from trainlab.errors import UserError
+from trainlab.jobs import client as jobclient
+from trainlab.jobs import runtime_env as renv
+from trainlab.jobs.retry import (
+    EXIT_INFRASTRUCTURE,
+    INFRASTRUCTURE_JOB_ERRORS,
+    is_infrastructure_job_failure,
+)
+
+TRAIN_SCRIPT = "trainers/pretrain.py"
+SUBMITTED_DIR = ".trainlab/submitted"  # inside the staged working_dir
+PROBE_TIMEOUT_S = 300.0
+
+Say = Callable[[str], None]
+
+
+def repo_root(start: Path | None = None) -> Path:
+    """The repository the submission comes from: the nearest directory above
+    `start` (default: the current one) holding pyproject.toml and trainers/."""
+    here = (start or Path.cwd()).resolve()
+    for d in (here, *here.parents):
+        if (d / "pyproject.toml").is_file() and (d / "trainers").is_dir():
+            return d
+    raise UserError(
+        f"{here}: not inside a trainlab repository (no pyproject.toml with a "
+        "trainers/ folder above it); run trainlab submit from the repository"
+    )
+
+
+def _absolute(path: str, base: Path) -> str:
+    if "://" in path:
+        return path
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+@dataclass
+class Prepared:
+    """A validated, planned config ready to ship; no cluster contacted yet."""
+
+    cfg: Any  # ExperimentConfig with absolute data.path and train.runs_root
+    plan: Any
+    config_yaml: str
+    repo: Path
+    storage_uri: str
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    @property
+    def run_dir(self) -> str:
+        """Where the trainer puts the run: {runs_root}/{date}/{name} (date at submission)."""
+        today = _dt.date.today().isoformat()
+        return str(Path(self.cfg.train.runs_root) / today / self.cfg.name)
+
+
+def prepare(config: str, overrides: tuple[str, ...] | list[str], repo: Path) -> Prepared:
+    """Validate and plan; refuse a plan that does not fit; make paths absolute."""
+    from trainlab.config import load_config, to_yaml
+    from trainlab.plan import plan, require_fit
+    from trainlab.storage import resolve_storage
+
+    cfg = load_config(config, overrides)
+    require_fit(plan(cfg))
+    absolute = [
+        f"data.path={_absolute(cfg.data.path, repo)}",
+        f"train.runs_root={_absolute(cfg.train.runs_root, repo)}",
+    ]
+    if cfg.resource.storage:
+        absolute.append(f"resource.storage={_absolute(cfg.resource.storage, repo)}")
+    cfg = load_config(config, [*overrides, *absolute])
+    storage = resolve_storage(cfg.resource.storage or cfg.train.runs_root)
+    return Prepared(
+        cfg=cfg, plan=plan(cfg), config_yaml=to_yaml(cfg), repo=repo, storage_uri=storage.uri
+    )
+
+
+def stage_working_dir(prep: Prepared, dest: Path) -> str:
+    """Stage the repo (checked against Ray's size limit) plus the resolved config
+    into `dest`; return the config's path relative to the working_dir."""
+    patterns = renv.exclude_patterns(prep.repo, [prep.cfg.data.path, prep.cfg.train.runs_root])
+    pkg = renv.collect(prep.repo, patterns)
+    renv.check_size(pkg)
+    renv.stage(pkg, dest)
+    rel = f"{SUBMITTED_DIR}/{prep.name}.yaml"
+    (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+    (dest / rel).write_text(prep.config_yaml, encoding="utf-8")
+    return rel
+
+
+def train_entrypoint(config_rel: str, *, smoke: bool = False, retries: int = 0) -> str:
+    cmd = ["python", TRAIN_SCRIPT, config_rel, *(["--smoke"] if smoke else [])]
+    if retries:
+        cmd = ["python", "-m", "trainlab.jobs.retry", f"--retries={retries}", "--", *cmd]
+    return shlex.join(cmd)
+
+
+def _job_id(name: str, kind: str) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    suffix = "" if kind == "train" else f"-{kind}"
+    return f"trainlab-{name}{suffix}-{stamp}-{secrets.token_hex(2)}"
+
+
+@dataclass
+class Submission:
+    job_id: str
+    address: str
+    run_dir: str
+    status: str | None = None
+    exit_code: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "job_id": self.job_id,
+            "address": self.address,
+            "run_dir": self.run_dir,
+        }
+        if self.status is not None:
+            d["status"] = self.status
+        return d
+
+
+class Submitter:
+    """One submission to one cluster; keeps the staged working_dir for resubmits."""
+
+    def __init__(
+        self,
+        prep: Prepared,
+        client: Any,
+        address: str,
+        runtime_env: dict[str, Any],
+        config_rel: str,
+        say: Say,
+    ):
+        self.prep, self.client, self.address = prep, client, address
+        self.runtime_env, self.config_rel, self.say = runtime_env, config_rel, say
+
+    def _submit(self, entrypoint: str, kind: str) -> str:
+        metadata = {
+            "trainlab_name": self.prep.name,
+            "trainlab_kind": kind,
+            "trainlab_run_dir": self.prep.run_dir,
+        }
+        try:
+            return self.client.submit_job(
+                entrypoint=entrypoint,
+                submission_id=_job_id(self.prep.name, kind),
+                runtime_env=self.runtime_env,
+                metadata=metadata,
+                **renv.entrypoint_options(),
+            )
+        except RuntimeError as e:  # the job server refused it (bad runtime env, ...)
+            raise UserError(
+                f"the cluster at {self.address} refused the {kind} job: "
+                f"{str(e).strip().splitlines()[0]}"
+            ) from None
+
+    def probe(self) -> None:
+        """Every node reaches the prepared data and the storage, or UserError."""
+        from trainlab.jobs.probe import PROBLEM_PREFIX
+
+        cmd = [
+            "python",
+            "-m",
+            "trainlab.jobs.probe",
+            "--data",
+            self.prep.cfg.data.path,
+            "--storage",
+            self.prep.storage_uri,
+        ]
+        job_id = self._submit(shlex.join(cmd), "probe")
+        info = jobclient.wait_for(self.client, job_id, timeout_s=PROBE_TIMEOUT_S)
+        if _status(info) == "SUCCEEDED":
+            return
+        logs = self.client.get_job_logs(job_id)
+        problems = [
+            ln.split(PROBLEM_PREFIX, 1)[1] for ln in logs.splitlines() if PROBLEM_PREFIX in ln
+        ]
+        if problems:
+            raise UserError([f"cluster {self.address}: {p}" for p in problems])
+        raise UserError(
+            f"cluster {self.address}: the reachability check (job {job_id}) "
+            f"failed: {_last_error(info, logs)}"
+        )
+
+    def smoke(self) -> None:
+        """The config's rehearsal (`--smoke`) as a job on this cluster, or UserError."""
+        entry = train_entrypoint(self.config_rel, smoke=True)
+        job_id = self._submit(entry, "smoke")
+        self.say(f"smoke rehearsal: job {job_id} ...")
+        start = time.monotonic()
+        info = jobclient.wait_for(self.client, job_id)
+        if _status(info) != "SUCCEEDED":
+            logs = self.client.get_job_logs(job_id)
+            raise UserError(
+                f"smoke rehearsal failed (job {job_id}, {_status(info)}): "
+                f"{_last_error(info, logs)}; the real job was not submitted"
+            )
+        self.say(f"smoke rehearsal passed in {time.monotonic() - start:.0f} s")
+
+    def train(self, retries: int) -> str:
+        return self._submit(train_entrypoint(self.config_rel, retries=retries), "train")
+
+    def follow(self, job_id: str, retries: int, write: Say) -> tuple[str, Any]:
+        """Stream the job's logs until it ends; resubmit it when Ray lost its supervisor
+        (the in-job retry cannot see that). Returns the last job id and its info."""
+        resubmits = 0
+        while True:
+            info = jobclient.follow(self.client, job_id, write)
+            failed_infra = (
+                _status(info) == "FAILED" and _error_type(info) in INFRASTRUCTURE_JOB_ERRORS
+            )
+            if not failed_infra or resubmits >= retries:
+                return job_id, info
+            resubmits += 1
+            self.say(
+                f"job {job_id} failed for infrastructure reasons ({info.message}); "
+                f"resubmitting ({resubmits}/{retries}), resuming from its checkpoints"
+            )
+            job_id = self.train(retries - resubmits)
+            self.say(f"resubmitted as job {job_id}")
+
+
+def _status(info: Any) -> str:
+    return str(getattr(info.status, "value", info.status))
+
+
+def _error_type(info: Any) -> str | None:
+    et = getattr(info, "error_type", None)
+    return str(getattr(et, "value", et)) if et else None
+
+
+def _last_error(info: Any, logs: str) -> str:
+    lines = [ln.strip() for ln in logs.splitlines() if ln.strip()]
+    tail = next((ln for ln in reversed(lines) if ln.startswith("error:")), None)
+    tail = tail or (lines[-1] if lines else "")
+    message = (info.message or "").strip().splitlines()
+    return "; ".join(x for x in (message[0] if message else "", tail) if x)[:500]
+
+
+def exit_code_of(info: Any) -> int:
+    """The process exit code for a followed job: 0 when it SUCCEEDED, the driver's
+    own exit code when it had one, else 1."""
+    status = _status(info)
+    if status == "SUCCEEDED":
+        return 0
+    code = info.driver_exit_code
+    if status == "FAILED" and isinstance(code, int) and 0 < code < 256:
+        return code
+    return EXIT_INFRASTRUCTURE if is_infrastructure_job_failure(_error_type(info), code) else 1
+
+
+def submit(
+    config: str,
+    overrides: tuple[str, ...] | list[str] = (),
+    *,
+    address: str | None = None,
+    smoke_first: bool = False,
+    follow: bool = False,
+    ship_library: bool = True,
+    say: Say = print,
+    write_logs: Say = print,
+) -> Submission:
+    """The whole flow; returns the submission (with status when followed)."""
+    repo = repo_root()
+    prep = prepare(config, overrides, repo)
+    say(
+        f"config ok: {prep.name} ({prep.plan.num_params:,} parameters, "
+        f"{prep.plan.strategy} x{prep.plan.world_size}, fits)"
+    )
+    url = jobclient.resolve_address(address)
+    with tempfile.TemporaryDirectory(prefix="trainlab-submit-") as tmp:
+        wd = Path(tmp) / "working_dir"
+        config_rel = stage_working_dir(prep, wd)
+        env = renv.forwarded_env()
+        runtime_env = renv.build_runtime_env(wd, ship_library=ship_library, env_vars=env)
+        client = jobclient.connect(url)
+        sub = Submitter(prep, client, url, runtime_env, config_rel, say)
+        say(
+            f"checking that every node of {url} reaches {prep.cfg.data.path} "
+            f"and {prep.storage_uri} ..."
+        )
+        sub.probe()
+        if smoke_first:
+            sub.smoke()
+        retries = prep.cfg.resource.job_retries
+        job_id = sub.train(retries)
+        result = Submission(job_id=job_id, address=url, run_dir=prep.run_dir)
+        say(f"submitted job {job_id} to {url}; run directory {prep.run_dir}")
+        if not follow:
+            say(f"follow it: trainlab jobs --address {url}  |  stop it: trainlab stop {job_id}")
+            return result
+        job_id, info = sub.follow(job_id, retries, write_logs)
+        result.job_id, result.status = job_id, _status(info)
+        result.exit_code = exit_code_of(info)
+        say(f"job {job_id} {result.status}")
+        return result
