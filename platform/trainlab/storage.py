@@ -66,8 +66,12 @@ class Storage:
         return {"storage_path": self.path, "storage_filesystem": self.filesystem}
 
 
-def resolve_storage(location: str | os.PathLike[str], *, base_dir: str | Path | None = None,
-                    endpoint_url: str | None = None) -> Storage:
+def resolve_storage(
+    location: str | os.PathLike[str],
+    *,
+    base_dir: str | Path | None = None,
+    endpoint_url: str | None = None,
+) -> Storage:
     """Resolve a path or `s3://bucket/prefix` URI (no network access).
 
     A relative path is taken relative to `base_dir` (default: the current
@@ -82,8 +86,10 @@ def resolve_storage(location: str | os.PathLike[str], *, base_dir: str | Path | 
         return _local(text.removeprefix("file://"), base_dir)
     if scheme in ("s3", "s3a"):
         return _s3(text, endpoint_url)
-    raise UserError(f"storage {text!r}: unsupported scheme {scheme!r}; use a filesystem "
-                    "path (shared by every node for multi-node runs) or s3://bucket/prefix")
+    raise UserError(
+        f"storage {text!r}: unsupported scheme {scheme!r}; use a filesystem "
+        "path (shared by every node for multi-node runs) or s3://bucket/prefix"
+    )
 
 
 def _local(path: str, base_dir: str | Path | None) -> Storage:
@@ -114,8 +120,10 @@ def _s3(uri: str, endpoint_url: str | None) -> Storage:
     if not bucket:
         raise UserError(f"storage {uri!r}: no bucket; expected s3://bucket/prefix")
     if parts.query:
-        raise UserError(f"storage {uri!r}: options do not go in the URI; set the endpoint "
-                        "with AWS_ENDPOINT_URL and credentials with AWS_* variables")
+        raise UserError(
+            f"storage {uri!r}: options do not go in the URI; set the endpoint "
+            "with AWS_ENDPOINT_URL and credentials with AWS_* variables"
+        )
     endpoint = s3_endpoint(endpoint_url)
     region = next((os.environ[v] for v in REGION_ENV_VARS if os.environ.get(v)), None)
     kwargs: dict[str, Any] = {"region": region or DEFAULT_REGION}
@@ -125,8 +133,13 @@ def _s3(uri: str, endpoint_url: str | None) -> Storage:
             raise UserError(f"S3 endpoint {endpoint!r}: expected http(s)://host:port")
         kwargs.update(endpoint_override=ep.netloc, scheme=ep.scheme)
     path = f"{bucket}/{prefix}" if prefix else bucket
-    return Storage(kind="s3", uri=f"s3://{path}", path=path,
-                   filesystem=fs.S3FileSystem(**kwargs), endpoint_url=endpoint)
+    return Storage(
+        kind="s3",
+        uri=f"s3://{path}",
+        path=path,
+        filesystem=fs.S3FileSystem(**kwargs),
+        endpoint_url=endpoint,
+    )
 
 
 def check_writable(storage: Storage) -> None:

@@ -119,17 +119,20 @@ def test_driver_reserves_nothing_and_stays_on_the_head():
 def test_entrypoints():
     assert train_entrypoint("c.yaml") == "python trainers/pretrain.py c.yaml"
     assert train_entrypoint("c.yaml", smoke=True) == "python trainers/pretrain.py c.yaml --smoke"
-    assert train_entrypoint("c.yaml", retries=2) == (
-        "python -m trainlab.jobs.retry --retries=2 -- python trainers/pretrain.py c.yaml"
+    assert train_entrypoint("c.yaml", run_dir="/r/a b", retries=2) == (
+        "python -m trainlab.jobs.retry --retries=2 -- "
+        "python trainers/pretrain.py c.yaml --run-dir '/r/a b'"
     )
 
 
 def test_prepare_makes_paths_absolute_and_stages_the_resolved_config(repo, tmp_path):
-    prep = prepare(str(repo / "trainers/recipes/tiny.yaml"), ["train.total_steps=30"], repo)
+    recipe = str(repo / "trainers/recipes/tiny.yaml")
+    prep = prepare(recipe, ["train.total_steps=30"], repo)
     assert prep.cfg.data.path == str(repo / "data/demo/prepared")
     assert prep.cfg.train.runs_root == str(repo / "runs")
     assert prep.storage_uri == str(repo / "runs")
-    assert prep.run_dir.startswith(str(repo / "runs") + "/") and prep.run_dir.endswith("/tiny")
+    prep = prepare(recipe, ["train.total_steps=30", f"train.runs_root={tmp_path}/runs"], repo)
+    assert prep.run_dir.startswith(f"{tmp_path}/runs/") and prep.run_dir.endswith("/tiny")
     rel = stage_working_dir(prep, tmp_path / "wd")
     from trainlab.config import load_config
 

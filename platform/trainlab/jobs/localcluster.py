@@ -308,28 +308,35 @@ def cluster_up(
     state.nodes.append(head)
     _write_state(state)
     try:
-        for i in range(worker_nodes):
-            node = start_worker(
-                state.gcs_address,
-                worker_cpus,
-                logs / f"worker{i}-{stamp}.log",
-                timeout_s,
-                resources={"trainlab_worker_node": 1},
-            )
-            state.nodes.append(node)
-            _write_state(state)
+        for _ in range(worker_nodes):
+            add_worker_node(state, worker_cpus, timeout_s)
     except BaseException:
         cluster_down()
         raise
     return state
 
 
+def add_worker_node(
+    state: ClusterState, num_cpus: int = 2, timeout_s: float = 120.0, path: Path | None = None
+) -> NodeProc:
+    """Start one more raylet joining `state`'s head (a replacement node after a
+    failure, or more capacity) and record it."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    log = home_dir() / "logs" / f"worker{len(state.nodes)}-{stamp}.log"
+    node = start_worker(
+        state.gcs_address, num_cpus, log, timeout_s, resources={"trainlab_worker_node": 1}
+    )
+    state.nodes.append(node)
+    _write_state(state, path)
+    return node
+
+
 def _pick(preferred: int) -> int:
     return preferred if port_free(preferred) else free_port()
 
 
-def _write_state(state: ClusterState) -> None:
-    path = state_path()
+def _write_state(state: ClusterState, path: Path | None = None) -> None:
+    path = path or state_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(state.to_json(), indent=2))

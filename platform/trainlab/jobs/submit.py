@@ -14,7 +14,7 @@ repository's runs root (or the configured shared storage), not in that copy.
 
 from __future__ import annotations
 
-import datetime as _dt
+import functools
 import secrets
 import shlex
 import tempfile
@@ -74,11 +74,13 @@ class Prepared:
     def name(self) -> str:
         return self.cfg.name
 
-    @property
+    @functools.cached_property
     def run_dir(self) -> str:
-        """Where the trainer puts the run: {runs_root}/{date}/{name} (date at submission)."""
-        today = _dt.date.today().isoformat()
-        return str(Path(self.cfg.train.runs_root) / today / self.cfg.name)
+        """The run's directory, fixed at submission: {runs_root}/{date}/{name}[-N]. The
+        job gets it as --run-dir, so a retried or resubmitted job continues this run."""
+        from trainlab.train.rundir import new_run_dir
+
+        return str(new_run_dir(self.cfg))
 
 
 def prepare(config: str, overrides: tuple[str, ...] | list[str], repo: Path) -> Prepared:
@@ -115,8 +117,12 @@ def stage_working_dir(prep: Prepared, dest: Path) -> str:
     return rel
 
 
-def train_entrypoint(config_rel: str, *, smoke: bool = False, retries: int = 0) -> str:
-    cmd = ["python", TRAIN_SCRIPT, config_rel, *(["--smoke"] if smoke else [])]
+def train_entrypoint(
+    config_rel: str, *, run_dir: str | None = None, smoke: bool = False, retries: int = 0
+) -> str:
+    cmd = ["python", TRAIN_SCRIPT, config_rel]
+    cmd += ["--smoke"] if smoke else []
+    cmd += ["--run-dir", run_dir] if run_dir else []
     if retries:
         cmd = ["python", "-m", "trainlab.jobs.retry", f"--retries={retries}", "--", *cmd]
     return shlex.join(cmd)
@@ -226,7 +232,8 @@ class Submitter:
         self.say(f"smoke rehearsal passed in {time.monotonic() - start:.0f} s")
 
     def train(self, retries: int) -> str:
-        return self._submit(train_entrypoint(self.config_rel, retries=retries), "train")
+        entry = train_entrypoint(self.config_rel, run_dir=self.prep.run_dir, retries=retries)
+        return self._submit(entry, "train")
 
     def follow(self, job_id: str, retries: int, write: Say) -> tuple[str, Any]:
         """Stream the job's logs until it ends; resubmit it when Ray lost its supervisor
