@@ -64,7 +64,8 @@ class CleaningOverride(_Strict):
 class TokenizerTraining(_Strict):
     """Train a byte-level BPE on the cleaned sources themselves."""
 
-    vocab_size: int = Field(..., ge=300, le=4_294_967_295)
+    # At least the 256 byte symbols plus the EOS token and a few merges.
+    vocab_size: int = Field(..., ge=260, le=4_294_967_295)
     # Cleaned text the trainer sees, sampled by content hash across all sources
     # in proportion to their size (the whole corpus when it is smaller).
     sample_mb: float = Field(64.0, gt=0, le=100_000)
@@ -185,10 +186,9 @@ def choose_tokenizer(sources_path: Path, spec: SourcesFile, tokenizer: str | Non
     if tokenizer:
         return "file", Path(tokenizer)
     if vocab_size:
-        base = spec.train_tokenizer or TokenizerTraining(vocab_size=vocab_size)
+        base = spec.train_tokenizer.model_dump() if spec.train_tokenizer else {}
         try:
-            merged = base.model_dump() | {"vocab_size": vocab_size}
-            return "train", TokenizerTraining.model_validate(merged)
+            return "train", TokenizerTraining.model_validate(base | {"vocab_size": vocab_size})
         except ValidationError as e:
             raise UserError(f"--vocab-size {vocab_size}: {_first_message(e)}") from None
     if spec.tokenizer:
