@@ -1,1 +1,31 @@
-"""trainlab.track."""
+"""Experiment records: the MLflow run of every training run, and reading runs back.
+
+The training loop calls `default_callbacks(cfg)` and drives the result on
+rank 0 only. Importing this package does not import mlflow; the store is
+`tracking_uri(runs_root)` (the embedded SQLite store in the runs root unless
+MLFLOW_TRACKING_URI is set).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trainlab.track.gitinfo import git_env, git_info
+from trainlab.track.store import artifact_location, tracking_uri
+
+__all__ = ["artifact_location", "default_callbacks", "git_env", "git_info", "tracking_uri"]
+
+
+def default_callbacks(cfg: Any, runs_root: str | None = None) -> list[Any]:
+    """The callbacks every training run gets: the MLflow record, then monitoring
+    (which writes its signals and alert tags through the MLflow callback).
+
+    `runs_root` pins the store's location; by default it is derived from the run
+    directory ({runs_root}/{date}/{name}), which is right wherever rank 0 runs.
+    Nothing connects to MLflow before `on_run_start`, so the list pickles.
+    """
+    from trainlab.monitor import MonitorCallback
+    from trainlab.track.mlflow_cb import MlflowCallback
+
+    tracker = MlflowCallback(cfg, runs_root=runs_root)
+    return [tracker, MonitorCallback(cfg, tracker=tracker)]

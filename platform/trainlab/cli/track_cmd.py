@@ -1,0 +1,205 @@
+"""`trainlab compare | runs | ui`: reading the experiment records back.
+
+All three read the store `trainlab.track.tracking_uri(--runs-root)`: the
+embedded SQLite store in the runs root, or MLFLOW_TRACKING_URI when set.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from trainlab.cli.common import echo_json, json_option
+from trainlab.errors import UserError
+
+F = Callable[..., Any]
+
+
+def _runs_root_option(fn: F) -> F:
+    return click.option("--runs-root", default="runs", show_default=True,
+                        type=click.Path(file_okay=False),
+                        help="Runs root whose store to read (ignored when "
+                             "MLFLOW_TRACKING_URI is set).")(fn)
+
+
+def _experiment_option(fn: F) -> F:
+    return click.option("--experiment", "-e", default=None, metavar="E",
+                        help="Only runs of this MLflow experiment.")(fn)
+
+
+def _since_option(fn: F) -> F:
+    return click.option("--since", default=None, metavar="DATE",
+                        help="Only runs started on or after DATE (2026-05-01 or "
+                             "2026-05-01T14:30, local time).")(fn)
+
+
+# --------------------------------------------------------------------------- compare
+
+
+@click.command()
+@click.argument("names", nargs=-1, metavar="[NAME ...]")
+@_experiment_option
+@_since_option
+@json_option
+@click.option("--csv", "as_csv", is_flag=True, help="Print CSV on stdout.")
+@_runs_root_option
+def compare(names: tuple[str, ...], experiment: str | None, since: str | None, as_json: bool,
+            as_csv: bool, runs_root: str) -> int:
+    """Compare runs side by side: one row per run (newest first), the config keys
+    that differ between them highlighted. NAME is a run name or run id; none
+    means every run (within --experiment / --since)."""
+    from trainlab.track import tracking_uri
+    from trainlab.track.query import compare_runs, parse_since
+
+    if as_json and as_csv:
+        raise UserError("--json and --csv: choose one output format")
+    uri = tracking_uri(runs_root)
+    rows = compare_runs(uri, names, experiment, parse_since(since))
+    if as_json:
+        echo_json(rows)
+    elif as_csv:
+        _write_csv(rows)
+    elif not rows:
+        click.echo(f"no runs recorded in {uri}")
+    else:
+        _print_compare(rows, uri)
+    return 0
+
+
+CSV_HEAD = ("name", "run_id", "experiment", "status", "started", "final_step", "final_loss",
+            "val_loss", "tokens_per_second", "peak_memory_gb", "wall_time_s", "config_hash",
+            "dataset_fingerprint", "git_commit")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _write_csv(rows: list[dict[str, Any]]) -> None:
+    """Headline columns, then mix.<source>, then every flattened param as param.<key>."""
+    sources = sorted({s for r in rows for s in r["mix"]})
+    keys = sorted({k for r in rows for k in r["params"]})
+    writer = csv.writer(sys.stdout, lineterminator="\n")
+    writer.writerow([*CSV_HEAD, *(f"mix.{s}" for s in sources), *(f"param.{k}" for k in keys)])
+    for r in rows:
+        writer.writerow([*(_cell(r[c]) for c in CSV_HEAD),
+                         *(_cell(r["mix"].get(s)) for s in sources),
+                         *(_cell(r["params"].get(k)) for k in keys)])
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _mix(mix: dict[str, Any]) -> str:
+    return " ".join(f"{k}={v:g}" if isinstance(v, int | float) else f"{k}={v}"
+                    for k, v in sorted(mix.items())) or "(manifest)"
+
+
+def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
+    from rich.table import Table
+
+    differing = list(rows[0]["differing"])
+    table = Table(title=f"{len(rows)} run(s) in {uri}", title_justify="left")
+    for column, justify in (("name", "left"), ("run", "left"), ("status", "left"),
+                            ("final loss", "right"), ("best val", "right"),
+                            ("tok/s", "right"), ("peak GB", "right"), ("wall s", "right"),
+                            ("mix", "left")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    for key in differing:
+        table.add_column(key, style="bold yellow", header_style="bold yellow")
+    for r in rows:
+        table.add_row(r["name"], r["run_id"][:8], r["status"], _num(r["final_loss"], ".4f"),
+                      _num(r["val_loss"], ".4f"), _num(r["tokens_per_second"], ",.0f"),
+                      _num(r["peak_memory_gb"], ".2f"), _num(r["wall_time_s"], ".0f"),
+                      _mix(r["mix"]), *(_cell(r["differing"][k]) for k in differing))
+    console = _console()
+    console.print(table)
+    if len(rows) > 1:
+        note = ", ".join(differing) if differing else "none: same config"
+        console.print(f"differing config keys (highlighted): {note}", highlight=False)
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@click.command()
+@_experiment_option
+@_since_option
+@click.option("--limit", "-n", default=20, show_default=True, type=click.IntRange(min=1),
+              help="Show at most this many runs.")
+@json_option
+@_runs_root_option
+def runs(experiment: str | None, since: str | None, limit: int, as_json: bool,
+         runs_root: str) -> int:
+    """List recent runs, newest first: name, status, started, duration."""
+    from trainlab.track import tracking_uri
+    from trainlab.track.query import list_runs, parse_since
+
+    uri = tracking_uri(runs_root)
+    rows = list_runs(uri, experiment, parse_since(since), limit)
+    if as_json:
+        echo_json(rows)
+        return 0
+    if not rows:
+        click.echo(f"no runs recorded in {uri}")
+        return 0
+    from rich.table import Table
+
+    table = Table(title=f"recent runs in {uri}", title_justify="left")
+    for column in ("name", "run_id", "experiment", "status", "started", "duration"):
+        table.add_column(column, justify="right" if column == "duration" else "left")
+    for r in rows:
+        table.add_row(r["name"], r["run_id"], r["experiment"], r["status"], r["started"] or "-",
+                      _duration(r["duration_s"]))
+    _console().print(table)
+    return 0
+
+
+def _console() -> Any:
+    """Rich console; wide when piped, so tables are not squeezed into 80 columns."""
+    from rich.console import Console
+
+    console = Console()
+    return console if console.is_terminal else Console(width=max(console.width, 200))
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+# --------------------------------------------------------------------------- ui
+
+
+@click.command()
+@click.option("--port", default=5000, show_default=True, type=click.IntRange(1, 65535))
+@_runs_root_option
+def ui(port: int, runs_root: str) -> int:
+    """Start the MLflow UI on 127.0.0.1 against the runs store (Ctrl-C stops it)."""
+    from trainlab.track.store import ENV_TRACKING_URI, artifact_location, tracking_uri
+
+    uri = tracking_uri(runs_root)
+    if uri.startswith(("http://", "https://")):
+        click.echo(f"{ENV_TRACKING_URI} points at a tracking server: open {uri} in a browser")
+        return 0
+    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
+               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    root = artifact_location(runs_root)
+    if root:
+        command += ["--default-artifact-root", root]
+    click.echo(f"MLflow UI for {uri} at http://127.0.0.1:{port} (Ctrl-C stops it)", err=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Become the server: Ctrl-C and signals then reach it (and its workers) directly.
+    os.execv(sys.executable, command)
+    return 0  # not reached

@@ -1,0 +1,249 @@
+"""Alert rules over the metric stream, each with severity, window, cool-down and hysteresis.
+
+Every rule reduces an observation to "bad or not" (or "no opinion yet"); the
+shared `Rule.observe` turns that into at most one alert per episode:
+
+- window: the condition must have held for `window` steps before the rule fires
+  (measured in training steps, so it does not depend on `train.log_interval`);
+- hysteresis: after firing, the rule stays latched until the condition has been
+  false for `window` steps again, so a condition that flickers fires once;
+- cool-down: no second firing within `cooldown` steps of the last one.
+
+Statistics (stated, so a reader can judge them):
+- non_finite: loss or grad norm is NaN or infinite.
+- loss_rising: the moving average of the loss over the last `smoothing` steps is
+  higher than at the previous observation, at every observation for `window` steps.
+- grad_spike: grad norm > `factor` x the mean grad norm of the previous `window`
+  steps (spikes themselves are left out of the mean); fires on sight.
+- throughput_drop: tokens/s < `fraction` x the median tokens/s of the last
+  THROUGHPUT_HISTORY healthy observations, for `window` steps.
+- stale_checkpoint: the newest valid checkpoint (or the run start, before the
+  first one) is older than `minutes`.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Observations a statistic needs before it judges anything.
+MIN_HISTORY = 3
+THROUGHPUT_HISTORY = 50
+
+
+@dataclass(frozen=True)
+class Alert:
+    rule: str
+    severity: str
+    step: int
+    value: float
+    message: str
+    run: str = ""
+    run_id: str | None = None
+    time: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-safe dict; a non-finite value is given as the string "nan", "inf" or "-inf"."""
+        d = asdict(self)
+        if not math.isfinite(self.value):
+            d["value"] = str(self.value)
+        return d
+
+
+@dataclass
+class Verdict:
+    """One rule's view of one observation."""
+
+    bad: bool
+    value: float
+    message: str = ""
+
+
+@dataclass
+class Rule:
+    """Latching, cool-down and windowing shared by all rules; subclasses judge."""
+
+    name: str
+    severity: str
+    window: int
+    cooldown: int
+    enabled: bool = True
+    _prev_step: int | None = field(default=None, repr=False)
+    _bad_since: int | None = field(default=None, repr=False)
+    _good_since: int | None = field(default=None, repr=False)
+    _latched: bool = field(default=False, repr=False)
+    _last_fired: int | None = field(default=None, repr=False)
+
+    def judge(self, step: int, metrics: dict[str, float], now: float) -> Verdict | None:
+        """Bad or not at this observation; None when there is nothing to judge yet."""
+        raise NotImplementedError
+
+    @property
+    def hold_steps(self) -> int:
+        """Steps the condition must hold to fire, and be absent to re-arm."""
+        return self.window
+
+    def observe(self, step: int, metrics: dict[str, float], now: float) -> Alert | None:
+        if not self.enabled:
+            return None
+        verdict = self.judge(step, metrics, now)
+        # A condition seen now has held since just after the previous observation.
+        since = step if self._prev_step is None else self._prev_step + 1
+        self._prev_step = step
+        if verdict is None:
+            return None
+        if verdict.bad:
+            self._good_since = None
+            self._bad_since = since if self._bad_since is None else self._bad_since
+            return self._maybe_fire(step, verdict, now)
+        self._bad_since = None
+        self._good_since = since if self._good_since is None else self._good_since
+        if self._latched and step - self._good_since + 1 >= self.hold_steps:
+            self._latched = False
+        return None
+
+    def _maybe_fire(self, step: int, verdict: Verdict, now: float) -> Alert | None:
+        held = step - self._bad_since + 1
+        cooling = self._last_fired is not None and step - self._last_fired < self.cooldown
+        if self._latched or held < self.hold_steps or cooling:
+            return None
+        self._latched = True
+        self._last_fired = step
+        return Alert(self.name, self.severity, step, verdict.value, verdict.message, time=now)
+
+
+def _finite(metrics: dict[str, float], key: str) -> float | None:
+    value = metrics.get(key)
+    if value is None or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+@dataclass
+class NonFinite(Rule):
+    keys: tuple[str, ...] = ("loss", "grad_norm")
+
+    def judge(self, step: int, metrics: dict[str, float], now: float) -> Verdict | None:
+        seen = [(k, metrics[k]) for k in self.keys if metrics.get(k) is not None]
+        if not seen:
+            return None
+        for key, value in seen:
+            if not math.isfinite(value):
+                return Verdict(True, float(value), f"{key} is {value} at step {step}")
+        return Verdict(False, float(seen[0][1]))
+
+
+@dataclass
+class LossRising(Rule):
+    smoothing: int = 20
+    _recent: deque = field(default_factory=deque, repr=False)
+    _prev_avg: float | None = field(default=None, repr=False)
+
+    def judge(self, step: int, metrics: dict[str, float], now: float) -> Verdict | None:
+        loss = _finite(metrics, "loss")
+        if loss is None:
+            return None
+        self._recent.append((step, loss))
+        while self._recent[0][0] <= step - self.smoothing:
+            self._recent.popleft()
+        avg = sum(v for _, v in self._recent) / len(self._recent)
+        prev, self._prev_avg = self._prev_avg, avg
+        if prev is None:
+            return None
+        return Verdict(avg > prev, avg,
+                       f"loss moving average ({self.smoothing} steps) has risen for "
+                       f"{self.window}+ steps, now {avg:.4g}")
+
+
+@dataclass
+class GradSpike(Rule):
+    factor: float = 10.0
+    _history: deque = field(default_factory=deque, repr=False)
+
+    def judge(self, step: int, metrics: dict[str, float], now: float) -> Verdict | None:
+        norm = _finite(metrics, "grad_norm")
+        if norm is None:
+            return None
+        while self._history and self._history[0][0] <= step - self.window:
+            self._history.popleft()
+        if len(self._history) < MIN_HISTORY:
+            self._history.append((step, norm))
+            return None
+        mean = sum(v for _, v in self._history) / len(self._history)
+        spike = norm > self.factor * mean
+        if not spike:  # a spike must not raise the bar for the next one
+            self._history.append((step, norm))
+        return Verdict(spike, norm, f"grad norm {norm:.4g} > {self.factor:g} x its running "
+                                    f"mean {mean:.4g} (step {step})")
+
+    @property
+    def hold_steps(self) -> int:
+        # A spike is an event, not a state: it fires on sight (window is the mean's span).
+        return 1
+
+
+@dataclass
+class ThroughputDrop(Rule):
+    fraction: float = 0.5
+    _healthy: deque = field(default_factory=lambda: deque(maxlen=THROUGHPUT_HISTORY), repr=False)
+
+    def judge(self, step: int, metrics: dict[str, float], now: float) -> Verdict | None:
+        tps = _finite(metrics, "tokens_per_s")
+        if tps is None:
+            return None
+        if len(self._healthy) < MIN_HISTORY:
+            self._healthy.append(tps)
+            return None
+        median = statistics.median(self._healthy)
+        drop = tps < self.fraction * median
+        if not drop:
+            self._healthy.append(tps)
+        return Verdict(drop, tps, f"tokens/s {tps:.4g} below {self.fraction:g} x its running "
+                                  f"median {median:.4g} for {self.window}+ steps")
+
+
+@dataclass
+class StaleCheckpoint(Rule):
+    minutes: float = 30.0
+    _last_valid: float | None = field(default=None, repr=False)
+
+    def start(self, now: float) -> None:
+        """The run (re)started: ages count from here until the first valid checkpoint."""
+        self._last_valid = now
+
+    def checkpoint_saved(self, now: float) -> None:
+        self._last_valid = now
+
+    def age_s(self, now: float) -> float | None:
+        """Seconds since the newest valid checkpoint (or the start), by this rule's clock."""
+        return None if self._last_valid is None else now - self._last_valid
+
+    def judge(self, step: int, metrics: dict[str, float], now: float) -> Verdict | None:
+        age = _finite(metrics, "ckpt_age_s")
+        if age is None:
+            age = self.age_s(now)
+        if age is None:
+            return None
+        return Verdict(age > self.minutes * 60, age,
+                       f"no valid checkpoint for {age / 60:.1f} min "
+                       f"(limit {self.minutes:g} min)")
+
+
+def build_rules(alerts: Any) -> list[Rule]:
+    """The rules from `tracking.alerts` (an AlertsConfig), in a fixed order."""
+
+    def common(name: str) -> dict[str, Any]:
+        c = getattr(alerts, name)
+        return {"name": name, "severity": c.severity, "window": c.window,
+                "cooldown": c.cooldown, "enabled": c.enabled}
+
+    return [
+        NonFinite(**common("non_finite")),
+        LossRising(**common("loss_rising"), smoothing=alerts.loss_rising.smoothing),
+        GradSpike(**common("grad_spike"), factor=alerts.grad_spike.factor),
+        ThroughputDrop(**common("throughput_drop"), fraction=alerts.throughput_drop.fraction),
+        StaleCheckpoint(**common("stale_checkpoint"), minutes=alerts.stale_checkpoint.minutes),
+    ]

@@ -1,0 +1,121 @@
+"""Where alerts go: the run log, the MLflow run, and a webhook.
+
+A sink never raises into training: a failed delivery is logged and dropped.
+The webhook posts from a background thread, so a slow or dead endpoint never
+stalls a training step; `close()` waits (bounded) for posts still queued.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainlab.errors import UserError
+from trainlab.monitor.rules import Alert
+
+log = logging.getLogger("trainlab.alerts")
+
+WEBHOOK_TIMEOUT_S = 5.0
+WEBHOOK_ATTEMPTS = 3
+CLOSE_TIMEOUT_S = 15.0
+
+
+class Sink(Protocol):
+    def send(self, alert: Alert) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RunLogSink:
+    """The run's log (logger `trainlab.alerts`) and its alert log, one JSON object per line."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def send(self, alert: Alert) -> None:
+        level = logging.ERROR if alert.severity == "P0" else logging.WARNING
+        log.log(level, "ALERT %s %s at step %d: %s", alert.severity, alert.rule, alert.step,
+                alert.message)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(alert.to_json(), sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        pass
+
+
+class MlflowSink:
+    """Tags on the MLflow run (`alert.<rule>`, `alerts_fired`) and the alert log as artifact."""
+
+    def __init__(self, tracker: Any, alert_log: str | Path):
+        self.tracker = tracker
+        self.alert_log = Path(alert_log)
+        self.fired = 0
+
+    def send(self, alert: Alert) -> None:
+        self.fired += 1
+        self.tracker.set_tags({
+            f"alert.{alert.rule}": f"{alert.severity} at step {alert.step}: {alert.message}",
+            "alerts_fired": str(self.fired),
+        })
+        if self.alert_log.is_file():
+            self.tracker.log_artifact(str(self.alert_log))
+
+    def close(self) -> None:
+        pass
+
+
+def check_webhook_url(url: str, env_name: str) -> str:
+    if not url.startswith(("http://", "https://")):
+        # Say where the value came from, never the value: it may hold a secret.
+        raise UserError(f"${env_name}: the alert webhook URL must start with http:// or "
+                        "https://")
+    return url
+
+
+class WebhookSink:
+    """HTTP POST of `{run, rule, severity, step, value, message, ...}` as JSON."""
+
+    def __init__(self, url: str, timeout: float = WEBHOOK_TIMEOUT_S):
+        self.url = url
+        self.timeout = timeout
+        self.delivered = 0
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="trainlab-webhook", daemon=True)
+        self._thread.start()
+
+    def send(self, alert: Alert) -> None:
+        self._queue.put(alert.to_json())
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(CLOSE_TIMEOUT_S)
+
+    def _run(self) -> None:
+        while (payload := self._queue.get()) is not None:
+            self._post(payload)
+
+    def _post(self, payload: dict[str, Any]) -> None:
+        body = json.dumps(payload).encode()
+        request = urllib.request.Request(
+            self.url, data=body, method="POST",
+            headers={"Content-Type": "application/json", "User-Agent": "trainlab-alerts"})
+        for attempt in range(1, WEBHOOK_ATTEMPTS + 1):
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                    response.read()
+                self.delivered += 1
+                return
+            except (urllib.error.URLError, OSError) as e:
+                if attempt == WEBHOOK_ATTEMPTS:
+                    log.warning("alert webhook: %s at step %s not delivered after %d "
+                                "attempts (%s)", payload["rule"], payload["step"], attempt, e)
+                    return
+                time.sleep(0.5 * attempt)

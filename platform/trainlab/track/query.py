@@ -1,0 +1,239 @@
+"""Reading runs back out of MLflow: listing, one comparable row per run, curves.
+
+The rows are plain dicts (JSON-ready), shared by `trainlab compare`,
+`trainlab runs` and the comparison notebook, so they always agree.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from trainlab.errors import UserError
+from trainlab.track.store import client_for, embedded_db_path
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+    from mlflow.entities import Run
+
+# Config keys that describe the record, not the experiment: never "differing".
+RECORD_KEYS = frozenset({"name", "purpose", "expectation", "owner"})
+MIX_PREFIX = "data.mix."
+SEARCH_PAGE = 1000
+
+
+# --------------------------------------------------------------------------- metric histories
+
+
+def metric_series(client: MlflowClient, run_id: str,
+                  prefixes: Sequence[str] = ("",)) -> dict[str, list[tuple[int, float]]]:
+    """Every metric of the run whose name is, or starts with, one of `prefixes`,
+    as (step, value) points sorted by step."""
+    run = client.get_run(run_id)
+    out = {}
+    for key in sorted(run.data.metrics):
+        if any(_matches(key, p) for p in prefixes):
+            points = client.get_metric_history(run_id, key)
+            out[key] = sorted((m.step, m.value) for m in points)
+    return out
+
+
+def _matches(key: str, prefix: str) -> bool:
+    """"loss" matches only loss; "val_loss/" (or "") matches everything under it."""
+    return key.startswith(prefix) if prefix.endswith("/") or not prefix else key == prefix
+
+
+def _values(client: MlflowClient, run_id: str, key: str) -> list[float]:
+    return [m.value for m in client.get_metric_history(run_id, key)]
+
+
+# --------------------------------------------------------------------------- finding runs
+
+
+def parse_since(text: str | None) -> datetime | None:
+    """`--since` as a datetime: an ISO date (2026-05-01) or date and time, local time."""
+    if not text:
+        return None
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise UserError(f"--since {text!r}: expected a date like 2026-05-01 "
+                        "or 2026-05-01T14:30") from None
+    return when if when.tzinfo else when.astimezone()
+
+
+def open_store(uri: str) -> MlflowClient | None:
+    """A client on `uri`, or None when the embedded store has not been created yet
+    (reading must not create an empty database as a side effect)."""
+    db = embedded_db_path(uri)
+    if db is not None and not db.is_file():
+        return None
+    return client_for(uri)
+
+
+def _experiment_ids(client: MlflowClient, experiment: str | None, uri: str) -> list[str]:
+    if experiment is None:
+        return [e.experiment_id for e in client.search_experiments()]
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        known = sorted(e.name for e in client.search_experiments())
+        raise UserError(f"--experiment {experiment!r}: no such experiment in {uri} "
+                        f"(known: {', '.join(known) or 'none'})")
+    return [exp.experiment_id]
+
+
+def find_runs(uri: str, names: Sequence[str] = (), experiment: str | None = None,
+              since: datetime | None = None, limit: int | None = None) -> list[Run]:
+    """trainlab runs in the store, newest first. `names` selects by run name or run
+    id; a name that matches nothing is a user error."""
+    client = open_store(uri)
+    if client is None:
+        if names:
+            raise UserError(f"no runs recorded yet in {uri}: nothing matches "
+                            f"{', '.join(names)}")
+        return []
+    ids = _experiment_ids(client, experiment, uri)
+    filters = ["tags.run_key != ''"]
+    if since is not None:
+        filters.append(f"attributes.start_time >= {int(since.timestamp() * 1000)}")
+    runs = _search_all(client, ids, " and ".join(filters), None if names else limit)
+    if names:
+        runs = [r for r in runs if r.info.run_name in names or r.info.run_id in names]
+        found = {r.info.run_name for r in runs} | {r.info.run_id for r in runs}
+        missing = [n for n in names if n not in found]
+        if missing:
+            where = f" in experiment {experiment!r}" if experiment else ""
+            raise UserError(f"no run named {', '.join(map(repr, missing))}{where} in {uri}"
+                            " (see `trainlab runs`)")
+        runs = runs[:limit] if limit else runs
+    return runs
+
+
+def _search_all(client: MlflowClient, ids: list[str], filter_string: str,
+                limit: int | None) -> list[Run]:
+    runs: list[Run] = []
+    token = None
+    while True:
+        page = client.search_runs(ids, filter_string=filter_string,
+                                  max_results=min(limit or SEARCH_PAGE, SEARCH_PAGE),
+                                  order_by=["attributes.start_time DESC"], page_token=token)
+        runs.extend(page)
+        token = page.token
+        if not token or (limit and len(runs) >= limit):
+            return runs[:limit] if limit else runs
+
+
+# --------------------------------------------------------------------------- rows
+
+
+def parse_param(text: str) -> Any:
+    """Inverse of the callback's param encoding: JSON where it parses, else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _iso(ms: int | None) -> str | None:
+    return datetime.fromtimestamp(ms / 1000, UTC).astimezone().isoformat(timespec="seconds") \
+        if ms else None
+
+
+def _status(run: Run) -> str:
+    return run.data.tags.get("status") or run.info.status.lower()
+
+
+def _wall_time_s(run: Run) -> float:
+    end = run.info.end_time or int(time.time() * 1000)
+    return round((end - run.info.start_time) / 1000, 1)
+
+
+def run_overview(run: Run, experiment_names: dict[str, str]) -> dict[str, Any]:
+    """The cheap fields (no metric histories): for `trainlab runs`."""
+    return {
+        "name": run.info.run_name,
+        "run_id": run.info.run_id,
+        "experiment": experiment_names.get(run.info.experiment_id, run.info.experiment_id),
+        "status": _status(run),
+        "started": _iso(run.info.start_time),
+        "duration_s": _wall_time_s(run),
+    }
+
+
+def run_row(client: MlflowClient, run: Run, experiment_names: dict[str, str]) -> dict[str, Any]:
+    """One comparable row: overview, headline results, mix and the flattened params."""
+    params = {k: parse_param(v) for k, v in sorted(run.data.params.items())}
+    metrics = run.data.metrics
+    rid = run.info.run_id
+    val = _values(client, rid, "val_loss/all") if "val_loss/all" in metrics else []
+    tps = _values(client, rid, "tokens_per_s") if "tokens_per_s" in metrics else []
+    mem = _values(client, rid, "mem_peak_gb") if "mem_peak_gb" in metrics else []
+    row = run_overview(run, experiment_names)
+    row.pop("duration_s")
+    row |= {
+        "final_step": _final_step(run, "loss"),
+        "final_loss": metrics.get("loss"),
+        "val_loss": min(val) if val else None,
+        "tokens_per_second": statistics.median(tps) if tps else None,
+        "peak_memory_gb": max(mem) if mem else None,
+        "wall_time_s": _wall_time_s(run),
+        "mix": {k.removeprefix(MIX_PREFIX): v for k, v in params.items()
+                if k.startswith(MIX_PREFIX)},
+        "config_hash": run.data.tags.get("config_hash"),
+        "dataset_fingerprint": run.data.tags.get("dataset_fingerprint"),
+        "git_commit": run.data.tags.get("git_commit"),
+        "params": params,
+    }
+    return row
+
+
+def _final_step(run: Run, key: str) -> int | None:
+    for m in run.data._metric_objs:
+        if m.key == key:
+            return m.step
+    return None
+
+
+def differing_keys(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """Config keys whose value differs between the rows (a key missing from some
+    row counts as differing); record fields such as `purpose` are left out."""
+    rows = list(rows)
+    if len(rows) < 2:
+        return []
+    keys = sorted(set().union(*(r["params"] for r in rows)) - RECORD_KEYS)
+
+    def value(row: dict[str, Any], key: str) -> str | None:
+        return json.dumps(row["params"][key], sort_keys=True) if key in row["params"] else None
+
+    return [k for k in keys if len({value(r, k) for r in rows}) > 1]
+
+
+def compare_runs(uri: str, names: Sequence[str] = (), experiment: str | None = None,
+                 since: datetime | None = None) -> list[dict[str, Any]]:
+    """One row per run, newest first; each row's `differing` holds its values of
+    the config keys that differ between the rows."""
+    runs = find_runs(uri, names, experiment, since)
+    if not runs:
+        return []
+    client = client_for(uri)
+    exp_names = {e.experiment_id: e.name for e in client.search_experiments()}
+    rows = [run_row(client, r, exp_names) for r in runs]
+    keys = differing_keys(rows)
+    for row in rows:
+        row["differing"] = {k: row["params"].get(k) for k in keys}
+    return rows
+
+
+def list_runs(uri: str, experiment: str | None = None, since: datetime | None = None,
+              limit: int = 20) -> list[dict[str, Any]]:
+    """Recent runs, newest first: name, status, started, duration."""
+    runs = find_runs(uri, (), experiment, since, limit)
+    if not runs:
+        return []
+    client = client_for(uri)
+    exp_names = {e.experiment_id: e.name for e in client.search_experiments()}
+    return [run_overview(r, exp_names) for r in runs]

@@ -1,0 +1,77 @@
+"""Where experiment records live: the MLflow tracking store.
+
+Embedded default (no server to run): a SQLite store in the runs root,
+`sqlite:///{abs runs_root}/mlflow.db`, with artifacts under
+`{abs runs_root}/mlartifacts`. When `MLFLOW_TRACKING_URI` is set, that store
+(usually a tracking server) is used instead and decides where artifacts go.
+Everything here imports mlflow lazily: config commands never pay for it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+ENV_TRACKING_URI = "MLFLOW_TRACKING_URI"
+DB_FILE = "mlflow.db"
+ARTIFACTS_DIR = "mlartifacts"
+
+
+def tracking_uri(runs_root: str | os.PathLike[str]) -> str:
+    """The tracking URI for runs under `runs_root`: `MLFLOW_TRACKING_URI` when
+    set, else the embedded SQLite store in the runs root."""
+    env = os.environ.get(ENV_TRACKING_URI, "").strip()
+    if env:
+        return env
+    return f"sqlite:///{Path(runs_root).resolve() / DB_FILE}"
+
+
+def artifact_location(runs_root: str | os.PathLike[str]) -> str | None:
+    """Artifact root for new experiments: `{abs runs_root}/mlartifacts` for the
+    embedded store; None (the server decides) when `MLFLOW_TRACKING_URI` is set."""
+    if os.environ.get(ENV_TRACKING_URI, "").strip():
+        return None
+    return (Path(runs_root).resolve() / ARTIFACTS_DIR).as_uri()
+
+
+def is_embedded(uri: str) -> bool:
+    return uri.startswith("sqlite:///")
+
+
+def embedded_db_path(uri: str) -> Path | None:
+    """The database file of an embedded store URI, else None."""
+    return Path(uri.removeprefix("sqlite:///")) if is_embedded(uri) else None
+
+
+def client_for(uri: str) -> MlflowClient:
+    """An MLflow client on `uri`; creates the embedded store's folder if needed."""
+    from mlflow import MlflowClient
+
+    db = embedded_db_path(uri)
+    if db is not None:
+        db.parent.mkdir(parents=True, exist_ok=True)
+    return MlflowClient(tracking_uri=uri)
+
+
+def get_or_create_experiment(client: MlflowClient, name: str,
+                             artifact_root: str | None) -> str:
+    """The id of experiment `name`, created (with `artifact_root`) when missing."""
+    from mlflow.exceptions import MlflowException
+
+    exp = client.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        # Run ids are unique, so every experiment can share the artifact root:
+        # a run's files land in {root}/{run_id}/artifacts.
+        return client.create_experiment(name, artifact_location=artifact_root)
+    except MlflowException:
+        # Another process created it between our lookup and create.
+        exp = client.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
