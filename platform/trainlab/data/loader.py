@@ -1,17 +1,22 @@
 """`WorkerLoader`: one training rank's view of the stream, fed by Ray Data.
 
 Each rank runs its own small Ray Data pipeline: a dataset of step numbers
-(`from_numpy`, no read tasks) -> `map_batches` on one packing actor that holds
-the corpus and computes that rank's rows of each step (TrainStream) -> an
-ordered iterator in the training worker. That is "a Ray Data iterator per
-rank" rather than `streaming_split`, because exactness needs rank r to get
-exactly its rows of each step, which a dynamic split does not promise.
+(`from_numpy`, so no read tasks) -> `map_batches(pack_steps)`, tasks that
+compute that rank's rows of each step from the TrainStream -> an ordered
+iterator in the training worker. That is "a Ray Data iterator per rank"
+rather than `streaming_split`, because exactness needs rank r to get exactly
+its rows of each step, which a dynamic split does not promise. Ray reuses
+worker processes, and each keeps its corpus and schedule, so a task pays for
+packing only.
 
-Resources are capped per pipeline: the actor asks for `data.loader_cpus /
+Resources are capped per pipeline: tasks ask for `data.loader_cpus /
 world_size` CPUs and the dataset's resource limit is the same, so the data side
 never takes the CPUs the training workers hold (the 2-core deadlock in
 ARCHITECTURE.md) and never grows beyond its budget.
 
+With Ray Data, `iter_from` starts the pipeline at once and keeps a few steps
+ready in a background thread, so setup overlaps the model's and training
+rarely waits.
 Without a running Ray (unit tests, notebooks) the same rows are computed in
 process (`backend="local"`); `auto` picks Ray Data whenever Ray is initialized.
 """
@@ -19,6 +24,8 @@ process (`backend="local"`); `auto` picks Ray Data whenever Ray is initialized.
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -35,10 +42,12 @@ log = logging.getLogger(__name__)
 
 Backend = Literal["auto", "ray_data", "local"]
 META_KEYS = ("row_source", "row_doc_starts", "row_split")
-# Steps per Ray Data block: enough tokens per actor call to amortize the per-call
+# Steps per Ray Data block: enough tokens per task to amortize the per-call
 # overhead, few enough that the first step arrives quickly.
 TOKENS_PER_BLOCK = 1 << 18
 MAX_STEPS_PER_BLOCK = 64
+# Steps kept ready ahead of training.
+PREFETCH_STEPS = 4
 
 
 @dataclass
@@ -69,23 +78,97 @@ def _meta(packed: PackedRows) -> dict[str, np.ndarray]:
             "row_split": packed.row_split}
 
 
-class _StepPacker:
-    """Ray Data actor: step numbers in, this rank's packed rows of those steps out
+# One TrainStream per process and DataSpec: Ray reuses worker processes across
+# tasks, so the corpus is read and the blend schedule advanced once per process.
+_STREAMS: dict[DataSpec, TrainStream] = {}
+
+
+def _stream_for(spec: DataSpec) -> TrainStream:
+    stream = _STREAMS.get(spec)
+    if stream is None:
+        _STREAMS.clear()
+        stream = _STREAMS[spec] = TrainStream(spec)
+    return stream
+
+
+def pack_steps(batch: dict[str, np.ndarray], spec: DataSpec, rank: int,
+               world_size: int) -> dict[str, np.ndarray]:
+    """Ray Data map: step numbers in, this rank's packed rows of those steps out
     (one output row per step, arrays shaped [rows_per_rank, seq_len])."""
+    stream = _stream_for(spec)
+    steps = batch["data"].astype(np.int64).ravel()
+    packed = [stream.rank_rows(int(s), rank, world_size) for s in steps]
+    out = {"step": steps}
+    for key in BATCH_KEYS:
+        out[key] = np.stack([p.batch[key] for p in packed])
+    for key in META_KEYS:
+        out[key] = np.stack([_meta(p)[key] for p in packed])
+    return out
 
-    def __init__(self, spec: DataSpec, rank: int, world_size: int):
-        self.stream = TrainStream(spec)
-        self.rank, self.world_size = rank, world_size
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        steps = batch["data"].astype(np.int64).ravel()
-        packed = [self.stream.rank_rows(int(s), self.rank, self.world_size) for s in steps]
-        out = {"step": steps}
-        for key in BATCH_KEYS:
-            out[key] = np.stack([p.batch[key] for p in packed])
-        for key in META_KEYS:
-            out[key] = np.stack([_meta(p)[key] for p in packed])
-        return out
+_DONE = object()
+
+
+def _prefetch(items: Iterator, depth: int) -> Iterator:
+    """Run `items` in a daemon thread, `depth` items ahead; stops when the consumer
+    goes away. Errors are re-raised in the consumer."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(x: Any) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(x, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            for x in items:
+                if not put(x):
+                    return
+            put(_DONE)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            put(e)
+        finally:
+            close = getattr(items, "close", None)
+            if close is not None:
+                close()
+
+    threading.Thread(target=run, name="trainlab-data-prefetch", daemon=True).start()
+
+    def consume() -> Iterator:
+        try:
+            while True:
+                x = q.get()
+                if x is _DONE:
+                    return
+                if isinstance(x, BaseException):
+                    raise x
+                yield x
+        finally:
+            stop.set()
+
+    return consume()
+
+
+class _WarningsOnly(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return (record.levelno >= logging.WARNING
+                and not record.getMessage().startswith("Progress bars disabled"))
+
+
+def _quiet_ray_data_console() -> None:
+    """Ray Data logs every dataset's start and progress to the console; a training
+    worker starts one per attempt. Warnings still show; its log files keep the rest."""
+    import ray.data  # noqa: F401 - configures the "ray.data" logger and its handlers
+
+    for handler in logging.getLogger("ray.data").handlers:
+        if type(handler).__name__ == "PlainRayHandler" and not any(
+                isinstance(f, _WarningsOnly) for f in handler.filters):
+            handler.addFilter(_WarningsOnly())
 
 
 def _resolve_backend(backend: Backend) -> Literal["ray_data", "local"]:
@@ -135,11 +218,18 @@ class WorkerLoader:
 
     def iter_from(self, step: int | None = None,
                   end: int | None = None) -> Iterator[tuple[int, list[Batch]]]:
+        """(step, micro batches) for steps [step, end); `end` defaults to
+        spec.total_steps, `step` to the loaded state's step. Work starts now."""
         start = self._next_step if step is None else step
         stop = self.spec.total_steps if end is None else end
         self._next_step = start
-        source = self._iter_ray_data if self.backend == "ray_data" else self._iter_local
-        for s, batch, meta in source(start, stop):
+        if self.backend == "local":  # in process: a thread would only add GIL hand-offs
+            return self._deliver(self._iter_local(start, stop))
+        return self._deliver(_prefetch(self._iter_ray_data(start, stop), PREFETCH_STEPS))
+
+    def _deliver(self, items: Iterator[tuple[int, Batch, dict]]
+                 ) -> Iterator[tuple[int, list[Batch]]]:
+        for s, batch, meta in items:
             if s != self._next_step:  # exactness is the point: never deliver out of order
                 raise RuntimeError(f"loader delivered step {s}, expected {self._next_step}")
             self.delivery.add(self.spec, batch, meta)
@@ -164,12 +254,15 @@ class WorkerLoader:
         blocks = [np.arange(b, min(b + per_block, stop), dtype=np.int64)
                   for b in range(start, stop, per_block)]
         cpus = self.spec.loader_cpus / self.world_size
+        _quiet_ray_data_console()
         ds = ray.data.from_numpy(blocks).map_batches(
-            _StepPacker, fn_constructor_args=(self.spec, self.rank, self.world_size),
-            batch_size=None, concurrency=1, num_cpus=cpus, batch_format="numpy",
-            zero_copy_batch=True)
-        ds.context.execution_options.preserve_order = True
-        ds.context.execution_options.resource_limits = ExecutionResources(cpu=cpus)
+            pack_steps, fn_kwargs={"spec": self.spec, "rank": self.rank,
+                                   "world_size": self.world_size},
+            batch_size=None, num_cpus=cpus, batch_format="numpy", zero_copy_batch=True)
+        ctx = ds.context
+        ctx.execution_options.preserve_order = True
+        ctx.execution_options.resource_limits = ExecutionResources(cpu=cpus)
+        ctx.enable_progress_bars = False
         return ds
 
     def _iter_ray_data(self, start: int, stop: int) -> Iterator[tuple[int, Batch, dict]]:
