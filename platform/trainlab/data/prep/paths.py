@@ -33,12 +33,23 @@ def is_uri(path: str) -> bool:
     return "://" in path
 
 
+def _filesystem(scheme: str, bucket: str):  # noqa: ANN202 - pyarrow.fs.FileSystem
+    """The pyarrow filesystem for a bucket. S3 goes through `trainlab.storage`, so an
+    S3-compatible endpoint (AWS_ENDPOINT_URL) and credentials work as for run storage."""
+    from trainlab.storage import s3_endpoint
+
+    return _cached_filesystem(scheme, bucket, s3_endpoint() if scheme in ("s3", "s3a") else None)
+
+
 @functools.lru_cache(maxsize=16)
-def _filesystem(prefix: str):  # noqa: ANN202 - pyarrow.fs.FileSystem
-    """The pyarrow filesystem for `scheme://bucket`, cached per process."""
+def _cached_filesystem(scheme: str, bucket: str, endpoint: str | None):  # noqa: ANN202
     from pyarrow import fs
 
-    return fs.FileSystem.from_uri(prefix)[0]
+    if scheme in ("s3", "s3a"):
+        from trainlab.storage import resolve_storage
+
+        return resolve_storage(f"s3://{bucket}").filesystem
+    return fs.FileSystem.from_uri(f"{scheme}://{bucket}")[0]
 
 
 def _split_uri(location: str) -> tuple[object, str, str]:
@@ -49,7 +60,7 @@ def _split_uri(location: str) -> tuple[object, str, str]:
     if scheme == "file":
         return fs.LocalFileSystem(), "/" + rest.lstrip("/"), "file://"
     bucket = rest.split("/", 1)[0]
-    return _filesystem(f"{scheme}://{bucket}"), rest, f"{scheme}://"
+    return _filesystem(scheme, bucket), rest, f"{scheme}://"
 
 
 def open_bytes(location: str) -> bytes:

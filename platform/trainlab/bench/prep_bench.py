@@ -1,0 +1,151 @@
+"""Prep throughput: `trainlab prep` end to end (read, clean, dedup, tokenize, write)
+on the >= 100 MB variant of the demo corpus, in tokens/s.
+
+Baseline, measured in the same run over the same (kept, cleaned) texts: one
+process calling `tokenizers` `encode_batch` with its own thread pool, which is
+the tokenization limit of this machine. The prep time excludes starting Ray and
+training the tokenizer (both reported in notes); "where the time goes" is a
+single-process profile of each stage over a slice of the same corpus.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+from trainlab.bench import BenchResult
+
+BENCH_DIR = Path("data/bench")
+CORPUS_MB = 110  # code domain cap; with docs and pkgdocs the corpus is ~115 MB
+BASELINE_BATCH = 256
+
+
+def bench_prep() -> list[BenchResult]:
+    from trainlab.data.prep.demo_corpus import DEMO_SOURCES, build_demo_corpus
+    from trainlab.data.prep.pipeline import run_prep
+
+    t = time.perf_counter()
+    stats = build_demo_corpus(BENCH_DIR / "raw", max_mb=CORPUS_MB, with_site_packages=True)
+    build_s = time.perf_counter() - t
+    sources = _bench_sources(DEMO_SOURCES, BENCH_DIR)
+    shutil.rmtree(BENCH_DIR / "prepared", ignore_errors=True)
+
+    t = time.perf_counter()
+    result = run_prep(sources, BENCH_DIR / "prepared")
+    wall_s = time.perf_counter() - t
+    phases = result.timings
+    prep_s = phases["check"] + phases["tokenize_write"] + phases["finish"]
+    tokens = sum(s["tokens"] for s in result.manifest["sources"].values())
+
+    texts = _kept_texts(sources)
+    baseline_s, baseline_tokens = _encode_batch_seconds(BENCH_DIR / "prepared/tokenizer.json",
+                                                        texts)
+    raw_mb = sum(s["bytes"] for s in stats.values()) / 2**20
+    notes = {
+        "corpus_mb": round(raw_mb, 1),
+        "docs_out": len(texts),
+        "tokens": tokens,
+        "prep_s (read+clean+dedup+tokenize+write)": round(prep_s, 1),
+        "phases_s": {k: round(v, 2) for k, v in phases.items()},
+        "wall_s incl. ray start and tokenizer training": round(wall_s, 1),
+        "encode_batch_s": round(baseline_s, 1),
+        "stage_profile_single_process": _stage_profile(sources),
+        "corpus_build_s": round(build_s, 1),
+    }
+    assert baseline_tokens == tokens, (baseline_tokens, tokens)
+    return [BenchResult("prep_tokens_per_s", tokens / prep_s, "tokens/s",
+                        "encode_batch_tokens_per_s", baseline_tokens / baseline_s, notes=notes)]
+
+
+def _bench_sources(demo_sources: Path, bench_dir: Path) -> Path:
+    """The demo's sources file, pointed at the bench corpus."""
+    spec = yaml.safe_load(demo_sources.read_text())
+    spec["root"] = str((bench_dir / "raw").resolve())
+    spec["train_tokenizer"] = {**spec.get("train_tokenizer", {}), "sample_mb": 16}
+    path = bench_dir / "sources.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _units(sources: Path, unit_bytes: int = 4 << 20):
+    from trainlab.data.prep.pipeline import _check_inputs
+    from trainlab.data.prep.units import plan_units
+
+    return plan_units(_check_inputs(sources, None, None).sources, unit_bytes)
+
+
+def _kept_texts(sources: Path) -> list[str]:
+    """The cleaned, deduplicated texts prep tokenized, in order (not timed)."""
+    from trainlab.data.prep.units import read_clean_unit
+
+    seen: set[str] = set()
+    texts = []
+    for unit in _units(sources):
+        table = read_clean_unit(unit)
+        for doc_id, text in zip(table.column("doc_id").to_pylist(),
+                                table.column("text").to_pylist(), strict=True):
+            if doc_id is not None and doc_id not in seen:
+                seen.add(doc_id)
+                texts.append(text)
+    return texts
+
+
+def _encode_batch_seconds(tokenizer_path: Path, texts: list[str]) -> tuple[float, int]:
+    """Seconds for single-process encode_batch over `texts`; tokens counted with one
+    EOS per document, as prep counts them."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_path))
+    tokens = 0
+    t = time.perf_counter()
+    for i in range(0, len(texts), BASELINE_BATCH):
+        encodings = tok.encode_batch(texts[i:i + BASELINE_BATCH], add_special_tokens=False)
+        tokens += sum(len(e.ids) + 1 for e in encodings)
+    return time.perf_counter() - t, tokens
+
+
+def _stage_profile(sources: Path, every: int = 5) -> dict[str, float]:
+    """Share of CPU time per stage (all threads of this process), over every
+    `every`-th unit, each stage run on its own."""
+    import tempfile
+
+    from trainlab.data.prep.cleaning import clean_text, content_id
+    from trainlab.data.prep.readers import read_records
+    from trainlab.data.prep.shards import DatasetWriter
+    from trainlab.data.prep.spec import CleaningSettings
+    from trainlab.data.prep.units import TokenizeStage, read_clean_unit
+
+    tok_json = (BENCH_DIR / "prepared/tokenizer.json").read_text()
+    stage = TokenizeStage(tok_json, 0, "uint16")
+    spent = dict.fromkeys(("read+decode", "clean+hash", "tokenize", "dedup+write"), 0.0)
+    units = _units(sources)[::every]
+    with tempfile.TemporaryDirectory() as tmp:
+        writer = DatasetWriter(Path(tmp), sorted({u.source for u in units}), "uint16", 64 << 20)
+        for unit in units:
+            settings = CleaningSettings(min_chars=unit.min_chars, max_chars=unit.max_chars)
+            t = time.process_time()
+            records = [r for f in unit.files for r in read_records(f, unit.format,
+                                                                   unit.text_field)]
+            spent["read+decode"] += time.process_time() - t
+            t = time.process_time()
+            for r in records:
+                if r.text is not None:
+                    text, reason = clean_text(r.text, settings)
+                    if reason is None:
+                        content_id(text)
+            spent["clean+hash"] += time.process_time() - t
+            table = read_clean_unit(unit)
+            t = time.process_time()
+            tokenized = stage(table)
+            spent["tokenize"] += time.process_time() - t
+            t = time.process_time()
+            writer.add(tokenized)
+            spent["dedup+write"] += time.process_time() - t
+        t = time.process_time()
+        writer.finish()
+        spent["dedup+write"] += time.process_time() - t
+    total = sum(spent.values())
+    return {k: round(v / total, 3) for k, v in spent.items()}
