@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -71,26 +73,33 @@ class SourceTokens:
         return np.diff(self.offsets)
 
 
-def read_doc_index(manifest: Manifest, source: str) -> tuple[list[str], np.ndarray]:
-    """doc_id and n_tokens of every document of `source`, without reading tokens."""
+def read_columns(path: Path, columns: list[str]) -> Any:
+    """A shard's columns as a pyarrow Table; a UserError if it is not what prep writes."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    try:
+        return pq.read_table(path, columns=columns)
+    except (pa.ArrowException, OSError, KeyError) as e:
+        raise UserError(f"{path}: cannot read columns {columns} ({e})") from None
+
+
+def read_doc_index(manifest: Manifest, source: str) -> tuple[list[str], np.ndarray]:
+    """doc_id and n_tokens of every document of `source`, without reading tokens."""
     ids: list[str] = []
     lengths = []
     for shard in manifest.sources[source].shards:
-        table = pq.read_table(manifest.shard_path(shard), columns=["doc_id", "n_tokens"])
+        table = read_columns(manifest.shard_path(shard), ["doc_id", "n_tokens"])
         ids.extend(table.column("doc_id").to_pylist())
         lengths.append(table.column("n_tokens").to_numpy().astype(np.int64))
     return ids, np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
 
 
 def read_source(manifest: Manifest, source: str, val_fraction: float) -> SourceTokens:
-    import pyarrow.parquet as pq
-
     chunks, lengths, ids = [], [], []
     for shard in manifest.sources[source].shards:
         path = manifest.shard_path(shard)
-        table = pq.read_table(path, columns=["doc_id", "tokens", "n_tokens"])
+        table = read_columns(path, ["doc_id", "tokens", "n_tokens"])
         col = table.column("tokens").combine_chunks()
         n = np.diff(col.offsets.to_numpy()).astype(np.int64)
         declared = table.column("n_tokens").to_numpy().astype(np.int64)

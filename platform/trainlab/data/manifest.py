@@ -144,20 +144,28 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
 
 
 def verify_shards(manifest: Manifest, checksums: bool = True) -> None:
-    """Every shard exists, has the manifest's row count and (if `checksums`) its sha256.
+    """Every shard exists, has (if `checksums`) its sha256 and the manifest's row count.
 
     A shard changed after prep would silently change the stream under an unchanged
     fingerprint; checking the checksums (about 1 GB/s) rules that out."""
-    import pyarrow.parquet as pq
-
     for src in manifest.sources.values():
         for shard in src.shards:
             path = manifest.shard_path(shard)
             if not path.is_file():
                 raise UserError(f"{path}: shard listed in {manifest.root / MANIFEST} is missing")
-            rows = pq.ParquetFile(path).metadata.num_rows
-            if rows != shard.rows:
-                raise UserError(f"{path}: {rows} rows, manifest says {shard.rows}")
             if checksums and sha256_file(path) != shard.sha256:
                 raise UserError(f"{path}: sha256 differs from the manifest; the prepared "
                                 "dataset was modified after prep (re-run `trainlab prep`)")
+            rows = parquet_rows(path)
+            if rows != shard.rows:
+                raise UserError(f"{path}: {rows} rows, manifest says {shard.rows}")
+
+
+def parquet_rows(path: Path) -> int:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path).metadata.num_rows
+    except (pa.ArrowException, OSError) as e:
+        raise UserError(f"{path}: not a readable Parquet shard ({e})") from None

@@ -128,3 +128,17 @@ def write_stdlib_dataset(root: str | Path, code_docs: int = 120, prose_docs: int
     texts = {"code": stdlib_code(code_docs), "docs": stdlib_docstrings(prose_docs)}
     tok = train_tokenizer([t for docs in texts.values() for t in docs], vocab_size)
     return write_prepared_dataset(root, texts, tok)
+
+
+def small_dataset(root: str | Path) -> Path:
+    """A small three-source dataset at `root` (written once; reused if present):
+    `code` (long documents), `docs` (short ones) and `tiny` (a handful of
+    documents, so any real share of it repeats for several epochs)."""
+    root = Path(root)
+    if not (root / "manifest.json").exists():
+        docstrings = stdlib_docstrings(160)
+        texts = {"code": stdlib_code(24, max_chars=12_000), "docs": docstrings[:150],
+                 "tiny": docstrings[150:156]}
+        tok = train_tokenizer([t for docs in texts.values() for t in docs], vocab_size=1024)
+        write_prepared_dataset(root, texts, tok, docs_per_shard=64)
+    return root
