@@ -21,6 +21,7 @@ def ray_cluster():
     """The session's local Ray cluster (8 logical CPUs on a 2-core machine; see
     ARCHITECTURE.md on why fewer deadlocks Ray Train + Ray Data)."""
     import ray
+
     from trainlab.raycluster import ensure_ray
 
     os.environ.pop("RAY_ADDRESS", None)
