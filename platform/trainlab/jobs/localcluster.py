@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -55,6 +56,7 @@ class NodeProc:
     pgid: int
     log: str
     num_cpus: int
+    temp_dir: str = ""  # Ray's session files, logs and sockets of this node
 
 
 @dataclass
@@ -230,16 +232,19 @@ def start_head(
     ]
     pgid = _launch(cmd, log, _ray_env(SINGLE_MACHINE_ENV))
     _wait_ready(pgid, log, "the Ray head", timeout_s)
-    return NodeProc("head", pgid, str(log), num_cpus)
+    return NodeProc("head", pgid, str(log), num_cpus, str(temp_dir))
 
 
 def start_worker(
     gcs_address: str,
     num_cpus: int,
+    temp_dir: Path,
     log: Path,
     timeout_s: float,
     resources: dict[str, float] | None = None,
 ) -> NodeProc:
+    # Its own temp dir: sharing the head's would make both nodes' log monitors
+    # forward every worker log line, so a job's logs would show each line twice.
     cmd = [
         sys.executable,
         "-m",
@@ -250,13 +255,14 @@ def start_worker(
         f"--address={gcs_address}",
         f"--node-ip-address={HOST}",
         f"--num-cpus={num_cpus}",
+        f"--temp-dir={temp_dir}",
         *_agent_port_flags(),
     ]
     if resources:
         cmd.append(f"--resources={json.dumps(resources)}")
     pgid = _launch(cmd, log, _ray_env(SINGLE_MACHINE_ENV))
     _wait_ready(pgid, log, "a Ray worker node", timeout_s)
-    return NodeProc("worker", pgid, str(log), num_cpus)
+    return NodeProc("worker", pgid, str(log), num_cpus, str(temp_dir))
 
 
 # --------------------------------------------------------------------------- up / down
@@ -319,13 +325,25 @@ def cluster_up(
 def add_worker_node(
     state: ClusterState, num_cpus: int = 2, timeout_s: float = 120.0, path: Path | None = None
 ) -> NodeProc:
-    """Start one more raylet joining `state`'s head (a replacement node after a
-    failure, or more capacity) and record it."""
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    log = home_dir() / "logs" / f"worker{len(state.nodes)}-{stamp}.log"
-    node = start_worker(
-        state.gcs_address, num_cpus, log, timeout_s, resources={"trainlab_worker_node": 1}
-    )
+    """Start one more raylet joining `state`'s head (more capacity, or a replacement
+    after a failure) and record it. Ray gives a new node 30 s to register; on a
+    loaded machine that can pass, so a node that timed out gets a second try."""
+    index = len(state.nodes)
+    for attempt in (1, 2):
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        try:
+            node = start_worker(
+                state.gcs_address,
+                num_cpus,
+                Path(f"{state.temp_dir}-w{index}"),
+                home_dir() / "logs" / f"worker{index}-{stamp}-{attempt}.log",
+                timeout_s,
+                resources={"trainlab_worker_node": 1},
+            )
+            break
+        except UserError:
+            if attempt == 2:
+                raise
     state.nodes.append(node)
     _write_state(state, path)
     return node
@@ -343,8 +361,9 @@ def _write_state(state: ClusterState, path: Path | None = None) -> None:
     tmp.replace(path)
 
 
-def cluster_down(path: Path | None = None) -> ClusterState | None:
-    """Stop the recorded cluster's process groups (workers first); None if none ran."""
+def cluster_down(path: Path | None = None, remove_temp_dirs: bool = False) -> ClusterState | None:
+    """Stop the recorded cluster's process groups (workers first); None if none ran.
+    Ray's temp dirs (its logs) stay unless `remove_temp_dirs`."""
     path = path or state_path()
     try:
         state = ClusterState.from_json(json.loads(path.read_text()))
@@ -352,22 +371,41 @@ def cluster_down(path: Path | None = None) -> ClusterState | None:
         return None
     for node in [*state.workers, state.head]:
         stop_group(node.pgid)
+    if remove_temp_dirs:
+        for node in state.nodes:
+            if node.temp_dir:
+                shutil.rmtree(node.temp_dir, ignore_errors=True)
     path.unlink(missing_ok=True)
     return state
 
 
-def kill_raylet(node: NodeProc) -> int:
-    """SIGKILL the raylet of one node (an infrastructure failure, for rehearsals and
-    tests); returns its pid. Looked up inside the node's own process group only."""
+def _raylet_pid(node: NodeProc) -> int:
+    """The raylet of a node, looked up inside the node's own process group only."""
     for pid in group_members(node.pgid):
         try:
             exe = os.readlink(f"/proc/{pid}/exe")
         except OSError:
             continue
         if Path(exe).name == "raylet":
-            os.kill(pid, signal.SIGKILL)
             return pid
     raise RuntimeError(f"no raylet in process group {node.pgid}")
+
+
+def node_id(node: NodeProc) -> str:
+    """Ray's id of a node we started (from its raylet's command line)."""
+    args = Path(f"/proc/{_raylet_pid(node)}/cmdline").read_bytes().split(b"\0")
+    for arg in args:
+        if arg.startswith(b"--node_id="):
+            return arg.split(b"=", 1)[1].decode()
+    raise RuntimeError(f"raylet of process group {node.pgid} has no --node_id")
+
+
+def kill_raylet(node: NodeProc) -> int:
+    """SIGKILL the raylet of one node: the node is lost, as when a machine dies
+    (for rehearsals and tests). Returns the raylet's pid."""
+    pid = _raylet_pid(node)
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def how_to_submit(state: ClusterState) -> list[str]:

@@ -54,9 +54,9 @@ def check_node(
 
 def run(data_dir: str, storage_uri: str) -> list[str]:
     """Probe every alive node; return the problems, each naming its node."""
+    import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    import ray
     from trainlab.errors import UserError
     from trainlab.storage import check_writable, resolve_storage
 

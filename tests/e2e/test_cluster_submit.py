@@ -1,0 +1,321 @@
+"""A real two-node Ray cluster on this machine (`ray start --head` plus a second
+raylet joining it, both on 127.0.0.1 with token auth), started and stopped by
+trainlab's own `cluster up/down` code, and training jobs submitted to it:
+
+- `trainlab submit --follow --json`: SUCCEEDED, the two workers on the two
+  nodes, the run recorded in MLflow under the job's id;
+- plain `ray job submit --working-dir . -- python trainers/pretrain.py ...`:
+  SUCCEEDED and recorded;
+- the worker node's raylet killed mid-run: the run resumes from its checkpoint
+  on a replacement node and completes.
+
+The cluster is its own (not the session's `ray_cluster`), shared by this module.
+Each node has 3 logical CPUs and each training worker takes 2, so a 2-worker
+run must use both nodes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+JOB_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def trainlab_home(tmp_path_factory):
+    """Isolate trainlab's local state (cluster.json, logs) for this module."""
+    home = tmp_path_factory.mktemp("trainlab-home")
+    saved = os.environ.get("TRAINLAB_HOME")
+    os.environ["TRAINLAB_HOME"] = str(home)
+    yield home
+    if saved is None:
+        os.environ.pop("TRAINLAB_HOME", None)
+    else:
+        os.environ["TRAINLAB_HOME"] = saved
+
+
+@pytest.fixture(scope="module")
+def cluster(trainlab_home):
+    from trainlab.jobs.localcluster import cluster_down, cluster_up, group_members
+
+    state = cluster_up(num_cpus=3, worker_nodes=1, worker_cpus=3)
+    yield state
+    stopped = cluster_down(remove_temp_dirs=True)
+    assert stopped is not None
+    assert not any(group_members(n.pgid) for n in stopped.nodes), "processes left behind"
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from trainlab.data.testing import write_stdlib_dataset
+
+    root = tmp_path_factory.mktemp("prepared")
+    write_stdlib_dataset(root, code_docs=60, prose_docs=200, vocab_size=2048)
+    return root
+
+
+def overrides(dataset: Path, runs: Path, steps: int, every: int) -> list[str]:
+    return [
+        f"data.path={dataset}",
+        "data.mix={code: 0.6, docs: 0.4}",
+        "data.micro_batch_size=4",
+        "model.vocab_size=2048",
+        "resource.cpus_per_worker=2",
+        f"train.runs_root={runs}",
+        f"train.total_steps={steps}",
+        "train.warmup_steps=1",
+        "train.log_interval=1",
+        f"train.eval_interval={every}",
+        "train.eval_batches=1",
+        f"train.checkpoint.every_steps={every}",
+        "tracking.system_metrics=false",
+    ]
+
+
+def _sets(items: list[str]) -> list[str]:
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def _client(cluster):
+    from trainlab.jobs.client import connect
+
+    return connect(cluster.dashboard_url)
+
+
+def _mlflow_run(runs: Path, job_id: str):
+    import mlflow
+
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{runs}/mlflow.db")
+    exps = [e.experiment_id for e in client.search_experiments()]
+    found = client.search_runs(exps, filter_string=f"tags.ray_job_id = '{job_id}'")
+    assert len(found) == 1, f"expected one MLflow run tagged with job {job_id}"
+    return found[0]
+
+
+def _worker_nodes(cluster, job_id: str) -> set[str]:
+    """Node ids of the job's Ray Train workers, from the cluster's state API."""
+    from trainlab.jobs.client import auth_headers
+
+    ray_job_id = _client(cluster).get_job_info(job_id).job_id
+    query = urllib.parse.urlencode(
+        {
+            "filter_keys": "class_name",
+            "filter_predicates": "=",
+            "filter_values": "RayTrainWorker",
+            "detail": "1",
+            "limit": "1000",
+        }
+    )
+    req = urllib.request.Request(
+        f"{cluster.dashboard_url}/api/v0/actors?{query}", headers=auth_headers()
+    )
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        actors = json.load(resp)["data"]["result"]["result"]
+    return {a["node_id"] for a in actors if a.get("job_id") == ray_job_id}
+
+
+def _summary(run_dir: str | Path) -> dict:
+    return json.loads((Path(run_dir) / "run_summary.json").read_text())
+
+
+def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(cluster, dataset, tmp_path):
+    runs = tmp_path / "runs"
+    # No RAY_AUTH_MODE: trainlab finds the token and sends it itself.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    proc = subprocess.run(
+        [
+            str(BIN / "trainlab"),
+            "submit",
+            "trainers/recipes/tiny.yaml",
+            *_sets(overrides(dataset, runs, steps=4, every=2)),
+            "--address",
+            cluster.dashboard_url,
+            "--follow",
+            "--json",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert set(result) >= {"job_id", "address", "run_dir"}
+    assert result["address"] == cluster.dashboard_url and result["status"] == "SUCCEEDED"
+    assert result["run_dir"].startswith(str(runs))
+    summary = _summary(result["run_dir"])
+    assert (summary["status"], summary["final_step"]) == ("completed", 4)
+    run = _mlflow_run(runs, result["job_id"])
+    assert run.info.status == "FINISHED" and "loss" in run.data.metrics
+    assert len(_worker_nodes(cluster, result["job_id"])) == 2
+    listed = subprocess.run(
+        [str(BIN / "trainlab"), "jobs", "--json", "--address", cluster.dashboard_url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    rows = {r["job_id"]: r for r in json.loads(listed.stdout.strip().splitlines()[-1])}
+    assert rows[result["job_id"]]["status"] == "SUCCEEDED"
+    assert any(r["kind"] == "probe" for r in rows.values())  # the reachability check ran
+
+
+def test_plain_ray_job_submit_of_the_entry_script(cluster, dataset, tmp_path):
+    runs = tmp_path / "runs"
+    job_id = f"plain-{time.time_ns()}"
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_API_SERVER_ADDRESS": cluster.dashboard_url}
+    proc = subprocess.run(
+        [
+            str(BIN / "ray"),
+            "job",
+            "submit",
+            "--submission-id",
+            job_id,
+            "--working-dir",
+            ".",
+            "--runtime-env",
+            "cluster/runtime_env.yaml",
+            "--",
+            "python",
+            "trainers/pretrain.py",
+            "trainers/recipes/tiny.yaml",
+            *_sets(overrides(dataset, runs, steps=4, every=2)),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    info = _client(cluster).get_job_info(job_id)
+    assert str(info.status.value) == "SUCCEEDED", info.message
+    run = _mlflow_run(runs, job_id)
+    assert run.info.status == "FINISHED"
+    (run_dir,) = runs.glob("*/tiny")
+    assert _summary(run_dir)["status"] == "completed"
+
+
+def test_losing_the_worker_node_mid_run_resumes_from_its_checkpoint(cluster, dataset, tmp_path):
+    """A node hosting a training worker dies after the first checkpoint; Ray Train
+    restarts the group on the nodes left (a spare stands in, as an autoscaler's
+    replacement would) and the run resumes from that checkpoint and completes."""
+    from trainlab.jobs import client as jobclient
+    from trainlab.jobs import runtime_env as renv
+    from trainlab.jobs.localcluster import add_worker_node, kill_raylet, node_id
+    from trainlab.jobs.submit import Submitter, prepare, stage_working_dir
+
+    add_worker_node(cluster, num_cpus=3)  # the spare: head + 2 workers nodes of 3 CPUs
+    runs = tmp_path / "runs"
+    prep = prepare(
+        str(REPO / "trainers/recipes/tiny.yaml"),
+        [*overrides(dataset, runs, steps=10, every=2), "train.max_failures=3"],
+        REPO,
+    )
+    wd = tmp_path / "wd"
+    config_rel = stage_working_dir(prep, wd)
+    client = _client(cluster)
+    runtime_env = renv.build_runtime_env(wd, env_vars=renv.forwarded_env())
+    sub = Submitter(prep, client, cluster.dashboard_url, runtime_env, config_rel, print)
+    job_id = sub.train(retries=0)
+    checkpoints = Path(prep.run_dir) / "checkpoints"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not list(checkpoints.glob("step-*")):
+        status = str(client.get_job_status(job_id).value)
+        assert status not in jobclient.TERMINAL, client.get_job_logs(job_id)[-3000:]
+        assert time.monotonic() < deadline, "no checkpoint written"
+        time.sleep(1.0)
+    busy = _worker_nodes(cluster, job_id)
+    (victim,) = [n for n in cluster.workers if node_alive(n) and node_id(n) in busy][:1]
+    kill_raylet(victim)  # the node is lost: its raylet and every process on it
+    info = jobclient.wait_for(client, job_id, timeout_s=JOB_TIMEOUT_S)
+    assert str(info.status.value) == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
+    summary = _summary(prep.run_dir)
+    assert (summary["status"], summary["final_step"]) == ("completed", 10)
+    assert summary["restarts"] >= 1
+    attempts = [
+        json.loads(line)
+        for line in (Path(prep.run_dir) / "logs/attempts.jsonl").read_text().splitlines()
+    ]
+    assert attempts[0]["start_step"] == 0 and attempts[-1]["start_step"] >= 2
+    assert not node_alive(victim)
+
+
+def node_alive(node) -> bool:
+    from trainlab.jobs.localcluster import group_members
+
+    return bool(group_members(node.pgid))
+
+
+def test_unreachable_data_is_refused_before_submission_and_stop_ends_a_job(
+    cluster, dataset, tmp_path
+):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    trains_before = _train_jobs(cluster)
+    missing = tmp_path / "not-prepared"
+    proc = subprocess.run(
+        [
+            str(BIN / "trainlab"),
+            "submit",
+            "trainers/recipes/tiny.yaml",
+            *_sets(
+                [*overrides(dataset, tmp_path / "runs", steps=4, every=2), f"data.path={missing}"]
+            ),
+            "--address",
+            cluster.dashboard_url,
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    # One line per node, naming the node and the missing manifest.
+    alive = [n for n in cluster.nodes if node_alive(n)]
+    assert len(errors) == len(alive) and all(f"{missing}/manifest.json" in ln for ln in errors)
+    assert _train_jobs(cluster) == trains_before  # nothing was submitted
+
+    from trainlab.jobs.runtime_env import entrypoint_options
+
+    job_id = _client(cluster).submit_job(
+        entrypoint='python -c "import time; time.sleep(600)"', **entrypoint_options()
+    )
+    stop = subprocess.run(
+        [str(BIN / "trainlab"), "stop", job_id, "--json", "--address", cluster.dashboard_url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert stop.returncode == 0, stop.stderr
+    assert json.loads(stop.stdout.strip().splitlines()[-1])["status"] == "STOPPED"
+    again = subprocess.run(
+        [str(BIN / "trainlab"), "stop", "no-such-job", "--address", cluster.dashboard_url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert again.returncode == 2 and "no such job" in again.stderr
+
+
+def _train_jobs(cluster) -> int:
+    from trainlab.jobs.client import list_jobs
+
+    return sum(r.kind == "train" for r in list_jobs(_client(cluster)))
