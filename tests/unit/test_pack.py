@@ -7,13 +7,7 @@ import pytest
 
 from trainlab.data.corpus import SourceTokens, read_source
 from trainlab.data.manifest import load_manifest
-from trainlab.data.pack import (
-    IGNORE_INDEX,
-    SourceStream,
-    empty_batch,
-    fill_row,
-    pack_units,
-)
+from trainlab.data.pack import IGNORE_INDEX, SourceStream, pack_units
 from trainlab.data.testing import small_dataset
 
 EOS = 0
@@ -71,14 +65,25 @@ def test_rows_wrap_into_the_next_epoch() -> None:
 def test_padding_fills_the_end_of_a_finite_stream() -> None:
     src = _source([3, 2])
     stream = SourceStream(src, src.train_docs, seed=0, shuffle=False, finite=True)
-    batch = empty_batch(2, 4, EOS)
-    starts, split = fill_row(batch, 0, src, stream.pieces(0, 4))
-    assert (starts, split) == (2, True)
-    fill_row(batch, 1, src, stream.pieces(4, 4))
-    assert batch["input_ids"][1].tolist() == [0, EOS, EOS, EOS]
-    assert batch["document_ids"][1].tolist() == [0, -1, -1, -1]
-    assert batch["labels"][1].tolist() == [IGNORE_INDEX] * 4
-    assert batch["position_ids"][1].tolist() == [1, 0, 0, 0]
+    packed = pack_units([stream], np.zeros(3, np.int64), np.arange(3), 4, EOS)
+    b = packed.batch
+    assert b["input_ids"].tolist() == [[100, 101, 0, 200], [0, EOS, EOS, EOS], [EOS] * 4]
+    assert b["document_ids"].tolist() == [[0, 0, 0, 1], [0, -1, -1, -1], [-1] * 4]
+    assert b["labels"][1:].tolist() == [[IGNORE_INDEX] * 4] * 2
+    assert b["position_ids"][1].tolist() == [1, 0, 0, 0]
+    assert packed.row_doc_starts.tolist() == [2, 0, 0]
+    assert packed.row_split.tolist() == [True, False, False]
+
+
+def test_rows_need_not_be_consecutive_units_or_one_source() -> None:
+    a, b = _source([5, 3], "a"), _source([2, 2, 2], "b")
+    streams = [SourceStream(s, s.train_docs, seed=0, shuffle=False) for s in (a, b)]
+    packed = pack_units(streams, np.array([1, 0, 1, 0]), np.array([2, 0, 0, 1]), 4, EOS)
+    b_stream = b.tokens.tolist() * 3
+    a_stream = a.tokens.tolist() * 2
+    assert packed.batch["input_ids"].tolist() == [b_stream[8:12], a_stream[0:4], b_stream[0:4],
+                                                  a_stream[4:8]]
+    assert packed.row_source.tolist() == [1, 0, 1, 0]
 
 
 def test_docs_started_counts_documents_per_epoch() -> None:

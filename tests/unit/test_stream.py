@@ -91,8 +91,8 @@ def test_training_never_sees_validation_documents(spec: DataSpec) -> None:
         src = stream.corpus[name]
         assert len(src.val_docs) >= 1
         assert not set(src.val_docs.tolist()) & set(src.train_docs.tolist())
-        s = stream.streams[i]
-        seen = {p.doc for k in range(400) for p in s.pieces(k * spec.seq_len, spec.seq_len)}
+        pieces = stream.streams[i].pieces(0, 400 * spec.seq_len, spec.seq_len)
+        seen = set(pieces.doc.tolist())
         assert seen <= set(src.train_docs.tolist()) and not seen & set(src.val_docs.tolist())
 
 

@@ -38,4 +38,5 @@ class BenchResult:
 BENCHMARKS: list[str] = [
     "trainlab.bench.plan_bench:bench_plan",
     "trainlab.bench.prep_bench:bench_prep",
+    "trainlab.bench.loader_bench:bench_loader",
 ]

@@ -91,19 +91,29 @@ def _stream_for(spec: DataSpec) -> TrainStream:
     return stream
 
 
+def packed_steps(stream: TrainStream, first: int, count: int, rank: int,
+                 world_size: int) -> dict[str, np.ndarray]:
+    """Steps [first, first + count) of one rank as a block: "step" [count] and every
+    batch and bookkeeping array with a leading step axis ([count, rows, ...])."""
+    packed = stream.rank_rows(first, rank, world_size, steps=count)
+    out = {"step": np.arange(first, first + count, dtype=np.int64)}
+    for key in BATCH_KEYS:
+        out[key] = packed.batch[key].reshape(count, -1, stream.spec.seq_len)
+    for key, value in _meta(packed).items():
+        out[key] = value.reshape(count, -1)
+    return out
+
+
 def pack_steps(batch: dict[str, np.ndarray], spec: DataSpec, rank: int,
                world_size: int) -> dict[str, np.ndarray]:
-    """Ray Data map: step numbers in, this rank's packed rows of those steps out
-    (one output row per step, arrays shaped [rows_per_rank, seq_len])."""
-    stream = _stream_for(spec)
+    """Ray Data map: a block of consecutive step numbers in, this rank's packed rows
+    of those steps out (one output row per step)."""
     steps = batch["data"].astype(np.int64).ravel()
-    packed = [stream.rank_rows(int(s), rank, world_size) for s in steps]
-    out = {"step": steps}
-    for key in BATCH_KEYS:
-        out[key] = np.stack([p.batch[key] for p in packed])
-    for key in META_KEYS:
-        out[key] = np.stack([_meta(p)[key] for p in packed])
-    return out
+    if len(steps) and not np.array_equal(steps, np.arange(steps[0], steps[0] + len(steps))):
+        raise ValueError(f"pack_steps needs consecutive steps, got {steps[:8]}...")
+    if not len(steps):
+        return packed_steps(_stream_for(spec), 0, 0, rank, world_size)
+    return packed_steps(_stream_for(spec), int(steps[0]), len(steps), rank, world_size)
 
 
 _DONE = object()
@@ -169,6 +179,11 @@ def _quiet_ray_data_console() -> None:
         if type(handler).__name__ == "PlainRayHandler" and not any(
                 isinstance(f, _WarningsOnly) for f in handler.filters):
             handler.addFilter(_WarningsOnly())
+
+
+def _unblock(block: dict[str, np.ndarray]) -> Iterator[tuple[int, Batch, dict]]:
+    for i, s in enumerate(block["step"].tolist()):
+        yield (int(s), {k: block[k][i] for k in BATCH_KEYS}, {k: block[k][i] for k in META_KEYS})
 
 
 def _resolve_backend(backend: Backend) -> Literal["ray_data", "local"]:
@@ -237,9 +252,11 @@ class WorkerLoader:
             yield s, split_micro_batches(batch, self.spec.micro_batch_size)
 
     def _iter_local(self, start: int, stop: int) -> Iterator[tuple[int, Batch, dict]]:
-        for s in range(start, stop):
-            packed = self.stream.rank_rows(s, self.rank, self.world_size)
-            yield s, packed.batch, _meta(packed)
+        per_block = self._steps_per_block()
+        for first in range(start, stop, per_block):
+            block = packed_steps(self.stream, first, min(per_block, stop - first),
+                                 self.rank, self.world_size)
+            yield from _unblock(block)
 
     def _steps_per_block(self) -> int:
         tokens = self.rows_per_rank * self.spec.seq_len
@@ -270,9 +287,7 @@ class WorkerLoader:
             return
         ds = self.build_dataset(start, stop)
         for block in ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=2):
-            for i, s in enumerate(block["step"].tolist()):
-                yield (int(s), {k: block[k][i] for k in BATCH_KEYS},
-                       {k: block[k][i] for k in META_KEYS})
+            yield from _unblock(block)
 
     # ------------------------------------------------------------------ validation, shares
 
@@ -300,9 +315,11 @@ class WorkerLoader:
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
-        return {"step": self._next_step, "fingerprint": self.spec.fingerprint,
-                "stream": self.spec.stream_identity()}
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        """`step`: the next step to train. Defaults to the step after the last one this
+        loader delivered; a consumer that prefetches should pass its own."""
+        return {"step": self._next_step if step is None else int(step),
+                "fingerprint": self.spec.fingerprint, "stream": self.spec.stream_identity()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at `state["step"]`. A different dataset fingerprint is a UserError

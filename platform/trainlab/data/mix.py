@@ -80,6 +80,7 @@ class BlendSchedule:
         self.a = quantize_weights(weights)
         self.memo_every = memo_every
         self._memo: list[list[int]] = [[0] * len(self.a)]
+        self._cursor: tuple[int, list[int]] = (0, [0] * len(self.a))
 
     @property
     def num_sources(self) -> int:
@@ -116,14 +117,16 @@ class BlendSchedule:
             last = len(self._memo) - 1
             self._memo.append(self._run(self._memo[last], last * self.memo_every,
                                         self.memo_every))
-        base = block * self.memo_every
-        return np.array(self._run(self._memo[block], base, row - base), dtype=np.int64)
+        base, counts = block * self.memo_every, self._memo[block]
+        if base <= self._cursor[0] <= row:  # sequential reads continue where the last ended
+            base, counts = self._cursor
+        return np.array(self._run(counts, base, row - base), dtype=np.int64)
 
     def assign(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """For rows [start, stop): (source index, that source's unit index) per row."""
         counts = self.counts_at(start)
         sources = np.empty(stop - start, dtype=np.int64)
-        self._run(list(counts), start, stop - start, sources)
+        self._cursor = (stop, self._run(list(counts), start, stop - start, sources))
         units = np.empty_like(sources)
         for i in range(self.num_sources):
             mask = sources == i

@@ -16,15 +16,7 @@ import numpy as np
 
 from trainlab.data.corpus import SourceTokens, load_corpus
 from trainlab.data.mix import BlendSchedule
-from trainlab.data.pack import (
-    Batch,
-    PackedRows,
-    SourceStream,
-    empty_batch,
-    fill_row,
-    pack_units,
-    slice_batch,
-)
+from trainlab.data.pack import Batch, PackedRows, SourceStream, pack_units, slice_batch
 from trainlab.data.spec import DataSpec, rows_per_rank
 from trainlab.errors import UserError
 
@@ -54,11 +46,16 @@ class TrainStream:
         sources, units = self.schedule.assign(start, stop)
         return pack_units(self.streams, sources, units, self.spec.seq_len, self.spec.eos_id)
 
-    def rank_rows(self, step: int, rank: int = 0, world_size: int = 1) -> PackedRows:
-        """This rank's rows of global step `step`."""
+    def rank_rows(self, step: int, rank: int = 0, world_size: int = 1,
+                  steps: int = 1) -> PackedRows:
+        """This rank's rows of global steps [step, step + steps), step after step.
+        Packing several steps in one call amortizes numpy's per-call cost."""
         per_rank = rows_per_rank(self.spec, world_size)
-        first = step * self.spec.global_batch_size + rank * per_rank
-        return self.rows(first, first + per_rank)
+        g = self.spec.global_batch_size
+        sources, units = self.schedule.assign(step * g, (step + steps) * g)
+        mine = (np.arange(steps)[:, None] * g + rank * per_rank + np.arange(per_rank)).ravel()
+        return pack_units(self.streams, sources[mine], units[mine], self.spec.seq_len,
+                          self.spec.eos_id)
 
     def global_batch(self, step: int) -> Batch:
         return self.rank_rows(step).batch
@@ -78,16 +75,9 @@ class TrainStream:
     def validation_rows(self, source: str, start: int, stop: int) -> PackedRows:
         """Rows [start, stop) of the source's held-out documents, packed in a fixed
         order. Past the end of the validation set rows are padding (labels -100)."""
-        stream = self.validation_stream(source)
-        n, seq_len = stop - start, self.spec.seq_len
-        packed = PackedRows(batch=empty_batch(n, seq_len, self.spec.eos_id),
-                            row_source=np.full(n, -1, np.int64),
-                            row_unit=np.arange(start, stop, dtype=np.int64),
-                            row_doc_starts=np.zeros(n, np.int64), row_split=np.zeros(n, bool))
-        for i in range(n):
-            pieces = stream.pieces((start + i) * seq_len, seq_len)
-            packed.row_doc_starts[i], packed.row_split[i] = fill_row(packed.batch, i,
-                                                                     stream.src, pieces)
+        packed = pack_units([self.validation_stream(source)], np.zeros(stop - start, np.int64),
+                            np.arange(start, stop), self.spec.seq_len, self.spec.eos_id)
+        packed.row_source[:] = -1  # not a training source index
         return packed
 
     # ------------------------------------------------------------------ accounting
