@@ -201,7 +201,8 @@ class NonFiniteRule(AlertRule):
 
 class LossRisingRule(AlertRule):
     severity: Severity = "P1"
-    # The loss's moving average (over `smoothing` steps) rises for `window` consecutive steps.
+    # The loss's moving average (over `smoothing` steps) has risen over the last `window`
+    # steps by more than its noise (5 standard errors; see trainlab.monitor.rules).
     window: int = Field(50, ge=1, le=1_000_000)
     smoothing: int = Field(20, ge=1, le=1_000_000)
 

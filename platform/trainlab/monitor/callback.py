@@ -5,7 +5,8 @@ Signals, logged as metrics beside the loop's own:
 - resources: mem_gb (loop), cpu_util_pct and rss_gb of the rank-0 process (here),
   plus MLflow's system metrics (CPU, memory, GPU when present);
 - progress: step, progress (fraction of train.total_steps), eta_s and ckpt_age_s
-  (from the loop when it reports them, else computed here).
+  (from the loop when it reports them, else computed here);
+- alerts_fired: alerts so far in this process, so alerts sit on the curves.
 """
 
 from __future__ import annotations
@@ -70,13 +71,14 @@ class MonitorCallback(Callback):
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
         now = self.clock()
         signals = self.signals(step, metrics, now)
-        if self.tracker is not None:
-            self.tracker.log_metrics(step, signals)
         observed = {**signals, **metrics}
         for rule in self.rules:
             alert = rule.observe(step, observed, now)
             if alert is not None:
                 self._emit(alert)
+        signals["alerts_fired"] = float(len(self.alerts))
+        if self.tracker is not None:
+            self.tracker.log_metrics(step, signals)
 
     def on_checkpoint(self, step: int, path: str, valid: bool, val_loss: float | None) -> None:
         if not valid:
@@ -109,7 +111,6 @@ class MonitorCallback(Callback):
         if self._process is not None:
             out["cpu_util_pct"] = self._process.cpu_percent(None)
             out["rss_gb"] = self._process.memory_info().rss / 2**30
-        out["alerts_fired"] = float(len(self.alerts))
         return out
 
     # ---------------------------------------------------------------- alerts

@@ -4,15 +4,19 @@ Every rule reduces an observation to "bad or not" (or "no opinion yet"); the
 shared `Rule.observe` turns that into at most one alert per episode:
 
 - window: the condition must have held for `window` steps before the rule fires
-  (measured in training steps, so it does not depend on `train.log_interval`);
+  (measured in training steps, so it does not depend on `train.log_interval`;
+  grad_spike and loss_rising fire on sight, their window is inside the statistic);
 - hysteresis: after firing, the rule stays latched until the condition has been
-  false for `window` steps again, so a condition that flickers fires once;
+  false for `window` steps, so a condition that flickers fires once;
 - cool-down: no second firing within `cooldown` steps of the last one.
 
 Statistics (stated, so a reader can judge them):
 - non_finite: loss or grad norm is NaN or infinite.
-- loss_rising: the moving average of the loss over the last `smoothing` steps is
-  higher than at the previous observation, at every observation for `window` steps.
+- loss_rising: the moving average of the loss over the last `smoothing` steps has
+  risen over the last `window` steps by more than RISE_Z standard errors (the noise
+  of one loss value is estimated from successive differences). Requiring a rise at
+  every single observation instead would be a coin flip per observation on a flat,
+  noisy curve, and false alarms with a sparse `train.log_interval`.
 - grad_spike: grad norm > `factor` x the mean grad norm of the previous `window`
   steps (spikes themselves are left out of the mean); fires on sight.
 - throughput_drop: tokens/s < `fraction` x the median tokens/s of the last
@@ -32,6 +36,9 @@ from typing import Any
 # Observations a statistic needs before it judges anything.
 MIN_HISTORY = 3
 THROUGHPUT_HISTORY = 50
+# loss_rising: a rise counts when it exceeds this many standard errors of the noise.
+RISE_Z = 5.0
+NOISE_HISTORY = 200
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,12 @@ class Rule:
 
     @property
     def hold_steps(self) -> int:
-        """Steps the condition must hold to fire, and be absent to re-arm."""
+        """Steps the condition must hold before the rule fires."""
+        return self.window
+
+    @property
+    def rearm_steps(self) -> int:
+        """Steps the condition must be absent before a fired rule can fire again."""
         return self.window
 
     def observe(self, step: int, metrics: dict[str, float], now: float) -> Alert | None:
@@ -101,7 +113,7 @@ class Rule:
             return self._maybe_fire(step, verdict, now)
         self._bad_since = None
         self._good_since = since if self._good_since is None else self._good_since
-        if self._latched and step - self._good_since + 1 >= self.hold_steps:
+        if self._latched and step - self._good_since + 1 >= self.rearm_steps:
             self._latched = False
         return None
 
@@ -113,6 +125,13 @@ class Rule:
         self._latched = True
         self._last_fired = step
         return Alert(self.name, self.severity, step, verdict.value, verdict.message, time=now)
+
+
+def _stdev(values: deque) -> float:
+    # Plain float arithmetic: statistics.stdev is exact (Fractions) and 100x slower.
+    n = len(values)
+    mean = sum(values) / n
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
 
 
 def _finite(metrics: dict[str, float], key: str) -> float | None:
@@ -140,22 +159,42 @@ class NonFinite(Rule):
 class LossRising(Rule):
     smoothing: int = 20
     _recent: deque = field(default_factory=deque, repr=False)
-    _prev_avg: float | None = field(default=None, repr=False)
+    _averages: deque = field(default_factory=deque, repr=False)
+    _diffs: deque = field(default_factory=lambda: deque(maxlen=NOISE_HISTORY), repr=False)
+
+    @property
+    def hold_steps(self) -> int:
+        # The window is already inside the statistic (now vs `window` steps ago).
+        return 1
 
     def judge(self, step: int, metrics: dict[str, float], now: float) -> Verdict | None:
         loss = _finite(metrics, "loss")
         if loss is None:
             return None
+        if self._recent:
+            self._diffs.append(loss - self._recent[-1][1])
         self._recent.append((step, loss))
         while self._recent[0][0] <= step - self.smoothing:
             self._recent.popleft()
-        avg = sum(v for _, v in self._recent) / len(self._recent)
-        prev, self._prev_avg = self._prev_avg, avg
-        if prev is None:
+        n = len(self._recent)
+        avg = sum(v for _, v in self._recent) / n
+        self._averages.append((step, avg))
+        earlier = None
+        while self._averages[0][0] <= step - self.window:
+            earlier = self._averages.popleft()
+        if earlier is not None:  # keep the newest average at least `window` steps old
+            self._averages.appendleft(earlier)
+        if earlier is None or len(self._diffs) < MIN_HISTORY:
             return None
-        return Verdict(avg > prev, avg,
-                       f"loss moving average ({self.smoothing} steps) has risen for "
-                       f"{self.window}+ steps, now {avg:.4g}")
+        # Noise of one loss value from successive differences (robust to slow trends),
+        # then the standard error of the difference of two n-point averages.
+        noise = _stdev(self._diffs) / math.sqrt(2)
+        margin = RISE_Z * noise * math.sqrt(2 / n)
+        rise = avg - earlier[1]
+        return Verdict(rise > margin, avg,
+                       f"loss moving average ({self.smoothing} steps) rose by {rise:.4g} over "
+                       f"the last {step - earlier[0]} steps to {avg:.4g} (noise margin "
+                       f"{margin:.3g})")
 
 
 @dataclass

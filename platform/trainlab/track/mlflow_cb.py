@@ -236,11 +236,7 @@ class MlflowCallback(Callback):
         if not _is_rank_zero():
             log.warning("MLflow callback called off rank 0; not logging from this worker")
             return
-        self._run_dir = str(ctx.run_dir)
-        # Contract: the run directory is {runs_root}/{date}/{name}.
-        runs_root = self.runs_root or str(Path(ctx.run_dir).resolve().parents[1])
-        self.tracking_uri = tracking_uri(runs_root)
-        self._client = client_for(self.tracking_uri)
+        runs_root = self._connect(str(ctx.run_dir))
         exp_id = get_or_create_experiment(self._client, experiment_name(ctx.cfg),
                                           artifact_location(runs_root))
         existing = self._find_run(exp_id, run_key(ctx.run_dir))
@@ -284,7 +280,27 @@ class MlflowCallback(Callback):
             self.set_tags(tags)
             self._client.set_terminated(self.run_id, _MLFLOW_STATUS.get(status, "FAILED"))
 
+    def attach(self, run_dir: str) -> bool:
+        """Connect to the existing MLflow run of `run_dir` without creating one
+        (for closing a run from the driver); False when there is none."""
+        self._connect(run_dir)
+        exp = self._client.get_experiment_by_name(experiment_name(self.cfg))
+        run = self._find_run(exp.experiment_id, run_key(run_dir)) if exp else None
+        if run is None:
+            return False
+        self.run_id = run.info.run_id
+        return True
+
     # ---------------------------------------------------------------- internals
+
+    def _connect(self, run_dir: str) -> str:
+        """Open the store for `run_dir`; returns the runs root it lives in."""
+        self._run_dir = run_dir
+        # Contract: the run directory is {runs_root}/{date}/{name}.
+        runs_root = self.runs_root or str(Path(run_dir).resolve().parents[1])
+        self.tracking_uri = tracking_uri(runs_root)
+        self._client = client_for(self.tracking_uri)
+        return runs_root
 
     def _find_run(self, exp_id: str, key: str) -> Any:
         runs = self._client.search_runs([exp_id], filter_string=f"tags.run_key = '{key}'",
@@ -367,3 +383,16 @@ class MlflowCallback(Callback):
         if self._system_monitor is not None:
             self._system_monitor.finish()
             self._system_monitor = None
+
+
+def close_run(cfg: Any, run_dir: str, summary: dict[str, Any],
+              runs_root: str | None = None) -> str | None:
+    """End the MLflow run of `run_dir` from outside the workers (e.g. the driver
+    after the run failed for good, when rank 0 could not): run_summary.json,
+    alert log, curves, status tag and MLflow status. Returns the run id, or None
+    when that training run has no MLflow run."""
+    tracker = MlflowCallback(cfg, runs_root=runs_root)
+    if not tracker.attach(run_dir):
+        return None
+    tracker.on_run_end(summary)
+    return tracker.run_id

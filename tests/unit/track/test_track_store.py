@@ -1,0 +1,46 @@
+"""Where records go: the embedded store in the runs root unless MLFLOW_TRACKING_URI
+is set; how config values become MLflow params and come back."""
+
+from __future__ import annotations
+
+from tests.unit.track.conftest import RECIPES
+from trainlab.config import load_config
+from trainlab.track import artifact_location, tracking_uri
+from trainlab.track.mlflow_cb import metric_name, param_value, run_key, run_params
+from trainlab.track.query import parse_param
+
+
+def test_embedded_store_lives_in_the_absolute_runs_root(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    assert tracking_uri("runs") == f"sqlite:///{tmp_path}/runs/mlflow.db"
+    assert artifact_location("runs") == (tmp_path / "runs" / "mlartifacts").as_uri()
+
+
+def test_tracking_server_from_the_environment_wins(monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert tracking_uri("runs") == "http://127.0.0.1:5000"
+    assert artifact_location("runs") is None  # the server decides
+
+
+def test_params_are_the_flattened_config_and_read_back_typed(tmp_path):
+    cfg = load_config(RECIPES / "tiny.yaml", ["train.chaos.kill_at_steps=[5, 9]"])
+    params = run_params(cfg, {"num_params": 123, "strategy": "ddp",
+                              "parallel": {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 0},
+                              "memory_per_device_bytes": {"total": 3 * 2**30}})
+    assert params["data.mix.code"] == "0.5"
+    assert params["plan.num_params"] == "123" and params["plan.dp"] == "2"
+    assert params["plan.memory_per_device_gb"] == "3.000"
+    assert parse_param(params["train.lr"]) == cfg.train.lr
+    assert parse_param(params["train.chaos.kill_at_steps"]) == [5, 9]
+    assert parse_param(params["model.tie_embeddings"]) is True
+    assert parse_param(params["model.arch"]) == "llama"
+    assert parse_param(params["model.num_kv_heads"]) == 2
+    assert len(param_value("x" * 10_000)) == 6000  # MLflow's limit, not an error
+
+
+def test_run_key_and_metric_names():
+    assert run_key("/a/b/../b/run") == run_key("/a/b/run")
+    assert run_key("/a/b/run") != run_key("/a/b/run2")
+    assert metric_name("share/code-v2.x") == "share/code-v2.x"
+    assert metric_name("share/c++") == "share/c__"
