@@ -196,3 +196,21 @@ def make_job(
         session="test",
         started_at=time.time(),
     )
+
+
+def stream_factory(spec: dict[str, Any], rank: int, world_size: int) -> ContractStream:
+    """`TrainJob.loader_factory` for tests: `spec` is the config as a dict."""
+    return ContractStream(ExperimentConfig.model_validate(spec), rank, world_size)
+
+
+def contract_data(cfg: ExperimentConfig) -> Any:
+    """`launcher.DataInfo` for the contract stream of `cfg`."""
+    from trainlab.train.launcher import DataInfo
+
+    stream = ContractStream(cfg)
+    return DataInfo(
+        spec=cfg.model_dump(mode="json"),
+        fingerprint=stream.fingerprint,
+        manifest_path="/dev/null",
+        sources=list(stream.sources),
+    )

@@ -47,6 +47,7 @@ from trainlab.train.parallel import (
 )
 from trainlab.train.rng import capture_rng, restore_rng, seed_everything, set_deterministic
 from trainlab.train.schedule import lr_at
+from trainlab.train.summary import read_attempts, read_failures, write_summary
 
 log = logging.getLogger("trainlab.train")
 
@@ -241,6 +242,7 @@ class Trainer:
 
     def resume(self) -> int:
         """Restore the newest valid checkpoint (rank 0 chooses, every rank loads)."""
+        t0 = time.perf_counter()
         choice = None
         if self.env.is_main:
             ck.clean_staging(self.job.checkpoint_root)
@@ -255,6 +257,7 @@ class Trainer:
         self._load(Path(choice))
         if self.env.is_main:
             self.last_checkpoint = ck.read_info(Path(choice))
+        log.info("resumed from %s (step %d) in %.2f s", choice, self.step, time.perf_counter() - t0)
         return self.step
 
     def _load(self, path: Path) -> None:
@@ -287,7 +290,6 @@ class Trainer:
                 "checkpoint %s has no RNG state for rank %d; reseeding", path, self.env.rank
             )
             seed_everything(self.cfg.train.seed + 1 + self.env.rank + 7919 * self.step)
-        log.info("resumed from %s (step %d)", path, self.step)
 
     def _load_dcp(self, path: Path) -> None:
         import torch.distributed.checkpoint as dcp
@@ -598,20 +600,15 @@ class Trainer:
     def _announce_start(self, start: int) -> None:
         if not self.env.is_main:
             return
-        attempts = self.job.logs_dir / "attempts.jsonl"
-        with open(attempts, "a") as f:
-            f.write(
-                json.dumps(
-                    {
-                        "session": self.job.session,
-                        "start_step": start,
-                        "world_size": self.env.world_size,
-                        "time": time.time(),
-                    }
-                )
-                + "\n"
-            )
-        self.restarts = max(0, len(attempts.read_text().splitlines()) - 1)
+        record = {
+            "session": self.job.session,
+            "start_step": start,
+            "world_size": self.env.world_size,
+            "time": time.time(),
+        }
+        with open(self.job.logs_dir / "attempts.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.restarts = max(0, len(read_attempts(self.job.run_path)) - 1)
         log.info(
             "%s from step %d of %d (%d worker%s, %s, restarts so far: %d)",
             "resuming" if start else "starting",
@@ -674,35 +671,11 @@ class Trainer:
             "dataset_fingerprint": self.job.dataset_fingerprint,
             "start_step": self.start_step,
             "stop_reason": self.stop_reason or None,
-            "failures": read_failures(self.job.run_path),
+            "failures": read_failures(self.job.run_path, self.job.session),
         }
         write_summary(self.job.run_path, summary)
         self.callbacks.on_run_end(summary)
         return summary
-
-
-# --------------------------------------------------------------------------- run files
-
-
-def write_summary(run_dir: Path, summary: dict[str, Any]) -> Path:
-    """run_summary.json, written atomically."""
-    path = run_dir / "run_summary.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(summary, indent=2, default=str) + "\n")
-    tmp.replace(path)
-    return path
-
-
-def read_failures(run_dir: Path) -> list[dict[str, Any]]:
-    """Failures recorded so far (logs/failures.jsonl), oldest first."""
-    path = run_dir / "logs" / "failures.jsonl"
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            out.append(json.loads(line))
-    return out
 
 
 def _cloned(obj: Any) -> Any:

@@ -27,6 +27,8 @@ def set_deterministic(enabled: bool) -> None:
     CUBLAS_WORKSPACE_CONFIG is required by cuBLAS for deterministic matmuls on GPU;
     on CPU the flag makes torch refuse the few non-deterministic kernels.
     """
+    if enabled == torch.are_deterministic_algorithms_enabled():
+        return  # setting it imports torch._inductor (seconds): only when it changes
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(enabled)

@@ -1,0 +1,98 @@
+"""`trainlab train CONFIG [--set K=V ...] [--smoke] [--run-dir DIR | --resume] [--json]`."""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from trainlab.cli.common import config_args, echo_json, json_option
+
+
+@click.command()
+@config_args
+@click.option(
+    "--smoke",
+    is_flag=True,
+    help="Short rehearsal: a few steps, a checkpoint, a worker killed and a "
+    "validated resume. Run it before submitting a big job.",
+)
+@click.option(
+    "--run-dir",
+    "run_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Use this run directory; resume from its newest valid checkpoint if it "
+    "has one (what a job retry passes).",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue the most recent run of this config's name from its newest valid checkpoint.",
+)
+@json_option
+def train(
+    config: str,
+    overrides: tuple[str, ...],
+    smoke: bool,
+    run_dir: str | None,
+    resume: bool,
+    as_json: bool,
+) -> int:
+    """Train CONFIG on Ray Train: the local embedded cluster, or RAY_ADDRESS when set.
+
+    Progress (step, loss, tokens/s, ETA) goes to stderr; with --json the last line
+    of stdout is the run summary. Exits 0 when the run completes, 1 when it fails."""
+    from trainlab.config import load_config
+    from trainlab.errors import UserError
+    from trainlab.train import TrainingFailed, run
+
+    if run_dir and resume:
+        raise UserError("--run-dir and --resume: give one (--run-dir names the run to continue)")
+    if smoke and (run_dir or resume):
+        raise UserError(
+            "--smoke always rehearses in a fresh run directory; drop --run-dir/--resume"
+        )
+    cfg = load_config(config, overrides)
+    try:
+        summary = run(cfg, run_dir=run_dir, resume=resume, smoke=smoke)
+    except TrainingFailed as e:
+        _print_failure(e.summary)
+        if as_json:
+            echo_json(e.summary)
+        return 1
+    _print_done(summary)
+    if as_json:
+        echo_json(summary)
+    return 0
+
+
+def _print_done(s: dict) -> None:
+    loss = f"{s['final_loss']:.4f}" if s.get("final_loss") is not None else "n/a"
+    val = f"{s['val_loss']:.4f}" if s.get("val_loss") is not None else "n/a"
+    click.echo(
+        f"{s['name']}: {s['status']} at step {s['final_step']} (loss {loss}, val_loss "
+        f"{val}, restarts {s['restarts']}, {s['wall_seconds']:.0f} s)",
+        err=True,
+    )
+    click.echo(f"  run dir:         {s.get('run_dir')}", err=True)
+    click.echo(f"  last checkpoint: {s.get('last_checkpoint')}", err=True)
+    click.echo(f"  best checkpoint: {s.get('best_checkpoint')}", err=True)
+    if "smoke" in s:
+        checks = ", ".join(k for k, ok in s["smoke"]["checks"].items() if ok)
+        click.echo(f"  smoke checks passed: {checks}", err=True)
+
+
+def _print_failure(s: dict) -> None:
+    click.echo(f"{s.get('name')}: FAILED: {s.get('error')}", err=True)
+    for f in s.get("failures", []):
+        step = f.get("step") if f.get("step") is not None else "?"
+        click.echo(f"  failure: step {step}, rank {f.get('rank')}: {f.get('error')}", err=True)
+    click.echo(f"  run dir: {s.get('run_dir')}", err=True)
+    if s.get("last_checkpoint"):
+        click.echo(
+            f"  resume with: --run-dir {s.get('run_dir')} (newest valid checkpoint "
+            f"{s['last_checkpoint']})",
+            err=True,
+        )
+    sys.stderr.flush()

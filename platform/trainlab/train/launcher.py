@@ -1,0 +1,310 @@
+"""The driver side of `trainlab train`: check, plan, prepare, launch on Ray Train.
+
+`run(cfg)` does, in order: plan the layout and refuse what does not fit or
+cannot be executed (tp/pp > 1), check the data (`trainlab.data.prepare_run_data`),
+choose the run directory (see trainlab.train.rundir for new / --run-dir /
+--resume), refuse to resume a checkpoint of another experiment or dataset,
+connect to Ray (`trainlab.raycluster.ensure_ray`), and run a `TorchTrainer`
+whose workers execute `trainlab.train.worker.train_loop_per_worker`.
+
+A worker failure restarts the whole group (`FailureConfig(max_failures)`),
+which resumes from the newest valid checkpoint. When the retries are used up,
+`run` writes run_summary.json with status "failed" and the list of failures
+(step, rank, error) and raises `TrainingFailed`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from trainlab.config import ExperimentConfig, config_hash
+from trainlab.errors import UserError
+from trainlab.plan import plan, require_fit, resolve_layout
+from trainlab.train import checkpoint as ck
+from trainlab.train import rundir
+from trainlab.train.job import TrainJob
+from trainlab.train.summary import failed_summary, read_attempts, write_summary
+
+log = logging.getLogger("trainlab.train")
+
+# Environment forwarded from the driver to every worker (tracking, credentials
+# for shared storage, our own settings).
+FORWARDED_ENV_PREFIXES = ("MLFLOW_", "TRAINLAB_", "AWS_")
+# Ray Train checks worker health this often; its default (2 s) is most of the
+# time a restart takes on a small run.
+HEALTH_CHECK_INTERVAL_S = "0.5"
+SMOKE_STEPS = 6
+SMOKE_KILL_AT = 4
+SMOKE_CHECKPOINT_EVERY = 3
+
+
+class TrainingFailed(Exception):
+    """The run failed after its retries; `summary` is its run_summary.json."""
+
+    def __init__(self, summary: dict[str, Any]):
+        self.summary = summary
+        super().__init__(f"training failed: {summary.get('error')}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataInfo:
+    spec: Any
+    fingerprint: str
+    manifest_path: str
+    sources: list[str]
+
+
+# --------------------------------------------------------------------------- preparation
+
+
+def smoke_config(cfg: ExperimentConfig) -> ExperimentConfig:
+    """A short rehearsal of `cfg`: the same model, data and layout for a few steps,
+    with a checkpoint, a validated resume after an injected worker kill, and the end."""
+    d = cfg.model_dump()
+    t = d["train"]
+    t["total_steps"] = SMOKE_STEPS
+    t["warmup_steps"] = min(t["warmup_steps"], 2)
+    t["log_interval"] = 1
+    t["eval_interval"] = SMOKE_CHECKPOINT_EVERY
+    t["eval_batches"] = 1
+    t["max_failures"] = max(1, t["max_failures"])
+    t["checkpoint"].update(every_steps=SMOKE_CHECKPOINT_EVERY, validate=True)
+    t["chaos"] = {"kill_at_steps": [SMOKE_KILL_AT], "kill_rank": d["resource"]["num_workers"] - 1}
+    d["name"] = f"{cfg.name}-smoke"
+    return ExperimentConfig.model_validate(d)
+
+
+def prepare_layout(cfg: ExperimentConfig) -> tuple[ExperimentConfig, dict[str, Any]]:
+    """The config with its layout made concrete, and the plan; user errors for
+    what cannot run here."""
+    from trainlab.models import get_attention
+    from trainlab.train.parallel import check_executable
+
+    p = plan(cfg)
+    require_fit(p)
+    resolved = resolve_layout(cfg, p)
+    check_executable(resolved)
+    get_attention(resolved.model.attention)
+    return resolved, p.to_json()
+
+
+def prepare_data(cfg: ExperimentConfig) -> DataInfo:
+    """Check the prepared dataset and the mix before anything starts (trainlab.data)."""
+    from trainlab.data import prepare_run_data
+
+    spec = prepare_run_data(cfg)
+    manifest = getattr(spec, "manifest_path", None) or Path(cfg.data.path) / "manifest.json"
+    sources = list(getattr(spec, "sources", None) or cfg.data.mix)
+    return DataInfo(spec, str(spec.fingerprint), str(Path(manifest).resolve()), sources)
+
+
+def check_resumable(run_dir: Path, cfg: ExperimentConfig, chash: str, fingerprint: str) -> None:
+    """A checkpoint in run_dir must be of this experiment and (unless allowed) dataset."""
+    rundir.check_same_experiment(run_dir, cfg)
+    info = ck.find_resume(run_dir / "checkpoints", require_valid=cfg.train.checkpoint.validate)
+    if info is None:
+        return
+    if info.meta.get("config_hash") != chash:
+        raise UserError(
+            f"{info.path}: trained with config hash {info.meta.get('config_hash')}, "
+            f"this config is {chash}; start a new run instead of resuming"
+        )
+    theirs = info.meta.get("dataset_fingerprint")
+    if theirs != fingerprint and not cfg.data.allow_fingerprint_change:
+        raise UserError(
+            f"{info.path}: trained on dataset {theirs}, {cfg.data.path} is now "
+            f"{fingerprint}; set data.allow_fingerprint_change: true to resume anyway"
+        )
+
+
+def forwarded_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+
+
+def ray_job_id() -> str | None:
+    """The Ray Jobs submission id when this driver runs as a submitted job."""
+    if os.environ.get("TRAINLAB_RAY_JOB_ID"):
+        return os.environ["TRAINLAB_RAY_JOB_ID"]
+    try:
+        meta = json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("metadata", {})
+    except ValueError:
+        meta = {}
+    return meta.get("job_submission_id")
+
+
+def _driver_log(run_dir: Path) -> None:
+    handler = logging.FileHandler(run_dir / "logs" / "driver.log")
+    handler.setFormatter(
+        logging.Formatter("%(asctime)s driver %(levelname)s %(name)s: %(message)s")
+    )
+    logging.getLogger("trainlab").addHandler(handler)
+    logging.getLogger("trainlab").setLevel(logging.INFO)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def run(
+    cfg: ExperimentConfig,
+    *,
+    run_dir: str | Path | None = None,
+    resume: bool = False,
+    smoke: bool = False,
+    base_dir: Path | None = None,
+    data: DataInfo | None = None,
+    loader_factory: str | None = None,
+) -> dict[str, Any]:
+    """Train `cfg` on Ray Train; return the run summary (run_summary.json).
+
+    Raises UserError before anything starts for what the user must fix, and
+    TrainingFailed when the run fails after `train.max_failures` restarts.
+    `data`/`loader_factory` replace the prepared dataset and its stream (tests).
+    """
+    started = time.time()
+    if smoke:
+        cfg = smoke_config(cfg)
+    cfg, plan_json = prepare_layout(cfg)
+    data = data or prepare_data(cfg)
+    chash = config_hash(cfg)
+    path = rundir.choose_run_dir(cfg, run_dir, resume and not smoke, base_dir)
+    check_resumable(path, cfg, chash, data.fingerprint)
+    rundir.write_run_files(path, cfg, plan_json)
+    _driver_log(path)
+    job = TrainJob(
+        cfg=cfg.model_dump(mode="json"),
+        plan=plan_json,
+        run_dir=str(path),
+        config_hash=chash,
+        dataset_fingerprint=data.fingerprint,
+        manifest_path=data.manifest_path,
+        data_spec=data.spec,
+        sources=data.sources,
+        session=uuid.uuid4().hex[:12],
+        started_at=started,
+        env=forwarded_env(),
+        torch_threads=max(1, int(cfg.resource.cpus_per_worker)),
+        ray_job_id=ray_job_id(),
+    )
+    if loader_factory:
+        job.loader_factory = loader_factory
+    log.info(
+        "run %s: %s, %d worker(s), %s; run dir %s",
+        cfg.name,
+        plan_json["strategy"],
+        cfg.resource.num_workers,
+        cfg.train.precision,
+        path,
+    )
+    summary = _fit(cfg, job)
+    if smoke:
+        summary = _check_smoke(path, summary)
+    return summary
+
+
+def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
+    import ray.train
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from trainlab.raycluster import ensure_ray
+    from trainlab.train.failures import FailureRecorder
+    from trainlab.train.worker import train_loop_per_worker
+
+    ensure_ray(num_cpus=cfg.resource.local_num_cpus)
+    _check_cluster(cfg)
+    os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", HEALTH_CHECK_INTERVAL_S)
+    r = cfg.resource
+    per_worker = {"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})}
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config=job.to_dict(),
+        scaling_config=ray.train.ScalingConfig(
+            num_workers=r.num_workers, use_gpu=r.use_gpu, resources_per_worker=per_worker
+        ),
+        torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
+        run_config=ray.train.RunConfig(
+            # Ray's own bookkeeping; checkpoints are trainlab's (see train.checkpoint).
+            name=f"ray-{job.session}",
+            storage_path=str(job.run_path / "ray"),
+            failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
+            callbacks=[FailureRecorder(job.run_dir, job.session)],
+            # Ray's per-report INFO lines would drown the progress lines.
+            logging_config=ray.train.LoggingConfig(log_level="WARNING"),
+        ),
+    )
+    try:
+        trainer.fit()
+    except ray.train.TrainingFailedError as e:
+        from trainlab.train.failures import one_line
+
+        # Ray Train gave up restarting lost workers: the agents could not write this.
+        summary = failed_summary(
+            job,
+            f"gave up after Ray Train worker failures "
+            f"(train.max_failures = {cfg.train.max_failures}): "
+            f"{one_line(e)}",
+        )
+        write_summary(job.run_path, summary)
+        _close_record(cfg, job, summary)
+        raise TrainingFailed(summary) from None
+    summary = json.loads((job.run_path / "run_summary.json").read_text())
+    if summary.get("status") == "failed":  # the agents ran out of restarts
+        raise TrainingFailed(summary)
+    return summary
+
+
+def _close_record(cfg: ExperimentConfig, job: TrainJob, summary: dict[str, Any]) -> None:
+    """End the run's experiment record as failed (its workers could not)."""
+    try:
+        from trainlab.track import close_run
+    except ImportError:
+        return
+    try:
+        close_run(cfg, job.run_dir, summary)
+    except Exception:  # noqa: BLE001 - a tracking outage must not hide the failure summary
+        log.exception("could not close the experiment record of %s", job.run_dir)
+
+
+def _check_cluster(cfg: ExperimentConfig) -> None:
+    import ray
+
+    total = ray.cluster_resources()
+    r = cfg.resource
+    if r.use_gpu and total.get("GPU", 0) < r.num_workers:
+        raise UserError(
+            f"resource.use_gpu: the Ray cluster has {total.get('GPU', 0):g} GPU(s), "
+            f"resource.num_workers needs {r.num_workers}"
+        )
+    need = r.cpus_per_worker * r.num_workers
+    if total.get("CPU", 0) < need:
+        raise UserError(
+            f"resource: {r.num_workers} workers x {r.cpus_per_worker:g} CPU need "
+            f"{need:g} CPUs; the Ray cluster has {total.get('CPU', 0):g}"
+        )
+
+
+def _check_smoke(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """The rehearsal passed when a worker was killed, the group resumed from the
+    validated checkpoint before the kill, and the run completed."""
+    resumed_from = [a["start_step"] for a in read_attempts(run_dir)][1:]
+    checks = {
+        "completed": summary.get("status") == "completed",
+        "checkpoint_saved_and_validated": bool(ck.committed(run_dir / "checkpoints"))
+        and all(i.valid for i in ck.committed(run_dir / "checkpoints")),
+        "worker_killed_and_restarted": summary.get("restarts", 0) >= 1,
+        "resumed_from_checkpoint": SMOKE_CHECKPOINT_EVERY in resumed_from,
+    }
+    summary = {**summary, "smoke": {"checks": checks, "resumed_from": resumed_from}}
+    if not all(checks.values()):
+        failed = ", ".join(k for k, ok in checks.items() if not ok)
+        summary.update(status="failed", error=f"smoke rehearsal failed: {failed}")
+        write_summary(run_dir, summary)
+        raise TrainingFailed(summary)
+    write_summary(run_dir, summary)
+    return summary

@@ -1,0 +1,123 @@
+"""Training on the shared local Ray cluster: DDP and FSDP with 2 workers, a chaos
+kill that resumes bitwise-identically, and max_failures exhausted.
+
+Tiny model and few steps: the cost is Ray's worker-group (re)starts."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.train_helpers import contract_data, tiny_config
+from trainlab.train import TrainingFailed, run
+
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+FACTORY = "tests.train_helpers:stream_factory"
+SUMMARY_KEYS = {
+    "name",
+    "status",
+    "final_step",
+    "final_loss",
+    "val_loss",
+    "tokens_seen",
+    "restarts",
+    "weights_sha256",
+    "last_checkpoint",
+    "best_checkpoint",
+    "wall_seconds",
+}
+
+
+def train(cfg, tmp_path, **kw):
+    return run(cfg, base_dir=tmp_path, data=contract_data(cfg), loader_factory=FACTORY, **kw)
+
+
+def two_workers(**train):
+    return tiny_config(
+        resource={"num_workers": 2},
+        train={
+            "total_steps": 10,
+            "log_interval": 2,
+            "eval_interval": 5,
+            "deterministic": True,
+            "checkpoint": {"every_steps": 3, "keep_last": 2},
+            **train,
+        },
+    )
+
+
+def test_ddp_chaos_kill_resumes_and_matches_an_uninterrupted_run(ray_cluster, tmp_path):
+    clean = train(two_workers(), tmp_path / "clean")
+    chaos_cfg = two_workers(chaos={"kill_at_steps": [7], "kill_rank": 1})
+    killed = train(chaos_cfg, tmp_path / "chaos")
+
+    assert set(clean) >= SUMMARY_KEYS and set(killed) >= SUMMARY_KEYS
+    assert clean["status"] == killed["status"] == "completed"
+    assert clean["restarts"] == 0 and killed["restarts"] == 1
+    assert killed["final_step"] == 10 and killed["start_step"] == 6  # newest valid before 7
+    # bitwise identity of the killed-and-resumed run and the uninterrupted one
+    assert killed["weights_sha256"] == clean["weights_sha256"]
+    assert killed["final_loss"] == clean["final_loss"]
+
+    # the failure is recorded with its step and rank (the survivor's error is too)
+    failures = killed["failures"]
+    chaos = [f for f in failures if f["rank"] == 1]
+    assert chaos and chaos[0]["step"] == 7 and "chaos" in chaos[0]["error"]
+
+    # the run directory
+    rd = Path(killed["run_dir"])
+    assert rd.parent.parent == tmp_path / "chaos" / "runs" and rd.name == chaos_cfg.name
+    for name in (
+        "config.yaml",
+        "plan.json",
+        "run_summary.json",
+        "logs/rank0.log",
+        "logs/rank1.log",
+        "logs/driver.log",
+    ):
+        assert (rd / name).exists(), name
+    line = (rd / "logs/rank1.log").read_text().splitlines()[0]
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ rank1 ", line), line
+    assert json.loads((rd / "run_summary.json").read_text())["restarts"] == 1
+    kept = sorted(p.name for p in (rd / "checkpoints").iterdir())
+    assert kept[-1] == "step-00000010" and len(kept) <= 3  # keep_last 2 + keep_best 1
+
+
+def test_fsdp_two_workers_saves_sharded_and_resumes(ray_cluster, tmp_path):
+    cfg = two_workers(
+        total_steps=8,
+        chaos={"kill_at_steps": [5], "kill_rank": 0},
+        checkpoint={"every_steps": 4, "async_save": True},
+    )
+    cfg = cfg.model_copy(
+        update={"parallel": cfg.parallel.model_copy(update={"strategy": "fsdp", "zero_stage": 3})}
+    )
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "completed" and summary["final_step"] == 8
+    assert summary["restarts"] == 1 and summary["start_step"] == 4
+    last = tmp_path / "runs" / summary["last_checkpoint"].split("/runs/", 1)[1]
+    meta = json.loads((last / "checkpoint.json").read_text())
+    assert meta["format"] == "dcp" and meta["valid"]
+    assert any(f.startswith("state/") and f.endswith(".distcp") for f in meta["files"])
+
+
+def test_max_failures_exhausted_ends_with_a_failure_summary(ray_cluster, tmp_path):
+    cfg = two_workers(
+        total_steps=8,
+        max_failures=1,
+        chaos={"kill_at_steps": [2, 5], "kill_rank": 1},
+        checkpoint={"every_steps": 4},
+    )
+    with pytest.raises(TrainingFailed) as info:
+        train(cfg, tmp_path)
+    summary = info.value.summary
+    assert summary["status"] == "failed" and "train.max_failures = 1" in summary["error"]
+    by_step = {(f["step"], f["rank"]) for f in summary["failures"]}
+    assert {(2, 1), (5, 1)} <= by_step
+    assert summary["last_checkpoint"].endswith("step-00000004")
+    on_disk = json.loads((tmp_path / "runs").glob("*/*/run_summary.json").__next__().read_text())
+    assert on_disk["status"] == "failed" and len(on_disk["failures"]) == len(summary["failures"])
