@@ -112,3 +112,21 @@ def test_repetition_cap_names_the_source_and_the_epochs_it_needs() -> None:
     assert "train.total_steps=100" in line and "'code'" not in line
     needed = check_repetition_cap(max_epochs=4.8, **args)  # exactly at the cap is allowed
     assert needed == {"code": pytest.approx(0.112), "docs": pytest.approx(4.8)}
+
+
+def test_periodic_fast_forward_equals_replaying_every_row() -> None:
+    """Counts far into a run come from the period (Q rows) instead of a replay from
+    row 0; they must be exactly what the replay gives."""
+    weights = [0.45, 0.35, 0.2]
+    fast = BlendSchedule(weights, memo_every=97, scale=1000)
+    assert fast.periodic
+    replay = BlendSchedule(weights, memo_every=97, scale=1000)
+    for row in (999, 1000, 1001, 2500, 7777):
+        assert fast.counts_at(row).tolist() == replay._run([0, 0, 0], 0, row)
+    sources, units = fast.assign(5990, 6020)  # across a period boundary
+    ref = np.empty(6020, dtype=np.int64)
+    replay._run([0, 0, 0], 0, 6020, ref)
+    assert np.array_equal(sources, ref[5990:])
+    for i in range(3):
+        assert np.array_equal(units[sources == i],
+                              int((ref[:5990] == i).sum()) + np.arange(int((sources == i).sum())))

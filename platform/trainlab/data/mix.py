@@ -9,8 +9,12 @@ Blending follows Megatron's `build_blending_indices`: the next row comes from
 the source furthest below its target, i.e. the largest `w_i * (r + 1) - c_i`
 (ties go to the earlier source). Every prefix of the stream then matches the
 weights to within about one row per source, so a short run and a long run see
-the same proportions. Weights are quantized to integers out of 2**32 so the
-schedule is exact integer arithmetic, identical on every machine.
+the same proportions. Weights are quantized to integers a_i out of Q = 100,000
+(a resolution of 1e-5), so the schedule is exact integer arithmetic, identical
+on every machine, and periodic: when the counts after Q rows are exactly a_i
+(checked, true whenever every prefix stays within one row of its target), the
+state repeats every Q rows, so the schedule at any step costs at most Q rows of
+simulation instead of a replay from row 0.
 
 A source is repeated epoch by epoch, each epoch in a fresh order from
 `epoch_order` (keyed by seed, source name and epoch).
@@ -25,9 +29,9 @@ import numpy as np
 from trainlab.data.corpus import splitmix64, stable_hash64
 from trainlab.errors import UserError
 
-WEIGHT_SCALE = 1 << 32
-# Above this many rows the repetition check bounds each source's row count by
-# w*R + 2 instead of running the schedule (the prefix error stays below ~1.2 rows).
+WEIGHT_SCALE = 100_000
+# For a schedule that is not periodic, above this many rows the repetition check
+# bounds each source's row count by w*R + 2 instead of running the schedule.
 EXACT_CHECK_ROWS = 1 << 22
 
 
@@ -71,16 +75,19 @@ def quantize_weights(weights: Sequence[float], scale: int = WEIGHT_SCALE) -> lis
 class BlendSchedule:
     """Row -> source index, as a pure function of the weights.
 
-    Counts are memoized every `memo_every` rows, so any row range is computed from
-    the nearest memo instead of from row 0 (resume is cheap after the first pass)."""
+    Counts are memoized every `memo_every` rows within the first period, so any row
+    range is computed from the nearest memo (or from where the last call ended)."""
 
-    def __init__(self, weights: Sequence[float], memo_every: int = 4096):
+    def __init__(self, weights: Sequence[float], memo_every: int = 4096,
+                 scale: int = WEIGHT_SCALE):
         if not weights:
             raise ValueError("no weights")
-        self.a = quantize_weights(weights)
+        self.scale = scale
+        self.a = quantize_weights(weights, scale)
         self.memo_every = memo_every
         self._memo: list[list[int]] = [[0] * len(self.a)]
         self._cursor: tuple[int, list[int]] = (0, [0] * len(self.a))
+        self._periodic: bool | None = None  # known once row `scale` has been reached
 
     @property
     def num_sources(self) -> int:
@@ -89,7 +96,7 @@ class BlendSchedule:
     def _run(self, counts: list[int], start: int, n: int,
              out: np.ndarray | None = None) -> list[int]:
         """Advance `counts` (a copy) over rows [start, start+n); record choices in `out`."""
-        a, scale, c = self.a, WEIGHT_SCALE, list(counts)
+        a, scale, c = self.a, self.scale, list(counts)
         s = len(a)
         if s == 1:
             c[0] += n
@@ -108,10 +115,7 @@ class BlendSchedule:
                 out[k] = best_i
         return c
 
-    def counts_at(self, row: int) -> np.ndarray:
-        """Rows taken from each source among rows [0, row)."""
-        if row < 0:
-            raise ValueError(f"row {row} < 0")
+    def _sequential_counts(self, row: int) -> list[int]:
         block = row // self.memo_every
         while len(self._memo) <= block:
             last = len(self._memo) - 1
@@ -120,13 +124,37 @@ class BlendSchedule:
         base, counts = block * self.memo_every, self._memo[block]
         if base <= self._cursor[0] <= row:  # sequential reads continue where the last ended
             base, counts = self._cursor
-        return np.array(self._run(counts, base, row - base), dtype=np.int64)
+        return self._run(counts, base, row - base)
+
+    @property
+    def periodic(self) -> bool:
+        """True when the state after `scale` rows equals the start (exact counts a_i)."""
+        if self._periodic is None:
+            self._periodic = self._sequential_counts(self.scale) == self.a
+        return self._periodic
+
+    def counts_at(self, row: int) -> np.ndarray:
+        """Rows taken from each source among rows [0, row)."""
+        if row < 0:
+            raise ValueError(f"row {row} < 0")
+        if row >= self.scale and self.periodic:
+            periods, rest = divmod(row, self.scale)
+            counts = self._sequential_counts(rest)
+            return np.array([periods * ai + ci for ai, ci in zip(self.a, counts, strict=True)],
+                            dtype=np.int64)
+        return np.array(self._sequential_counts(row), dtype=np.int64)
 
     def assign(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         """For rows [start, stop): (source index, that source's unit index) per row."""
         counts = self.counts_at(start)
         sources = np.empty(stop - start, dtype=np.int64)
-        self._cursor = (stop, self._run(list(counts), start, stop - start, sources))
+        after = self._run(list(counts), start, stop - start, sources)
+        if stop >= self.scale and self.periodic:  # the same state, within the first period
+            periods = stop // self.scale
+            self._cursor = (stop % self.scale,
+                            [c - periods * ai for c, ai in zip(after, self.a, strict=True)])
+        else:
+            self._cursor = (stop, after)
         units = np.empty_like(sources)
         for i in range(self.num_sources):
             mask = sources == i
@@ -134,10 +162,10 @@ class BlendSchedule:
         return sources, units
 
     def rows_needed_upper_bound(self, rows: int) -> np.ndarray:
-        """Rows per source after `rows` rows: exact for moderate runs, else a safe bound."""
-        if rows <= EXACT_CHECK_ROWS:
+        """Rows per source after `rows` rows: exact when periodic or moderate, else a bound."""
+        if rows <= EXACT_CHECK_ROWS or self.periodic:
             return self.counts_at(rows)
-        return np.array([ai * rows // WEIGHT_SCALE + 2 for ai in self.a], dtype=np.int64)
+        return np.array([ai * rows // self.scale + 2 for ai in self.a], dtype=np.int64)
 
 
 def epoch_order(seed: int, source: str, epoch: int, n: int) -> np.ndarray:
