@@ -156,11 +156,11 @@ def build_docs(dest: Path, cap: int) -> dict[str, int]:
 def _dist_names() -> list[str]:
     from importlib import metadata
 
-    return sorted({f"{d.metadata['Name']}=={d.version}" for d in metadata.distributions()})
+    metas = [d.metadata for d in metadata.distributions()]  # parsed once per distribution
+    return sorted({f"{m['Name']}=={m['Version']}" for m in metas})
 
 
-def _description(dist) -> str | None:  # noqa: ANN001 - importlib.metadata.Distribution
-    meta = dist.metadata
+def _description(meta) -> str | None:  # noqa: ANN001 - an email.message.Message
     body = meta.get_payload() if hasattr(meta, "get_payload") else None
     text = body or meta.get("Description")
     return text if text and text.strip() and text.strip() != "UNKNOWN" else None
@@ -176,10 +176,11 @@ def build_pkgdocs(dest: Path, cap: int) -> dict[str, int]:
 
     rows: dict[tuple[str, str], dict] = {}
     for dist in metadata.distributions():
-        name, version = dist.metadata["Name"] or "", dist.version or ""
+        meta = dist.metadata  # each access re-reads and re-parses METADATA
+        name, version = meta["Name"] or "", meta["Version"] or ""
         rows.setdefault((name.lower(), version), {
-            "name": name, "version": version, "summary": dist.metadata.get("Summary"),
-            "text": _description(dist)})
+            "name": name, "version": version, "summary": meta.get("Summary"),
+            "text": _description(meta)})
     records, total = [], 0
     for key in sorted(rows):
         size = len((rows[key]["text"] or "").encode())
