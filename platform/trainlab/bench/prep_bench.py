@@ -60,6 +60,7 @@ def bench_prep() -> list[BenchResult]:
         "tokens": tokens,
         "prep_s (read+clean+dedup+tokenize+write)": round(prep_s, 1),
         "prep_wall_s incl. ray start": round(wall_s, 1),
+        "prep_phases_s": {k: round(v, 2) for k, v in phases.items()},
         "tokenizer_training_s (BPE on a 16 MB sample, not in prep_s)": round(train_s, 1),
         "encode_batch_s": round(baseline_s, 1),
         "encode_batch_fast_tokens_per_s (no offsets; what prep's actors call)":

@@ -36,7 +36,7 @@ from trainlab.data.prep.manifest import (
     write_manifest,
 )
 from trainlab.data.prep.paths import list_source_files
-from trainlab.data.prep.shards import DatasetWriter, atomic_write_bytes
+from trainlab.data.prep.shards import DatasetWriter, SourceAccount, atomic_write_bytes
 from trainlab.data.prep.spec import (
     SOURCE_NAME_PATTERN,
     SourcesFile,
@@ -45,7 +45,13 @@ from trainlab.data.prep.spec import (
     load_sources_file,
     resolve_root,
 )
-from trainlab.data.prep.tokenizer import describe, read_tokenizer_file, sha256_bytes, train_bpe
+from trainlab.data.prep.tokenizer import (
+    TokenizerInfo,
+    describe,
+    read_tokenizer_file,
+    sha256_bytes,
+    train_bpe,
+)
 from trainlab.data.prep.units import SourceFiles, TokenizeStage, WorkUnit, plan_units
 from trainlab.data.prep.units import unit_target_bytes as default_unit_bytes
 from trainlab.errors import UserError
@@ -71,7 +77,8 @@ class PrepResult:
     manifest: dict
     up_to_date: bool
     seconds: float
-    # Wall time per phase: check, train_tokenizer, tokenize_write, finish.
+    # Wall time per phase: check, train_tokenizer, tokenize_write (of which
+    # dedup_write_in_driver is this process's own work), finish.
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -124,14 +131,8 @@ def run_prep(sources: str | Path, out: str | Path, *, tokenizer: str | None = No
     timings["train_tokenizer"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    writer = DatasetWriter(out_dir, [s.name for s in inputs.sources], info.dtype,
-                           int(inputs.spec.shard_target_mb * MB))
-    stage_kwargs = {"tokenizer_json": tokenizer_json.decode("utf-8"), "eos_id": info.eos_id,
-                    "dtype": info.dtype, "threads": ex.tokenizer_threads}
-    for table in _with_progress(ex.map_units(units, TokenizeStage, stage_kwargs), units,
-                                "tokenize", progress):
-        writer.add(table)
-    accounts = writer.finish()
+    accounts, timings["dedup_write_in_driver"] = _tokenize_and_write(
+        ex, units, inputs, tokenizer_json, info, out_dir, progress)
     timings["tokenize_write"] = time.perf_counter() - t
 
     t = time.perf_counter()
@@ -227,6 +228,26 @@ def _train_tokenizer(ex: Executor, units: list[WorkUnit], inputs: _Inputs,
         raise UserError("no usable document to train the tokenizer on: every record was "
                         "rejected (see the sources' cleaning settings)")
     return train_bpe(texts, training, inputs.spec.eos_token)
+
+
+def _tokenize_and_write(ex: Executor, units: list[WorkUnit], inputs: _Inputs,
+                        tokenizer_json: bytes, info: TokenizerInfo, out_dir: Path,
+                        progress: ProgressFn | None) -> tuple[dict[str, SourceAccount], float]:
+    """The main pass; returns the accounts and the seconds this process spent
+    deduplicating and writing (the rest of the pass is waiting for the pipeline)."""
+    writer = DatasetWriter(out_dir, [s.name for s in inputs.sources], info.dtype,
+                           int(inputs.spec.shard_target_mb * MB))
+    stage_kwargs = {"tokenizer_json": tokenizer_json.decode("utf-8"), "eos_id": info.eos_id,
+                    "dtype": info.dtype, "threads": ex.tokenizer_threads}
+    writing = 0.0
+    for table in _with_progress(ex.map_units(units, TokenizeStage, stage_kwargs), units,
+                                "tokenize", progress):
+        t = time.perf_counter()
+        writer.add(table)
+        writing += time.perf_counter() - t
+    t = time.perf_counter()
+    accounts = writer.finish()
+    return accounts, writing + time.perf_counter() - t
 
 
 def _with_progress(tables: Iterable[pa.Table], units: list[WorkUnit], phase: str,
