@@ -6,11 +6,13 @@ from __future__ import annotations
 import shutil
 
 import pyarrow.parquet as pq
+import pytest
 
 from trainlab.data.prep import run_prep
 from trainlab.data.prep.demo_corpus import DEMO_RAW, DEMO_SOURCES, build_demo_corpus
 
 
+@pytest.mark.slow
 def test_demo_corpus_builds_idempotently_and_prepares(tmp_path, repo):
     raw = tmp_path / DEMO_RAW
     stats = build_demo_corpus(raw, max_mb=0.5)
