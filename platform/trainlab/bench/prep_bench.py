@@ -26,7 +26,9 @@ BASELINE_BATCH = 256
 def bench_prep() -> list[BenchResult]:
     from trainlab.data.prep.demo_corpus import DEMO_SOURCES, build_demo_corpus
     from trainlab.data.prep.pipeline import run_prep
+    from trainlab.raycluster import ensure_ray
 
+    ensure_ray()  # up front: its start-up time is not prep's, and a failure shows early
     t = time.perf_counter()
     stats = build_demo_corpus(BENCH_DIR / "raw", max_mb=CORPUS_MB, with_site_packages=True)
     build_s = time.perf_counter() - t
