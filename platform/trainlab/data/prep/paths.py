@@ -140,7 +140,8 @@ def list_files(entry: str, root: Path, source_name: str) -> list[InputFile]:
         filesystem, target, prefix = _split_uri(entry)
     else:
         filesystem, prefix = fs.LocalFileSystem(), ""
-        target = str((root / entry).resolve()) if not Path(entry).is_absolute() else entry
+        path = Path(entry).expanduser()
+        target = str(path if path.is_absolute() else (root / path).resolve())
         if entry.endswith("/") and not target.endswith("/"):
             target += "/"
     where = f"source {source_name!r}: {entry!r}"
