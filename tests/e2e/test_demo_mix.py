@@ -10,21 +10,22 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import REPO
 from trainlab.cli import main
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def demo_prepared(ray_cluster: Any, repo: Path) -> Path:
+def demo_prepared(ray_cluster: Any) -> Path:
     """data/demo/prepared, built (corpus + prep) if this checkout has none yet;
     prep says "up to date" and does nothing when it is current."""
     from trainlab.data.prep import run_prep
     from trainlab.data.prep.demo_corpus import build_demo_corpus
 
-    build_demo_corpus(repo / "data/demo/raw")
-    out = repo / "data/demo/prepared"
-    run_prep(repo / "data_prep/sources/demo.yaml", out)
+    build_demo_corpus(REPO / "data/demo/raw")
+    out = REPO / "data/demo/prepared"
+    run_prep(REPO / "data_prep/sources/demo.yaml", out)
     return out
 
 
