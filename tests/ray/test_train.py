@@ -1,7 +1,8 @@
-"""Training on the shared local Ray cluster: DDP and FSDP with 2 workers, a chaos
-kill that resumes bitwise-identically, and max_failures exhausted.
+"""Training on the shared local Ray cluster, on a real prepared dataset read by
+the real loader (Ray Data): DDP and FSDP with 2 workers, a chaos kill that
+resumes bitwise-identically, and max_failures exhausted.
 
-Tiny model and few steps: the cost is Ray's worker-group (re)starts."""
+Tiny model and few steps: the cost is starting Ray Train worker groups."""
 
 from __future__ import annotations
 
@@ -11,12 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.train_helpers import contract_data, tiny_config
+from tests.train_helpers import dataset_dir, tiny_config
 from trainlab.train import TrainingFailed, run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-FACTORY = "tests.train_helpers:stream_factory"
 SUMMARY_KEYS = {
     "name",
     "status",
@@ -32,27 +32,31 @@ SUMMARY_KEYS = {
 }
 
 
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return dataset_dir(tmp_path_factory)
+
+
 def train(cfg, tmp_path, **kw):
-    return run(cfg, base_dir=tmp_path, data=contract_data(cfg), loader_factory=FACTORY, **kw)
+    return run(cfg, base_dir=tmp_path, **kw)
 
 
-def two_workers(**train):
+def two_workers(dataset, parallel=None, **train):
+    base = {
+        "total_steps": 10,
+        "log_interval": 2,
+        "eval_interval": 5,
+        "deterministic": True,
+        "checkpoint": {"every_steps": 3, "keep_last": 2},
+    }
     return tiny_config(
-        resource={"num_workers": 2},
-        train={
-            "total_steps": 10,
-            "log_interval": 2,
-            "eval_interval": 5,
-            "deterministic": True,
-            "checkpoint": {"every_steps": 3, "keep_last": 2},
-            **train,
-        },
+        dataset, resource={"num_workers": 2}, parallel=parallel or {}, train={**base, **train}
     )
 
 
-def test_ddp_chaos_kill_resumes_and_matches_an_uninterrupted_run(ray_cluster, tmp_path):
-    clean = train(two_workers(), tmp_path / "clean")
-    chaos_cfg = two_workers(chaos={"kill_at_steps": [7], "kill_rank": 1})
+def test_ddp_chaos_kill_resumes_and_matches_an_uninterrupted_run(ray_cluster, dataset, tmp_path):
+    clean = train(two_workers(dataset), tmp_path / "clean")
+    chaos_cfg = two_workers(dataset, chaos={"kill_at_steps": [7], "kill_rank": 1})
     killed = train(chaos_cfg, tmp_path / "chaos")
 
     assert set(clean) >= SUMMARY_KEYS and set(killed) >= SUMMARY_KEYS
@@ -87,14 +91,13 @@ def test_ddp_chaos_kill_resumes_and_matches_an_uninterrupted_run(ray_cluster, tm
     assert kept[-1] == "step-00000010" and len(kept) <= 3  # keep_last 2 + keep_best 1
 
 
-def test_fsdp_two_workers_saves_sharded_and_resumes(ray_cluster, tmp_path):
+def test_fsdp_two_workers_saves_sharded_and_resumes(ray_cluster, dataset, tmp_path):
     cfg = two_workers(
+        dataset,
+        parallel={"strategy": "fsdp", "zero_stage": 3},
         total_steps=8,
         chaos={"kill_at_steps": [5], "kill_rank": 0},
         checkpoint={"every_steps": 4, "async_save": True},
-    )
-    cfg = cfg.model_copy(
-        update={"parallel": cfg.parallel.model_copy(update={"strategy": "fsdp", "zero_stage": 3})}
     )
     summary = train(cfg, tmp_path)
     assert summary["status"] == "completed" and summary["final_step"] == 8
@@ -105,8 +108,9 @@ def test_fsdp_two_workers_saves_sharded_and_resumes(ray_cluster, tmp_path):
     assert any(f.startswith("state/") and f.endswith(".distcp") for f in meta["files"])
 
 
-def test_max_failures_exhausted_ends_with_a_failure_summary(ray_cluster, tmp_path):
+def test_max_failures_exhausted_ends_with_a_failure_summary(ray_cluster, dataset, tmp_path):
     cfg = two_workers(
+        dataset,
         total_steps=8,
         max_failures=1,
         chaos={"kill_at_steps": [2, 5], "kill_rank": 1},

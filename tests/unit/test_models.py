@@ -145,3 +145,38 @@ def test_a_new_attention_variant_is_one_file(tmp_path, monkeypatch):
     assert "scaled_eager" in attention_pkg.available()
     model = build_model(small("gpt2", attention="scaled_eager"))
     assert model(torch.randint(0, 97, (1, 8))).shape == (1, 8, 97)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_real_packed_batch_logits_equal_each_document_alone(arch, tmp_path_factory):
+    """The same check on rows packed by trainlab.data from a real prepared dataset:
+    several documents per row, continuations of split documents, padding."""
+    from tests.train_helpers import dataset_dir, tiny_config
+    from trainlab.data import WorkerLoader, prepare_run_data
+
+    cfg = tiny_config(
+        dataset_dir(tmp_path_factory),
+        data={"seq_len": 64, "micro_batch_size": 8, "mix": {"code": 0.5, "docs": 0.5}},
+    )
+    ((_, micro_batches),) = WorkerLoader(prepare_run_data(cfg), 0, 1, backend="local").iter_from(
+        3, 4
+    )
+    batch = {k: torch.as_tensor(v) for k, v in micro_batches[0].items()}
+    torch.manual_seed(0)
+    model = build_model(small(arch, vocab_size=1024, max_seq_len=64)).eval()
+    seen = {"segments": 0, "continuations": 0, "rows_with_several": 0}
+    with torch.no_grad():
+        packed = model(batch["input_ids"], batch["position_ids"], batch["document_ids"])
+        for row in range(batch["input_ids"].shape[0]):
+            docs = batch["document_ids"][row]
+            ids = [d for d in docs.unique().tolist() if d >= 0]
+            seen["rows_with_several"] += len(ids) > 1
+            for doc in ids:
+                (where,) = (docs == doc).nonzero(as_tuple=True)
+                seg = slice(int(where[0]), int(where[-1]) + 1)
+                positions = batch["position_ids"][row : row + 1, seg]
+                alone = model(batch["input_ids"][row : row + 1, seg], position_ids=positions)
+                torch.testing.assert_close(packed[row : row + 1, seg], alone, rtol=1e-4, atol=1e-5)
+                seen["segments"] += 1
+                seen["continuations"] += int(positions[0, 0]) > 0
+    assert seen["rows_with_several"] and seen["continuations"], seen

@@ -1,5 +1,5 @@
-"""The per-worker loop in one process (no Ray, no process group), on a stream in
-the contract format over real text."""
+"""The per-worker loop in one process (no Ray, no process group), on the real
+stream of a small real prepared dataset."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from tests.train_helpers import ContractStream, make_job, tiny_config
+from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
 from trainlab.train import checkpoint as ck
 from trainlab.train.callbacks import Callback
 from trainlab.train.distributed import DistEnv
@@ -53,15 +53,19 @@ class Recorder(Callback):
         self.events.append(("end", summary["status"]))
 
 
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return dataset_dir(tmp_path_factory)
+
+
 def train(cfg, run_dir, callbacks=None):
-    stream = ContractStream(cfg)
-    job = make_job(cfg, run_dir, stream.fingerprint)
-    trainer = Trainer(job, stream, DistEnv(), callbacks)
+    job = make_job(cfg, run_dir)
+    trainer = Trainer(job, local_loader(job), DistEnv(), callbacks)
     return trainer.fit(), trainer
 
 
-def test_trains_evaluates_checkpoints_and_summarizes(tmp_path):
-    cfg = tiny_config(train={"total_steps": 24, "eval_interval": 8})
+def test_trains_evaluates_checkpoints_and_summarizes(dataset, tmp_path):
+    cfg = tiny_config(dataset, train={"total_steps": 24, "eval_interval": 8})
     rec = Recorder()
     summary, _ = train(cfg, tmp_path, rec)
     assert set(summary) >= SUMMARY_KEYS
@@ -72,7 +76,7 @@ def test_trains_evaluates_checkpoints_and_summarizes(tmp_path):
     assert on_disk["weights_sha256"] == summary["weights_sha256"]
 
     losses = [e[2]["loss"] for e in rec.events if e[0] == "step"]
-    assert losses[-1] < losses[0] - 0.5, losses  # it learns
+    assert losses[-1] < losses[0] - 0.3, losses  # it learns (deterministic run)
     first = next(e[2] for e in rec.events if e[0] == "step")
     for key in (
         "loss",
@@ -105,8 +109,8 @@ def test_trains_evaluates_checkpoints_and_summarizes(tmp_path):
     assert summary["best_checkpoint"] in {str(i.path) for i in kept}
 
 
-def test_mfu_reported_when_device_peak_is_known(tmp_path):
-    cfg = tiny_config(train={"total_steps": 4}, resource={"peak_tflops": 1.0})
+def test_mfu_reported_when_device_peak_is_known(dataset, tmp_path):
+    cfg = tiny_config(dataset, train={"total_steps": 4}, resource={"peak_tflops": 1.0})
     rec = Recorder()
     train(cfg, tmp_path, rec)
     mfu = [e[2]["mfu"] for e in rec.events if e[0] == "step"]
@@ -114,11 +118,13 @@ def test_mfu_reported_when_device_peak_is_known(tmp_path):
 
 
 @pytest.mark.parametrize("model", [{"dropout": 0.1}, {"arch": "gpt2", "num_kv_heads": 4}])
-def test_resume_from_checkpoint_gives_bitwise_identical_weights(tmp_path, model):
+def test_resume_from_checkpoint_gives_bitwise_identical_weights(dataset, tmp_path, model):
     """Deterministic mode: stopping after a checkpoint and resuming (model,
     optimizer, schedule, data position and RNG restored) ends on the same bits."""
     cfg = tiny_config(
-        model=model, train={"total_steps": 10, "checkpoint": {"every_steps": 3, "keep_last": 10}}
+        dataset,
+        model=model,
+        train={"total_steps": 10, "checkpoint": {"every_steps": 3, "keep_last": 10}},
     )
     clean, _ = train(cfg, tmp_path / "clean")
 
@@ -134,8 +140,12 @@ def test_resume_from_checkpoint_gives_bitwise_identical_weights(tmp_path, model)
     assert resumed["final_loss"] == clean["final_loss"]
 
 
-def test_corrupted_newest_checkpoint_is_skipped_and_the_run_still_matches(tmp_path, caplog):
-    cfg = tiny_config(train={"total_steps": 9, "checkpoint": {"every_steps": 3, "keep_last": 10}})
+def test_corrupted_newest_checkpoint_is_skipped_and_the_run_still_matches(
+    dataset, tmp_path, caplog
+):
+    cfg = tiny_config(
+        dataset, train={"total_steps": 9, "checkpoint": {"every_steps": 3, "keep_last": 10}}
+    )
     clean, _ = train(cfg, tmp_path / "clean")
     broken = tmp_path / "broken"
     (broken / "checkpoints").mkdir(parents=True)
@@ -152,12 +162,14 @@ def test_corrupted_newest_checkpoint_is_skipped_and_the_run_still_matches(tmp_pa
     assert resumed["weights_sha256"] == clean["weights_sha256"]
 
 
-def test_gradient_accumulation_matches_one_big_batch(tmp_path):
+def test_gradient_accumulation_matches_one_big_batch(dataset, tmp_path):
     one = tiny_config(
+        dataset,
         data={"micro_batch_size": 4, "grad_accum_steps": 1},
         train={"total_steps": 3, "deterministic": False},
     )
     accum = tiny_config(
+        dataset,
         data={"micro_batch_size": 2, "grad_accum_steps": 2},
         train={"total_steps": 3, "deterministic": False},
     )
@@ -167,8 +179,8 @@ def test_gradient_accumulation_matches_one_big_batch(tmp_path):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_a_callback_can_stop_the_run_with_a_checkpoint(tmp_path):
-    cfg = tiny_config(train={"total_steps": 20, "checkpoint": {"every_steps": 100}})
+def test_a_callback_can_stop_the_run_with_a_checkpoint(dataset, tmp_path):
+    cfg = tiny_config(dataset, train={"total_steps": 20, "checkpoint": {"every_steps": 100}})
     rec = Recorder(stop_at=4)
     summary, _ = train(cfg, tmp_path, rec)
     assert summary["status"] == "stopped" and summary["final_step"] == 4
@@ -176,16 +188,20 @@ def test_a_callback_can_stop_the_run_with_a_checkpoint(tmp_path):
     assert summary["last_checkpoint"].endswith("step-00000004")
 
 
-def test_bf16_autocast_trains_on_cpu(tmp_path):
-    cfg = tiny_config(train={"total_steps": 4, "precision": "bf16"})
-    summary, _ = train(cfg, tmp_path)
-    assert summary["status"] == "completed"
-    assert summary["final_loss"] is not None and summary["final_loss"] < 6.0
+def test_bf16_autocast_trains_on_cpu_close_to_fp32(dataset, tmp_path):
+    fp32, _ = train(tiny_config(dataset, train={"total_steps": 4}), tmp_path / "fp32")
+    bf16, _ = train(
+        tiny_config(dataset, train={"total_steps": 4, "precision": "bf16"}), tmp_path / "bf16"
+    )
+    assert bf16["status"] == "completed"
+    assert bf16["final_loss"] == pytest.approx(fp32["final_loss"], abs=0.05)
+    assert bf16["weights_sha256"] != fp32["weights_sha256"]  # it did run in bf16
 
 
-def test_activation_checkpointing_keeps_results_and_checkpoint_keys(tmp_path):
-    plain = tiny_config(train={"total_steps": 3, "deterministic": False})
+def test_activation_checkpointing_keeps_results_and_checkpoint_keys(dataset, tmp_path):
+    plain = tiny_config(dataset, train={"total_steps": 3, "deterministic": False})
     recompute = tiny_config(
+        dataset,
         train={"total_steps": 3, "deterministic": False},
         parallel={"activation_checkpointing": "full"},
     )

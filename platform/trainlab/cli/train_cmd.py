@@ -8,6 +8,10 @@ import click
 
 from trainlab.cli.common import config_args, echo_json, json_option
 
+# EX_TEMPFAIL: workers or nodes were lost beyond train.max_failures; a job retry may
+# succeed (docs/contracts.md, section 6).
+EXIT_INFRASTRUCTURE = 75
+
 
 @click.command()
 @config_args
@@ -42,7 +46,9 @@ def train(
     """Train CONFIG on Ray Train: the local embedded cluster, or RAY_ADDRESS when set.
 
     Progress (step, loss, tokens/s, ETA) goes to stderr; with --json the last line
-    of stdout is the run summary. Exits 0 when the run completes, 1 when it fails."""
+    of stdout is the run summary. Exit codes: 0 completed, 2 bad input, 1 failed
+    (an error that would happen again), 75 failed because processes or workers
+    were lost more often than train.max_failures allows (a retry may succeed)."""
     from trainlab.config import load_config
     from trainlab.errors import UserError
     from trainlab.train import TrainingFailed, run
@@ -60,7 +66,7 @@ def train(
         _print_failure(e.summary)
         if as_json:
             echo_json(e.summary)
-        return 1
+        return EXIT_INFRASTRUCTURE if e.summary.get("failure_cause") == "infrastructure" else 1
     _print_done(summary)
     if as_json:
         echo_json(summary)

@@ -69,8 +69,9 @@ class CallbackList(Callback):
             try:
                 getattr(cb, hook)(*args)
             except Exception:  # noqa: BLE001 - a tracking outage must not end training
-                logging.getLogger(__name__).exception("callback %s.%s failed",
-                                                      type(cb).__name__, hook)
+                logging.getLogger(__name__).exception(
+                    "callback %s.%s failed", type(cb).__name__, hook
+                )
 
     def on_run_start(self, ctx: RunContext) -> None:
         self._each("on_run_start", ctx)

@@ -53,6 +53,7 @@ class FailureRecorder(UserCallback):
                             "time": now,
                             "rank": rank,
                             "step": step,
+                            "kind": "lost",
                             "error": f"Ray Train worker lost: {one_line(error)}",
                         }
                     )

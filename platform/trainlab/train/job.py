@@ -22,8 +22,6 @@ class TrainJob:
     env: dict[str, str] = field(default_factory=dict)  # forwarded to workers (MLFLOW_*, ...)
     torch_threads: int = 1
     ray_job_id: str | None = None
-    # "module:attr" of the worker-side stream, called as (data_spec, rank, world_size).
-    loader_factory: str = "trainlab.data:WorkerLoader"
 
     @property
     def run_path(self) -> Path:

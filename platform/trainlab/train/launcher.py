@@ -100,9 +100,8 @@ def prepare_data(cfg: ExperimentConfig) -> DataInfo:
     from trainlab.data import prepare_run_data
 
     spec = prepare_run_data(cfg)
-    manifest = getattr(spec, "manifest_path", None) or Path(cfg.data.path) / "manifest.json"
-    sources = list(getattr(spec, "sources", None) or cfg.data.mix)
-    return DataInfo(spec, str(spec.fingerprint), str(Path(manifest).resolve()), sources)
+    manifest = Path(spec.path) / "manifest.json"
+    return DataInfo(spec, spec.fingerprint, str(manifest), list(spec.sources))
 
 
 def check_resumable(run_dir: Path, cfg: ExperimentConfig, chash: str, fingerprint: str) -> None:
@@ -163,15 +162,16 @@ def run(
 ) -> dict[str, Any]:
     """Train `cfg` on Ray Train; return the run summary (run_summary.json).
 
-    Raises UserError before anything starts for what the user must fix, and
-    TrainingFailed when the run fails after `train.max_failures` restarts.
-    `data`/`loader_factory` replace the prepared dataset and its stream (tests).
+    `base_dir` is what a relative train.runs_root is relative to (default: the
+    current directory). Raises UserError before anything starts for what the user
+    must fix, and TrainingFailed when the run fails after `train.max_failures`
+    restarts.
     """
     started = time.time()
     if smoke:
         cfg = smoke_config(cfg)
     cfg, plan_json = prepare_layout(cfg)
-    data = data or prepare_data(cfg)
+    data = prepare_data(cfg)
     chash = config_hash(cfg)
     path = rundir.choose_run_dir(cfg, run_dir, resume and not smoke, base_dir)
     check_resumable(path, cfg, chash, data.fingerprint)
@@ -192,8 +192,6 @@ def run(
         torch_threads=max(1, int(cfg.resource.cpus_per_worker)),
         ray_job_id=ray_job_id(),
     )
-    if loader_factory:
-        job.loader_factory = loader_factory
     log.info(
         "run %s: %s, %d worker(s), %s; run dir %s",
         cfg.name,

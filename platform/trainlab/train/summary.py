@@ -49,6 +49,22 @@ def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
     return _jsonl(run_dir / "logs" / "attempts.jsonl")
 
 
+# kinds of failure records: infrastructure (the process or worker was killed or lost;
+# a retry can succeed), code (an exception that would happen again), peer (a side
+# effect of another rank's failure).
+INFRASTRUCTURE_KINDS = {"killed", "chaos", "lost"}
+FAILURE_KINDS = {*INFRASTRUCTURE_KINDS, "error", "peer"}
+
+
+def failure_cause(failures: list[dict[str, Any]]) -> str:
+    """ "infrastructure" when the last failure killed or lost a process, else "code"."""
+    if not failures:
+        return "code"
+    last_event = failures[-1].get("event")
+    kinds = {f.get("kind") for f in failures if f.get("event") == last_event}
+    return "infrastructure" if kinds & INFRASTRUCTURE_KINDS else "code"
+
+
 def failed_summary(job: TrainJob, error: str) -> dict[str, Any]:
     """The summary of a run that ran out of restarts: every failure with its step,
     rank and error, and the checkpoint a later --run-dir/--resume would use."""
@@ -59,6 +75,7 @@ def failed_summary(job: TrainJob, error: str) -> dict[str, Any]:
     newest = ck.find_resume(root, require_valid=cfg.train.checkpoint.validate)
     best = ck.best(ck.committed(root))
     step = newest.step if newest else 0
+    failures = read_failures(job.run_path, job.session)
     return {
         "name": cfg.name,
         "status": "failed",
@@ -75,5 +92,6 @@ def failed_summary(job: TrainJob, error: str) -> dict[str, Any]:
         "config_hash": job.config_hash,
         "dataset_fingerprint": job.dataset_fingerprint,
         "error": error,
-        "failures": read_failures(job.run_path, job.session),
+        "failures": failures,
+        "failure_cause": failure_cause(failures),
     }

@@ -53,6 +53,20 @@ PREFETCH_STEPS = 4
 
 # --------------------------------------------------------------------------- failures file
 
+# Collective errors that only say a peer went away: the cause is the peer's failure.
+PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "NCCL communicator was aborted",
+)
+
+
+def error_kind(message: str) -> str:
+    """ "peer" when a training process failed because another one died, else "error"."""
+    return "peer" if any(s in message for s in PEER_LOST) else "error"
+
 
 def record_failure(job: TrainJob, event: str, rank: int, step: int | None, error: str) -> None:
     """Append one failure to logs/failures.jsonl (small O_APPEND writes do not interleave)."""
@@ -132,8 +146,8 @@ class PipeLoader:
     def delivered_shares(self, step: int) -> dict[str, float]:
         return self.client.call("shares", step)
 
-    def state_dict(self) -> dict[str, Any]:
-        return self.client.call("state")
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        return self.client.call("state", step)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.client.call("load_state", state)
@@ -414,7 +428,7 @@ class Agent:
     def _record_death(self, exitcode: int | None, event: str, started: float) -> None:
         chaos = chaos_record(self.job, self.rank, started)
         if chaos is not None:
-            record_failure(self.job, event, self.rank, chaos["step"], chaos["error"])
+            record_failure(self.job, event, self.rank, chaos["step"], chaos["error"], "chaos")
             return
         if exitcode is not None and exitcode < 0:
             error = (
@@ -447,7 +461,7 @@ class Agent:
             elif kind == "shares":
                 conn.send(("ok", self.loader.delivered_shares(*args)))
             elif kind == "state":
-                conn.send(("ok", self.loader.state_dict()))
+                conn.send(("ok", self.loader.state_dict(*args)))
             elif kind == "load_state":
                 self.loader.load_state_dict(args[0])
                 conn.send(("ok", None))
@@ -475,6 +489,7 @@ class Agent:
                     self.rank,
                     step,
                     f"rank {self.rank} failed at step {step}: {message}",
+                    error_kind(message),
                 )
                 conn.send(("ok", None))
                 return "failed"

@@ -3,7 +3,6 @@ stream and the callbacks for this rank, then the `Trainer`."""
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import sys
@@ -32,11 +31,6 @@ def setup_logging(logs_dir: Path, rank: int) -> None:
         logger.addHandler(console)
     logger.setLevel(logging.INFO)
     logger.propagate = False
-
-
-def load_factory(target: str) -> Any:
-    module, attr = target.split(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def make_callbacks(cfg: Any) -> Any:
@@ -69,7 +63,9 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         import ray.train.torch
 
         device = str(ray.train.torch.get_device())
-    loader = load_factory(job.loader_factory)(job.data_spec, rank, world)
+    from trainlab.data import WorkerLoader
+
+    loader = WorkerLoader(job.data_spec, rank, world)
     callbacks = make_callbacks(_config(job)) if rank == 0 else None
     Agent(job, rank, world, ctx.get_local_rank(), device, loader, callbacks).run()
 
