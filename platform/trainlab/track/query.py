@@ -237,3 +237,11 @@ def list_runs(uri: str, experiment: str | None = None, since: datetime | None = 
     client = client_for(uri)
     exp_names = {e.experiment_id: e.name for e in client.search_experiments()}
     return [run_overview(r, exp_names) for r in runs]
+
+
+def run_curves(uri: str, run_ids: Sequence[str],
+               prefixes: Sequence[str] = ("loss", "val_loss/", "share/"),
+               ) -> dict[str, dict[str, list[tuple[int, float]]]]:
+    """Metric curves of several runs: {run_id: {metric: [(step, value), ...]}}."""
+    client = client_for(uri)
+    return {run_id: metric_series(client, run_id, prefixes) for run_id in run_ids}
