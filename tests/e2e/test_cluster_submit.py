@@ -1,17 +1,19 @@
-"""A real two-node Ray cluster on this machine (`ray start --head` plus a second
-raylet joining it, both on 127.0.0.1 with token auth), started and stopped by
-trainlab's own `cluster up/down` code, and training jobs submitted to it:
+"""A real multi-node Ray cluster on this machine (`ray start --head` plus two
+more raylets joining it with `ray start --address`, all on 127.0.0.1 with token
+auth), started and stopped by trainlab's own `cluster up/down` code, and
+training jobs submitted to it:
 
-- `trainlab submit --follow --json`: SUCCEEDED, the two workers on the two
-  nodes, the run recorded in MLflow under the job's id;
+- `trainlab submit --follow --json`: SUCCEEDED, the two training workers on two
+  different nodes, the run recorded in MLflow under the job's id;
 - plain `ray job submit --working-dir . -- python trainers/pretrain.py ...`:
   SUCCEEDED and recorded;
-- the worker node's raylet killed mid-run: the run resumes from its checkpoint
-  on a replacement node and completes.
+- the raylet of a node hosting a training worker killed mid-run: the run
+  resumes from its checkpoint on the nodes left and completes;
+- refusals before anything trains (data unreachable, failed rehearsal), `stop`.
 
 The cluster is its own (not the session's `ray_cluster`), shared by this module.
 Each node has 3 logical CPUs and each training worker takes 2, so a 2-worker
-run must use both nodes.
+run always spans two nodes, and losing one leaves room to restart on the others.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def trainlab_home(tmp_path_factory):
 def cluster(trainlab_home):
     from trainlab.jobs.localcluster import cluster_down, cluster_up, group_members
 
-    state = cluster_up(num_cpus=3, worker_nodes=1, worker_cpus=3)
+    state = cluster_up(num_cpus=3, worker_nodes=2, worker_cpus=3)
     yield state
     stopped = cluster_down(remove_temp_dirs=True)
     assert stopped is not None
@@ -212,14 +214,13 @@ def test_plain_ray_job_submit_of_the_entry_script(cluster, dataset, tmp_path):
 
 def test_losing_the_worker_node_mid_run_resumes_from_its_checkpoint(cluster, dataset, tmp_path):
     """A node hosting a training worker dies after the first checkpoint; Ray Train
-    restarts the group on the nodes left (a spare stands in, as an autoscaler's
-    replacement would) and the run resumes from that checkpoint and completes."""
+    restarts the group on the nodes left (the idle third node stands in, as an
+    autoscaler's replacement would) and the run resumes from that checkpoint."""
     from trainlab.jobs import client as jobclient
     from trainlab.jobs import runtime_env as renv
-    from trainlab.jobs.localcluster import add_worker_node, kill_raylet, node_id
+    from trainlab.jobs.localcluster import kill_raylet, node_id
     from trainlab.jobs.submit import Submitter, prepare, stage_working_dir
 
-    add_worker_node(cluster, num_cpus=3)  # the spare: head + 2 workers nodes of 3 CPUs
     runs = tmp_path / "runs"
     prep = prepare(
         str(REPO / "trainers/recipes/tiny.yaml"),
@@ -261,9 +262,7 @@ def node_alive(node) -> bool:
     return bool(group_members(node.pgid))
 
 
-def test_unreachable_data_is_refused_before_submission_and_stop_ends_a_job(
-    cluster, dataset, tmp_path
-):
+def test_refusals_before_submission_and_stop(cluster, dataset, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
     trains_before = _train_jobs(cluster)
     missing = tmp_path / "not-prepared"
@@ -290,6 +289,35 @@ def test_unreachable_data_is_refused_before_submission_and_stop_ends_a_job(
     alive = [n for n in cluster.nodes if node_alive(n)]
     assert len(errors) == len(alive) and all(f"{missing}/manifest.json" in ln for ln in errors)
     assert _train_jobs(cluster) == trains_before  # nothing was submitted
+
+    # A rehearsal that fails on the cluster (more CPUs per worker than any node
+    # has) keeps the real job from being submitted.
+    rehearsal = subprocess.run(
+        [
+            str(BIN / "trainlab"),
+            "submit",
+            "trainers/recipes/tiny.yaml",
+            *_sets(
+                [
+                    *overrides(dataset, tmp_path / "runs", steps=4, every=2),
+                    "resource.cpus_per_worker=8",
+                ]
+            ),
+            "--address",
+            cluster.dashboard_url,
+            "--smoke-first",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=JOB_TIMEOUT_S,
+    )
+    assert rehearsal.returncode == 2, rehearsal.stderr[-3000:]
+    last = rehearsal.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: smoke rehearsal failed") and "CPU" in last
+    assert "the real job was not submitted" in last
+    assert _train_jobs(cluster) == trains_before
 
     from trainlab.jobs.runtime_env import entrypoint_options
 

@@ -68,3 +68,35 @@ def test_an_unreachable_cluster_is_a_user_error(clean_env):
 
     with pytest.raises(UserError, match="cannot reach the Ray cluster"):
         client.connect(f"http://127.0.0.1:{free_port()}")
+
+
+def test_cli_without_a_cluster_says_how_to_get_one(clean_env, repo):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    exe = str(Path(sys.executable).parent / "trainlab")
+    env = {**os.environ}
+    sub = subprocess.run(
+        [exe, "submit", "trainers/recipes/tiny.yaml", "--json"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert sub.returncode == 2 and sub.stdout == ""
+    assert sub.stderr.strip().splitlines()[-1].startswith("error: no Ray cluster given")
+    bad = subprocess.run(
+        [exe, "submit", "trainers/recipes/tiny.yaml", "--set", "model.num_heads=7"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "model.num_heads = 7" in bad.stderr
+    down = subprocess.run(
+        [exe, "cluster", "down"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert down.returncode == 0 and "no local cluster is running" in down.stdout

@@ -13,6 +13,7 @@ the caller having to export `RAY_AUTH_MODE=token`.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -120,6 +121,10 @@ def connect(address: str | None = None) -> Any:
     from ray.job_submission import JobSubmissionClient
 
     url = resolve_address(address)
+    # Ray's client logs every package it zips and uploads at INFO; trainlab says
+    # what it does itself.
+    for name in ("ray._private.runtime_env.packaging", "ray.dashboard.modules.dashboard_sdk"):
+        logging.getLogger(name).setLevel(logging.WARNING)
     try:
         with _only_this_address(url):
             return JobSubmissionClient(url, headers=auth_headers())
@@ -242,7 +247,6 @@ def follow(client: Any, job_id: str, write: Callable[[str], None]) -> Any:
     Logs come over Ray's websocket tail; if that connection drops, the rest is
     fetched by polling, so a network hiccup never loses the job's outcome."""
     import asyncio
-    import logging
 
     # Ray logs an INFO line for every closed websocket; not news for our users.
     logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)

@@ -329,19 +329,21 @@ def add_worker_node(
     after a failure) and record it. Ray gives a new node 30 s to register; on a
     loaded machine that can pass, so a node that timed out gets a second try."""
     index = len(state.nodes)
+    temp_dir = Path(f"{state.temp_dir}-w{index}")
     for attempt in (1, 2):
         stamp = time.strftime("%Y%m%d-%H%M%S")
         try:
             node = start_worker(
                 state.gcs_address,
                 num_cpus,
-                Path(f"{state.temp_dir}-w{index}"),
+                temp_dir,
                 home_dir() / "logs" / f"worker{index}-{stamp}-{attempt}.log",
                 timeout_s,
                 resources={"trainlab_worker_node": 1},
             )
             break
         except UserError:
+            shutil.rmtree(temp_dir, ignore_errors=True)  # its log is in home_dir()/logs
             if attempt == 2:
                 raise
     state.nodes.append(node)

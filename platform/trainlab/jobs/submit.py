@@ -84,13 +84,16 @@ class Prepared:
 
 
 def prepare(config: str, overrides: tuple[str, ...] | list[str], repo: Path) -> Prepared:
-    """Validate and plan; refuse a plan that does not fit; make paths absolute."""
+    """Validate and plan; refuse what `trainlab train` would refuse before starting (a
+    plan that does not fit, a layout it cannot execute, an unknown attention); make
+    paths absolute."""
     from trainlab.config import load_config, to_yaml
-    from trainlab.plan import plan, require_fit
+    from trainlab.plan import plan
     from trainlab.storage import resolve_storage
+    from trainlab.train.launcher import prepare_layout
 
     cfg = load_config(config, overrides)
-    require_fit(plan(cfg))
+    prepare_layout(cfg)  # the trainer's own pre-launch checks, here before any upload
     absolute = [
         f"data.path={_absolute(cfg.data.path, repo)}",
         f"train.runs_root={_absolute(cfg.train.runs_root, repo)}",
