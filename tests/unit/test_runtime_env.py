@@ -130,7 +130,7 @@ def test_prepare_makes_paths_absolute_and_stages_the_resolved_config(repo, tmp_p
     prep = prepare(recipe, ["train.total_steps=30"], repo)
     assert prep.cfg.data.path == str(repo / "data/demo/prepared")
     assert prep.cfg.train.runs_root == str(repo / "runs")
-    assert prep.storage_uri == str(repo / "runs")
+    assert prep.storage_uris == [str(repo / "runs")]
     prep = prepare(recipe, ["train.total_steps=30", f"train.runs_root={tmp_path}/runs"], repo)
     assert prep.run_dir.startswith(f"{tmp_path}/runs/") and prep.run_dir.endswith("/tiny")
     rel = stage_working_dir(prep, tmp_path / "wd")
@@ -146,3 +146,23 @@ def test_prepare_makes_paths_absolute_and_stages_the_resolved_config(repo, tmp_p
 def test_prepare_refuses_a_plan_that_does_not_fit(repo):
     with pytest.raises(UserError):
         prepare(str(repo / "trainers/recipes/llama_1b.yaml"), ["resource.gpu_memory_gb=4"], repo)
+
+
+def test_probe_names_what_a_node_cannot_see(tmp_path):
+    """The per-node check of the reachability probe (run here without Ray)."""
+    from trainlab.jobs.probe import check_node
+
+    data, shared, private = tmp_path / "data", tmp_path / "shared", tmp_path / "private"
+    for d in (data, shared, private):
+        d.mkdir()
+    (data / "manifest.json").write_text("{}")
+    (shared / ".trainlab-probe-a").write_text(".trainlab-probe-a")
+    seen = check_node(str(data), [(str(shared), None, ".trainlab-probe-a")])
+    assert seen["problems"] == []
+    seen = check_node(
+        str(tmp_path / "nodata"),
+        [(str(shared), None, ".trainlab-probe-a"), (str(private), None, ".trainlab-probe-b")],
+    )
+    assert len(seen["problems"]) == 2
+    assert "nodata/manifest.json does not exist" in seen["problems"][0]
+    assert f"storage {private} is not shared" in seen["problems"][1]

@@ -1,10 +1,11 @@
 """Run on the cluster before a submission: can every node see the data and storage?
 
-`python -m trainlab.jobs.probe --data DIR --storage URI` (a short Ray job
-submitted by `trainlab submit`). The driver writes a marker file into the
-storage; a zero-CPU task pinned to each alive node checks that the prepared
-dataset's manifest is readable there and that the marker is visible there, so
-a node-local path that only *looks* shared is caught before training starts.
+`python -m trainlab.jobs.probe --data DIR --storage URI [--storage URI2]` (a
+short Ray job submitted by `trainlab submit`). The driver writes a marker file
+into each storage location (the runs root, and `resource.storage` when set); a
+zero-CPU task pinned to each alive node checks that the prepared dataset's
+manifest is readable there and that every marker is visible there, so a
+node-local path that only *looks* shared is caught before training starts.
 Prints one `PROBLEM: ...` line per problem and exits 3 if there is any.
 """
 
@@ -22,10 +23,9 @@ RESULT_PREFIX = "PROBE-RESULT: "
 EXIT_PROBLEMS = 3
 
 
-def check_node(
-    data_dir: str, storage_uri: str, marker: str, payload: bytes, endpoint_url: str | None
-) -> dict[str, Any]:
-    """What one node sees (runs inside a Ray task on that node)."""
+def check_node(data_dir: str, markers: list[tuple[str, str | None, str]]) -> dict[str, Any]:
+    """What one node sees (runs inside a Ray task on that node). `markers`:
+    (storage URI, S3 endpoint, marker file name) written by the head."""
     import socket
 
     from trainlab.storage import resolve_storage
@@ -39,60 +39,77 @@ def check_node(
         )
     elif not os.access(manifest, os.R_OK):
         problems.append(f"prepared data not readable: {manifest}")
-    try:
-        storage = resolve_storage(storage_uri, endpoint_url=endpoint_url)
-        with storage.filesystem.open_input_stream(storage.join(marker)) as f:
-            if f.read() != payload:
-                problems.append(f"storage {storage_uri}: marker differs on this node")
-    except (OSError, ValueError) as e:
-        problems.append(
-            f"storage {storage_uri} is not shared with this node: the marker "
-            f"written by the head is not visible here ({str(e).splitlines()[0]})"
-        )
+    for uri, endpoint_url, marker in markers:
+        try:
+            storage = resolve_storage(uri, endpoint_url=endpoint_url)
+            with storage.filesystem.open_input_stream(storage.join(marker)) as f:
+                if f.read() != marker.encode():
+                    problems.append(f"storage {uri}: marker differs on this node")
+        except (OSError, ValueError) as e:
+            problems.append(
+                f"storage {uri} is not shared with this node: the marker written by the "
+                f"head is not visible here ({str(e).splitlines()[0]})"
+            )
     return {"host": socket.gethostname(), "problems": problems}
 
 
-def run(data_dir: str, storage_uri: str) -> list[str]:
+def run(data_dir: str, storage_uris: list[str]) -> list[str]:
     """Probe every alive node; return the problems, each naming its node."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     from trainlab.errors import UserError
     from trainlab.storage import check_writable, resolve_storage
 
-    storage = resolve_storage(storage_uri)
-    try:
-        check_writable(storage)
-    except UserError as e:
-        return [f"head node: {line}" for line in e.lines]
-    marker = f".trainlab-probe-{uuid.uuid4().hex}"
-    payload = marker.encode()
-    with storage.filesystem.open_output_stream(storage.join(marker)) as f:
-        f.write(payload)
-    try:
-        ray.init(logging_level="WARNING")
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        task = ray.remote(num_cpus=0)(check_node)
-        refs = {
-            n["NodeID"]: task.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
-            ).remote(data_dir, storage.uri, marker, payload, storage.endpoint_url)
-            for n in nodes
-        }
-        problems = []
-        for node_id, ref in refs.items():
-            seen = ray.get(ref, timeout=120)
-            problems += [f"node {node_id[:8]} ({seen['host']}): {p}" for p in seen["problems"]]
-        print(RESULT_PREFIX + json.dumps({"nodes": len(nodes), "problems": len(problems)}))
+    storages = [resolve_storage(uri) for uri in dict.fromkeys(storage_uris)]
+    problems = []
+    for storage in storages:
+        try:
+            check_writable(storage)
+        except UserError as e:
+            problems += [f"head node: {line}" for line in e.lines]
+    if problems:
         return problems
+    markers = []
+    for storage in storages:
+        marker = f".trainlab-probe-{uuid.uuid4().hex}"
+        with storage.filesystem.open_output_stream(storage.join(marker)) as f:
+            f.write(marker.encode())
+        markers.append((storage, marker))
+    try:
+        return _probe_nodes(data_dir, [(s.uri, s.endpoint_url, m) for s, m in markers])
     finally:
-        storage.filesystem.delete_file(storage.join(marker))
+        for storage, marker in markers:
+            storage.filesystem.delete_file(storage.join(marker))
+
+
+def _probe_nodes(data_dir: str, markers: list[tuple[str, str | None, str]]) -> list[str]:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    ray.init(logging_level="WARNING")
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    task = ray.remote(num_cpus=0)(check_node)
+    refs = {
+        n["NodeID"]: task.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False)
+        ).remote(data_dir, markers)
+        for n in nodes
+    }
+    problems = []
+    for node_id, ref in refs.items():
+        seen = ray.get(ref, timeout=120)
+        problems += [f"node {node_id[:8]} ({seen['host']}): {p}" for p in seen["problems"]]
+    print(RESULT_PREFIX + json.dumps({"nodes": len(nodes), "problems": len(problems)}))
+    return problems
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainlab.jobs.probe")
     ap.add_argument("--data", required=True, help="prepared dataset directory (absolute)")
-    ap.add_argument("--storage", required=True, help="storage path or s3:// URI")
+    ap.add_argument(
+        "--storage",
+        required=True,
+        action="append",
+        help="a storage path or s3:// URI every node must share (repeatable)",
+    )
     args = ap.parse_args(argv)
     problems = run(args.data, args.storage)
     for p in problems:

@@ -68,7 +68,7 @@ class Prepared:
     plan: Any
     config_yaml: str
     repo: Path
-    storage_uri: str
+    storage_uris: list[str]
 
     @property
     def name(self) -> str:
@@ -101,9 +101,15 @@ def prepare(config: str, overrides: tuple[str, ...] | list[str], repo: Path) -> 
     if cfg.resource.storage:
         absolute.append(f"resource.storage={_absolute(cfg.resource.storage, repo)}")
     cfg = load_config(config, [*overrides, *absolute])
-    storage = resolve_storage(cfg.resource.storage or cfg.train.runs_root)
+    # Every node must share the runs root (run directories and checkpoints live there)
+    # and resource.storage when set.
+    shared = [cfg.train.runs_root, *([cfg.resource.storage] if cfg.resource.storage else [])]
     return Prepared(
-        cfg=cfg, plan=plan(cfg), config_yaml=to_yaml(cfg), repo=repo, storage_uri=storage.uri
+        cfg=cfg,
+        plan=plan(cfg),
+        config_yaml=to_yaml(cfg),
+        repo=repo,
+        storage_uris=[resolve_storage(loc).uri for loc in shared],
     )
 
 
@@ -195,15 +201,9 @@ class Submitter:
         """Every node reaches the prepared data and the storage, or UserError."""
         from trainlab.jobs.probe import PROBLEM_PREFIX
 
-        cmd = [
-            "python",
-            "-m",
-            "trainlab.jobs.probe",
-            "--data",
-            self.prep.cfg.data.path,
-            "--storage",
-            self.prep.storage_uri,
-        ]
+        cmd = ["python", "-m", "trainlab.jobs.probe", "--data", self.prep.cfg.data.path]
+        for uri in self.prep.storage_uris:
+            cmd += ["--storage", uri]
         job_id = self._submit(shlex.join(cmd), "probe")
         info = jobclient.wait_for(self.client, job_id, timeout_s=PROBE_TIMEOUT_S)
         if _status(info) == "SUCCEEDED":
@@ -315,7 +315,7 @@ def submit(
         sub = Submitter(prep, client, url, runtime_env, config_rel, say)
         say(
             f"checking that every node of {url} reaches {prep.cfg.data.path} "
-            f"and {prep.storage_uri} ..."
+            f"and shares {', '.join(prep.storage_uris)} ..."
         )
         sub.probe()
         if smoke_first:
