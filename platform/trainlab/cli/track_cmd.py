@@ -22,21 +22,28 @@ F = Callable[..., Any]
 
 
 def _runs_root_option(fn: F) -> F:
-    return click.option("--runs-root", default="runs", show_default=True,
-                        type=click.Path(file_okay=False),
-                        help="Runs root whose store to read (ignored when "
-                             "MLFLOW_TRACKING_URI is set).")(fn)
+    return click.option(
+        "--runs-root",
+        default="runs",
+        show_default=True,
+        type=click.Path(file_okay=False),
+        help="Runs root whose store to read (ignored when MLFLOW_TRACKING_URI is set).",
+    )(fn)
 
 
 def _experiment_option(fn: F) -> F:
-    return click.option("--experiment", "-e", default=None, metavar="E",
-                        help="Only runs of this MLflow experiment.")(fn)
+    return click.option(
+        "--experiment", "-e", default=None, metavar="E", help="Only runs of this MLflow experiment."
+    )(fn)
 
 
 def _since_option(fn: F) -> F:
-    return click.option("--since", default=None, metavar="DATE",
-                        help="Only runs started on or after DATE (2026-05-01 or "
-                             "2026-05-01T14:30, local time).")(fn)
+    return click.option(
+        "--since",
+        default=None,
+        metavar="DATE",
+        help="Only runs started on or after DATE (2026-05-01 or 2026-05-01T14:30, local time).",
+    )(fn)
 
 
 # --------------------------------------------------------------------------- compare
@@ -49,8 +56,14 @@ def _since_option(fn: F) -> F:
 @json_option
 @click.option("--csv", "as_csv", is_flag=True, help="Print CSV on stdout.")
 @_runs_root_option
-def compare(names: tuple[str, ...], experiment: str | None, since: str | None, as_json: bool,
-            as_csv: bool, runs_root: str) -> int:
+def compare(
+    names: tuple[str, ...],
+    experiment: str | None,
+    since: str | None,
+    as_json: bool,
+    as_csv: bool,
+    runs_root: str,
+) -> int:
     """Compare runs side by side: one row per run (newest first), the config keys
     that differ between them highlighted. NAME is a run name or run id; none
     means every run (within --experiment / --since)."""
@@ -72,9 +85,22 @@ def compare(names: tuple[str, ...], experiment: str | None, since: str | None, a
     return 0
 
 
-CSV_HEAD = ("name", "run_id", "experiment", "status", "started", "final_step", "final_loss",
-            "val_loss", "tokens_per_second", "peak_memory_gb", "wall_time_s", "config_hash",
-            "dataset_fingerprint", "git_commit")
+CSV_HEAD = (
+    "name",
+    "run_id",
+    "experiment",
+    "status",
+    "started",
+    "final_step",
+    "final_loss",
+    "val_loss",
+    "tokens_per_second",
+    "peak_memory_gb",
+    "wall_time_s",
+    "config_hash",
+    "dataset_fingerprint",
+    "git_commit",
+)
 
 
 def _cell(value: Any) -> str:
@@ -90,9 +116,13 @@ def _write_csv(rows: list[dict[str, Any]]) -> None:
     writer = csv.writer(sys.stdout, lineterminator="\n")
     writer.writerow([*CSV_HEAD, *(f"mix.{s}" for s in sources), *(f"param.{k}" for k in keys)])
     for r in rows:
-        writer.writerow([*(_cell(r[c]) for c in CSV_HEAD),
-                         *(_cell(r["mix"].get(s)) for s in sources),
-                         *(_cell(r["params"].get(k)) for k in keys)])
+        writer.writerow(
+            [
+                *(_cell(r[c]) for c in CSV_HEAD),
+                *(_cell(r["mix"].get(s)) for s in sources),
+                *(_cell(r["params"].get(k)) for k in keys),
+            ]
+        )
 
 
 def _num(value: float | None, fmt: str) -> str:
@@ -100,8 +130,13 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def _mix(mix: dict[str, Any]) -> str:
-    return " ".join(f"{k}={v:g}" if isinstance(v, int | float) else f"{k}={v}"
-                    for k, v in sorted(mix.items())) or "(manifest)"
+    return (
+        " ".join(
+            f"{k}={v:g}" if isinstance(v, int | float) else f"{k}={v}"
+            for k, v in sorted(mix.items())
+        )
+        or "(manifest)"
+    )
 
 
 def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
@@ -109,18 +144,33 @@ def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
 
     differing = list(rows[0]["differing"])
     table = Table(title=f"{len(rows)} run(s) in {uri}", title_justify="left")
-    for column, justify in (("name", "left"), ("run", "left"), ("status", "left"),
-                            ("final loss", "right"), ("best val", "right"),
-                            ("tok/s", "right"), ("peak GB", "right"), ("wall s", "right"),
-                            ("mix", "left")):
+    for column, justify in (
+        ("name", "left"),
+        ("run", "left"),
+        ("status", "left"),
+        ("final loss", "right"),
+        ("best val", "right"),
+        ("tok/s", "right"),
+        ("peak GB", "right"),
+        ("wall s", "right"),
+        ("mix", "left"),
+    ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
     for key in differing:
         table.add_column(key, style="bold yellow", header_style="bold yellow")
     for r in rows:
-        table.add_row(r["name"], r["run_id"][:8], r["status"], _num(r["final_loss"], ".4f"),
-                      _num(r["val_loss"], ".4f"), _num(r["tokens_per_second"], ",.0f"),
-                      _num(r["peak_memory_gb"], ".2f"), _num(r["wall_time_s"], ".0f"),
-                      _mix(r["mix"]), *(_cell(r["differing"][k]) for k in differing))
+        table.add_row(
+            r["name"],
+            r["run_id"][:8],
+            r["status"],
+            _num(r["final_loss"], ".4f"),
+            _num(r["val_loss"], ".4f"),
+            _num(r["tokens_per_second"], ",.0f"),
+            _num(r["peak_memory_gb"], ".2f"),
+            _num(r["wall_time_s"], ".0f"),
+            _mix(r["mix"]),
+            *(_cell(r["differing"][k]) for k in differing),
+        )
     console = _console()
     console.print(table)
     if len(rows) > 1:
@@ -134,12 +184,19 @@ def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
 @click.command()
 @_experiment_option
 @_since_option
-@click.option("--limit", "-n", default=20, show_default=True, type=click.IntRange(min=1),
-              help="Show at most this many runs.")
+@click.option(
+    "--limit",
+    "-n",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Show at most this many runs.",
+)
 @json_option
 @_runs_root_option
-def runs(experiment: str | None, since: str | None, limit: int, as_json: bool,
-         runs_root: str) -> int:
+def runs(
+    experiment: str | None, since: str | None, limit: int, as_json: bool, runs_root: str
+) -> int:
     """List recent runs, newest first: name, status, started, duration."""
     from trainlab.track import tracking_uri
     from trainlab.track.query import list_runs, parse_since
@@ -158,8 +215,14 @@ def runs(experiment: str | None, since: str | None, limit: int, as_json: bool,
     for column in ("name", "run_id", "experiment", "status", "started", "duration"):
         table.add_column(column, justify="right" if column == "duration" else "left")
     for r in rows:
-        table.add_row(r["name"], r["run_id"], r["experiment"], r["status"], r["started"] or "-",
-                      _duration(r["duration_s"]))
+        table.add_row(
+            r["name"],
+            r["run_id"],
+            r["experiment"],
+            r["status"],
+            r["started"] or "-",
+            _duration(r["duration_s"]),
+        )
     _console().print(table)
     return 0
 
@@ -192,8 +255,20 @@ def ui(port: int, runs_root: str) -> int:
     if uri.startswith(("http://", "https://")):
         click.echo(f"{ENV_TRACKING_URI} points at a tracking server: open {uri} in a browser")
         return 0
-    command = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
-               "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    command = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "server",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        "1",
+    ]
     root = artifact_location(runs_root)
     if root:
         command += ["--default-artifact-root", root]

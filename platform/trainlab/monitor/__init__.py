@@ -7,5 +7,13 @@ from trainlab.monitor.callback import MonitorCallback, alert_log_path
 from trainlab.monitor.rules import Alert, Rule, build_rules
 from trainlab.monitor.sinks import MlflowSink, RunLogSink, WebhookSink
 
-__all__ = ["Alert", "MlflowSink", "MonitorCallback", "Rule", "RunLogSink", "WebhookSink",
-           "alert_log_path", "build_rules"]
+__all__ = [
+    "Alert",
+    "MlflowSink",
+    "MonitorCallback",
+    "Rule",
+    "RunLogSink",
+    "WebhookSink",
+    "alert_log_path",
+    "build_rules",
+]

@@ -38,8 +38,7 @@ class MonitorCallback(Callback):
     sink's tags; `clock` is injectable so tests can age checkpoints without waiting.
     """
 
-    def __init__(self, cfg: Any, tracker: Any = None,
-                 clock: Callable[[], float] = time.time):
+    def __init__(self, cfg: Any, tracker: Any = None, clock: Callable[[], float] = time.time):
         self.cfg = cfg
         self.tracker = tracker
         self.clock = clock
@@ -58,6 +57,9 @@ class MonitorCallback(Callback):
     # ---------------------------------------------------------------- hooks
 
     def on_run_start(self, ctx: RunContext) -> None:
+        # After an in-place restart the rules start afresh (throughput and loss
+        # statistics restart with the processes); alerts so far are kept.
+        self.on_run_end({})
         alerts_cfg = ctx.cfg.tracking.alerts
         self.rules = build_rules(alerts_cfg)
         now = self.clock()
@@ -88,7 +90,9 @@ class MonitorCallback(Callback):
                 rule.checkpoint_saved(self.clock())
 
     def on_run_end(self, summary: dict[str, Any]) -> None:
-        for sink in self.sinks:
+        """Close the sinks: queued webhook posts are delivered (bounded wait)."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
             try:
                 sink.close()
             except Exception:  # noqa: BLE001 - closing a sink must not fail the run's end
@@ -129,8 +133,7 @@ class MonitorCallback(Callback):
     def _emit(self, alert: Alert) -> None:
         from dataclasses import replace
 
-        alert = replace(alert, run=self._run_name,
-                        run_id=getattr(self.tracker, "run_id", None))
+        alert = replace(alert, run=self._run_name, run_id=getattr(self.tracker, "run_id", None))
         self.alerts.append(alert)
         for sink in self.sinks:
             try:
@@ -147,8 +150,11 @@ def _webhook_sink(env_name: str) -> WebhookSink | None:
     come from the environment only); None, with a logged reason, when unusable."""
     url = os.environ.get(env_name, "").strip()
     if not url:
-        log.warning("tracking.alerts.webhook_url_env names $%s, which is not set in this "
-                    "process's environment: alerts will not be posted", env_name)
+        log.warning(
+            "tracking.alerts.webhook_url_env names $%s, which is not set in this "
+            "process's environment: alerts will not be posted",
+            env_name,
+        )
         return None
     try:
         return WebhookSink(check_webhook_url(url, env_name))

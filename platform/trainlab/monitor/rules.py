@@ -191,10 +191,13 @@ class LossRising(Rule):
         noise = _stdev(self._diffs) / math.sqrt(2)
         margin = RISE_Z * noise * math.sqrt(2 / n)
         rise = avg - earlier[1]
-        return Verdict(rise > margin, avg,
-                       f"loss moving average ({self.smoothing} steps) rose by {rise:.4g} over "
-                       f"the last {step - earlier[0]} steps to {avg:.4g} (noise margin "
-                       f"{margin:.3g})")
+        return Verdict(
+            rise > margin,
+            avg,
+            f"loss moving average ({self.smoothing} steps) rose by {rise:.4g} over "
+            f"the last {step - earlier[0]} steps to {avg:.4g} (noise margin "
+            f"{margin:.3g})",
+        )
 
 
 @dataclass
@@ -215,8 +218,11 @@ class GradSpike(Rule):
         spike = norm > self.factor * mean
         if not spike:  # a spike must not raise the bar for the next one
             self._history.append((step, norm))
-        return Verdict(spike, norm, f"grad norm {norm:.4g} > {self.factor:g} x its running "
-                                    f"mean {mean:.4g} (step {step})")
+        return Verdict(
+            spike,
+            norm,
+            f"grad norm {norm:.4g} > {self.factor:g} x its running mean {mean:.4g} (step {step})",
+        )
 
     @property
     def hold_steps(self) -> int:
@@ -240,8 +246,12 @@ class ThroughputDrop(Rule):
         drop = tps < self.fraction * median
         if not drop:
             self._healthy.append(tps)
-        return Verdict(drop, tps, f"tokens/s {tps:.4g} below {self.fraction:g} x its running "
-                                  f"median {median:.4g} for {self.window}+ steps")
+        return Verdict(
+            drop,
+            tps,
+            f"tokens/s {tps:.4g} below {self.fraction:g} x its running "
+            f"median {median:.4g} for {self.window}+ steps",
+        )
 
 
 @dataclass
@@ -266,9 +276,11 @@ class StaleCheckpoint(Rule):
             age = self.age_s(now)
         if age is None:
             return None
-        return Verdict(age > self.minutes * 60, age,
-                       f"no valid checkpoint for {age / 60:.1f} min "
-                       f"(limit {self.minutes:g} min)")
+        return Verdict(
+            age > self.minutes * 60,
+            age,
+            f"no valid checkpoint for {age / 60:.1f} min (limit {self.minutes:g} min)",
+        )
 
 
 def build_rules(alerts: Any) -> list[Rule]:
@@ -276,8 +288,13 @@ def build_rules(alerts: Any) -> list[Rule]:
 
     def common(name: str) -> dict[str, Any]:
         c = getattr(alerts, name)
-        return {"name": name, "severity": c.severity, "window": c.window,
-                "cooldown": c.cooldown, "enabled": c.enabled}
+        return {
+            "name": name,
+            "severity": c.severity,
+            "window": c.window,
+            "cooldown": c.cooldown,
+            "enabled": c.enabled,
+        }
 
     return [
         NonFinite(**common("non_finite")),

@@ -41,8 +41,14 @@ class RunLogSink:
 
     def send(self, alert: Alert) -> None:
         level = logging.ERROR if alert.severity == "P0" else logging.WARNING
-        log.log(level, "ALERT %s %s at step %d: %s", alert.severity, alert.rule, alert.step,
-                alert.message)
+        log.log(
+            level,
+            "ALERT %s %s at step %d: %s",
+            alert.severity,
+            alert.rule,
+            alert.step,
+            alert.message,
+        )
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(alert.to_json(), sort_keys=True) + "\n")
@@ -61,10 +67,12 @@ class MlflowSink:
 
     def send(self, alert: Alert) -> None:
         self.fired += 1
-        self.tracker.set_tags({
-            f"alert.{alert.rule}": f"{alert.severity} at step {alert.step}: {alert.message}",
-            "alerts_fired": str(self.fired),
-        })
+        self.tracker.set_tags(
+            {
+                f"alert.{alert.rule}": f"{alert.severity} at step {alert.step}: {alert.message}",
+                "alerts_fired": str(self.fired),
+            }
+        )
         if self.alert_log.is_file():
             self.tracker.log_artifact(str(self.alert_log))
 
@@ -75,8 +83,7 @@ class MlflowSink:
 def check_webhook_url(url: str, env_name: str) -> str:
     if not url.startswith(("http://", "https://")):
         # Say where the value came from, never the value: it may hold a secret.
-        raise UserError(f"${env_name}: the alert webhook URL must start with http:// or "
-                        "https://")
+        raise UserError(f"${env_name}: the alert webhook URL must start with http:// or https://")
     return url
 
 
@@ -105,8 +112,11 @@ class WebhookSink:
     def _post(self, payload: dict[str, Any]) -> None:
         body = json.dumps(payload).encode()
         request = urllib.request.Request(
-            self.url, data=body, method="POST",
-            headers={"Content-Type": "application/json", "User-Agent": "trainlab-alerts"})
+            self.url,
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json", "User-Agent": "trainlab-alerts"},
+        )
         for attempt in range(1, WEBHOOK_ATTEMPTS + 1):
             try:
                 with urllib.request.urlopen(request, timeout=self.timeout) as response:
@@ -115,7 +125,12 @@ class WebhookSink:
                 return
             except (urllib.error.URLError, OSError) as e:
                 if attempt == WEBHOOK_ATTEMPTS:
-                    log.warning("alert webhook: %s at step %s not delivered after %d "
-                                "attempts (%s)", payload["rule"], payload["step"], attempt, e)
+                    log.warning(
+                        "alert webhook: %s at step %s not delivered after %d attempts (%s)",
+                        payload["rule"],
+                        payload["step"],
+                        attempt,
+                        e,
+                    )
                     return
                 time.sleep(0.5 * attempt)

@@ -13,8 +13,14 @@ from typing import Any
 from trainlab.track.gitinfo import git_env, git_info
 from trainlab.track.store import artifact_location, tracking_uri
 
-__all__ = ["artifact_location", "close_run", "default_callbacks", "git_env", "git_info",
-           "tracking_uri"]
+__all__ = [
+    "artifact_location",
+    "close_run",
+    "default_callbacks",
+    "git_env",
+    "git_info",
+    "tracking_uri",
+]
 
 
 def default_callbacks(cfg: Any, runs_root: str | None = None) -> list[Any]:
@@ -32,8 +38,9 @@ def default_callbacks(cfg: Any, runs_root: str | None = None) -> list[Any]:
     return [tracker, MonitorCallback(cfg, tracker=tracker)]
 
 
-def close_run(cfg: Any, run_dir: str, summary: dict[str, Any],
-              runs_root: str | None = None) -> str | None:
+def close_run(
+    cfg: Any, run_dir: str, summary: dict[str, Any], runs_root: str | None = None
+) -> str | None:
     """Driver side: end the MLflow run of a training run that failed for good
     (its workers could not); see `trainlab.track.mlflow_cb.close_run`."""
     from trainlab.track.mlflow_cb import close_run as _close_run

@@ -21,8 +21,9 @@ _PACKAGE_REPO = Path(__file__).resolve().parents[3]
 
 def _git(args: list[str], cwd: Path) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True,
-                             timeout=10, check=True)
+        out = subprocess.run(
+            ["git", *args], cwd=cwd, capture_output=True, text=True, timeout=10, check=True
+        )
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout
@@ -35,8 +36,10 @@ def git_info(path: str | os.PathLike[str] | None = None) -> dict[str, str]:
     the current directory, then the checkout the library was installed from).
     """
     if os.environ.get(ENV_COMMIT):
-        return {"commit": os.environ[ENV_COMMIT],
-                "dirty": os.environ.get(ENV_DIRTY, UNKNOWN).lower()}
+        return {
+            "commit": os.environ[ENV_COMMIT],
+            "dirty": os.environ.get(ENV_DIRTY, UNKNOWN).lower(),
+        }
     candidates = [Path(path)] if path is not None else [Path.cwd(), _PACKAGE_REPO]
     for where in candidates:
         commit = _git(["rev-parse", "HEAD"], where)

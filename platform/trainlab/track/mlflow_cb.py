@@ -44,8 +44,16 @@ METRICS_PER_BATCH = 1000
 TAGS_PER_BATCH = 100
 
 # Plan numbers worth a column in a comparison (prefixed `plan.` as params).
-PLAN_HEADLINE = ("num_params", "world_size", "strategy", "flops_per_token", "micro_batch_size",
-                 "global_batch_size", "tokens_per_step", "fits")
+PLAN_HEADLINE = (
+    "num_params",
+    "world_size",
+    "strategy",
+    "flops_per_token",
+    "micro_batch_size",
+    "global_batch_size",
+    "tokens_per_step",
+    "fits",
+)
 
 SYSTEM_METRICS_INTERVAL_S = 10.0
 ALERT_LOG_ARTIFACT = "alerts.jsonl"
@@ -53,8 +61,13 @@ ALERT_LOG_ARTIFACT = "alerts.jsonl"
 _METRIC_NAME_BAD = re.compile(r"[^A-Za-z0-9_\-. :/]")
 
 # The training loop's statuses -> MLflow's terminal run statuses.
-_MLFLOW_STATUS = {"completed": "FINISHED", "finished": "FINISHED", "stopped": "KILLED",
-                  "killed": "KILLED", "cancelled": "KILLED"}
+_MLFLOW_STATUS = {
+    "completed": "FINISHED",
+    "finished": "FINISHED",
+    "stopped": "KILLED",
+    "killed": "KILLED",
+    "cancelled": "KILLED",
+}
 
 
 # --------------------------------------------------------------------------- pure helpers
@@ -214,7 +227,7 @@ class MlflowCallback(Callback):
             if self._steps.admit(name, step):
                 points.append(Metric(name, float(value), now, int(step)))
         for i in range(0, len(points), METRICS_PER_BATCH):
-            self._client.log_batch(self.run_id, metrics=points[i:i + METRICS_PER_BATCH])
+            self._client.log_batch(self.run_id, metrics=points[i : i + METRICS_PER_BATCH])
         return len(points)
 
     def set_tags(self, tags: dict[str, str]) -> None:
@@ -224,7 +237,7 @@ class MlflowCallback(Callback):
 
         items = [RunTag(k, str(v)[:MAX_TAG_VALUE]) for k, v in tags.items()]
         for i in range(0, len(items), TAGS_PER_BATCH):
-            self._client.log_batch(self.run_id, tags=items[i:i + TAGS_PER_BATCH])
+            self._client.log_batch(self.run_id, tags=items[i : i + TAGS_PER_BATCH])
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
         if self._client is not None and self.run_id is not None:
@@ -236,9 +249,13 @@ class MlflowCallback(Callback):
         if not _is_rank_zero():
             log.warning("MLflow callback called off rank 0; not logging from this worker")
             return
+        # The same callback sees every in-place restart (trainlab.train.supervisor):
+        # one system-metrics thread at a time.
+        self._stop_system_metrics()
         runs_root = self._connect(str(ctx.run_dir))
-        exp_id = get_or_create_experiment(self._client, experiment_name(ctx.cfg),
-                                          artifact_location(runs_root))
+        exp_id = get_or_create_experiment(
+            self._client, experiment_name(ctx.cfg), artifact_location(runs_root)
+        )
         existing = self._find_run(exp_id, run_key(ctx.run_dir))
         if existing is None:
             self._start_new_run(exp_id, ctx)
@@ -247,8 +264,12 @@ class MlflowCallback(Callback):
             self._resume_run(existing, ctx)
             resumed = True
         self._start_system_metrics(resumed)
-        log.info("MLflow run %s (%s) at %s", self.run_id, "continued" if resumed else "new",
-                 self.tracking_uri)
+        log.info(
+            "MLflow run %s (%s) at %s",
+            self.run_id,
+            "continued" if resumed else "new",
+            self.tracking_uri,
+        )
 
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
         self.log_metrics(step, metrics)
@@ -303,8 +324,12 @@ class MlflowCallback(Callback):
         return runs_root
 
     def _find_run(self, exp_id: str, key: str) -> Any:
-        runs = self._client.search_runs([exp_id], filter_string=f"tags.run_key = '{key}'",
-                                        max_results=1, order_by=["attributes.start_time DESC"])
+        runs = self._client.search_runs(
+            [exp_id],
+            filter_string=f"tags.run_key = '{key}'",
+            max_results=1,
+            order_by=["attributes.start_time DESC"],
+        )
         return runs[0] if runs else None
 
     def _start_new_run(self, exp_id: str, ctx: RunContext) -> None:
@@ -314,7 +339,7 @@ class MlflowCallback(Callback):
         self.run_id = run.info.run_id
         params = [Param(k, v) for k, v in run_params(ctx.cfg, ctx.plan).items()]
         for i in range(0, len(params), PARAMS_PER_BATCH):
-            self._client.log_batch(self.run_id, params=params[i:i + PARAMS_PER_BATCH])
+            self._client.log_batch(self.run_id, params=params[i : i + PARAMS_PER_BATCH])
         self._log_start_artifacts(ctx)
 
     def _resume_run(self, run: Any, ctx: RunContext) -> None:
@@ -357,17 +382,23 @@ class MlflowCallback(Callback):
         from trainlab.track.query import metric_series
 
         series = metric_series(self._client, self.run_id, prefixes=("loss", "val_loss/", "share/"))
-        val = {k.removeprefix("val_loss/"): v for k, v in series.items()
-               if k.startswith("val_loss/")}
+        val = {
+            k.removeprefix("val_loss/"): v for k, v in series.items() if k.startswith("val_loss/")
+        }
         shares = {k.removeprefix("share/"): v for k, v in series.items() if k.startswith("share/")}
         name = self.cfg.name
-        self._client.log_figure(self.run_id, loss_curve_figure(series.get("loss", []), val,
-                                                               title=f"{name}: loss"),
-                                "loss_curve.png")
-        self._client.log_figure(self.run_id,
-                                mix_share_figure(shares, normalized_mix(self.cfg.data.mix),
-                                                 title=f"{name}: delivered token share"),
-                                "mix_shares.png")
+        self._client.log_figure(
+            self.run_id,
+            loss_curve_figure(series.get("loss", []), val, title=f"{name}: loss"),
+            "loss_curve.png",
+        )
+        self._client.log_figure(
+            self.run_id,
+            mix_share_figure(
+                shares, normalized_mix(self.cfg.data.mix), title=f"{name}: delivered token share"
+            ),
+            "mix_shares.png",
+        )
 
     def _start_system_metrics(self, resumed: bool) -> None:
         if not self.cfg.tracking.system_metrics:
@@ -375,8 +406,11 @@ class MlflowCallback(Callback):
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
         self._system_monitor = SystemMetricsMonitor(
-            self.run_id, sampling_interval=SYSTEM_METRICS_INTERVAL_S,
-            resume_logging=resumed, tracking_uri=self.tracking_uri)
+            self.run_id,
+            sampling_interval=SYSTEM_METRICS_INTERVAL_S,
+            resume_logging=resumed,
+            tracking_uri=self.tracking_uri,
+        )
         self._system_monitor.start()
 
     def _stop_system_metrics(self) -> None:
@@ -385,8 +419,9 @@ class MlflowCallback(Callback):
             self._system_monitor = None
 
 
-def close_run(cfg: Any, run_dir: str, summary: dict[str, Any],
-              runs_root: str | None = None) -> str | None:
+def close_run(
+    cfg: Any, run_dir: str, summary: dict[str, Any], runs_root: str | None = None
+) -> str | None:
     """End the MLflow run of `run_dir` from outside the workers (e.g. the driver
     after the run failed for good, when rank 0 could not): run_summary.json,
     alert log, curves, status tag and MLflow status. Returns the run id, or None

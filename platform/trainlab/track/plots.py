@@ -48,8 +48,14 @@ def loss_curve_figure(train: Series, val: Mapping[str, Series], title: str = "lo
     fig, ax = _figure(title, "loss")
     _plot(ax, train, label="train", linewidth=1.2)
     for source, series in sorted(val.items()):
-        _plot(ax, series, label=f"val {source}", marker="o", markersize=3,
-              linestyle="-" if source == "all" else "--")
+        _plot(
+            ax,
+            series,
+            label=f"val {source}",
+            marker="o",
+            markersize=3,
+            linestyle="-" if source == "all" else "--",
+        )
     if train or any(val.values()):
         ax.legend(loc="upper right")
     else:
@@ -57,15 +63,20 @@ def loss_curve_figure(train: Series, val: Mapping[str, Series], title: str = "lo
     return fig
 
 
-def mix_share_figure(shares: Mapping[str, Series], targets: Mapping[str, float],
-                     title: str = "delivered token share") -> Figure:
+def mix_share_figure(
+    shares: Mapping[str, Series], targets: Mapping[str, float], title: str = "delivered token share"
+) -> Figure:
     """Delivered token share per source against step, with the target shares dashed."""
     fig, ax = _figure(title, "share of tokens")
-    colors = {source: _plot(ax, series, label=source)
-              for source, series in sorted(shares.items())}
+    colors = {source: _plot(ax, series, label=source) for source, series in sorted(shares.items())}
     for source, target in sorted(targets.items()):
-        ax.axhline(target, linestyle="--", linewidth=0.8,
-                   color=colors.get(source) or "gray", label=f"{source} target")
+        ax.axhline(
+            target,
+            linestyle="--",
+            linewidth=0.8,
+            color=colors.get(source) or "gray",
+            label=f"{source} target",
+        )
     if any(shares.values()) or targets:
         ax.legend(loc="upper right", fontsize="small")
         ax.set_ylim(0, 1)

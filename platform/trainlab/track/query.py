@@ -29,8 +29,9 @@ SEARCH_PAGE = 1000
 # --------------------------------------------------------------------------- metric histories
 
 
-def metric_series(client: MlflowClient, run_id: str,
-                  prefixes: Sequence[str] = ("",)) -> dict[str, list[tuple[int, float]]]:
+def metric_series(
+    client: MlflowClient, run_id: str, prefixes: Sequence[str] = ("",)
+) -> dict[str, list[tuple[int, float]]]:
     """Every metric of the run whose name is, or starts with, one of `prefixes`,
     as (step, value) points sorted by step."""
     run = client.get_run(run_id)
@@ -43,7 +44,7 @@ def metric_series(client: MlflowClient, run_id: str,
 
 
 def _matches(key: str, prefix: str) -> bool:
-    """"loss" matches only loss; "val_loss/" (or "") matches everything under it."""
+    """ "loss" matches only loss; "val_loss/" (or "") matches everything under it."""
     return key.startswith(prefix) if prefix.endswith("/") or not prefix else key == prefix
 
 
@@ -61,8 +62,9 @@ def parse_since(text: str | None) -> datetime | None:
     try:
         when = datetime.fromisoformat(text)
     except ValueError:
-        raise UserError(f"--since {text!r}: expected a date like 2026-05-01 "
-                        "or 2026-05-01T14:30") from None
+        raise UserError(
+            f"--since {text!r}: expected a date like 2026-05-01 or 2026-05-01T14:30"
+        ) from None
     return when if when.tzinfo else when.astimezone()
 
 
@@ -81,20 +83,26 @@ def _experiment_ids(client: MlflowClient, experiment: str | None, uri: str) -> l
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         known = sorted(e.name for e in client.search_experiments())
-        raise UserError(f"--experiment {experiment!r}: no such experiment in {uri} "
-                        f"(known: {', '.join(known) or 'none'})")
+        raise UserError(
+            f"--experiment {experiment!r}: no such experiment in {uri} "
+            f"(known: {', '.join(known) or 'none'})"
+        )
     return [exp.experiment_id]
 
 
-def find_runs(uri: str, names: Sequence[str] = (), experiment: str | None = None,
-              since: datetime | None = None, limit: int | None = None) -> list[Run]:
+def find_runs(
+    uri: str,
+    names: Sequence[str] = (),
+    experiment: str | None = None,
+    since: datetime | None = None,
+    limit: int | None = None,
+) -> list[Run]:
     """trainlab runs in the store, newest first. `names` selects by run name or run
     id; a name that matches nothing is a user error."""
     client = open_store(uri)
     if client is None:
         if names:
-            raise UserError(f"no runs recorded yet in {uri}: nothing matches "
-                            f"{', '.join(names)}")
+            raise UserError(f"no runs recorded yet in {uri}: nothing matches {', '.join(names)}")
         return []
     ids = _experiment_ids(client, experiment, uri)
     filters = ["tags.run_key != ''"]
@@ -107,20 +115,27 @@ def find_runs(uri: str, names: Sequence[str] = (), experiment: str | None = None
         missing = [n for n in names if n not in found]
         if missing:
             where = f" in experiment {experiment!r}" if experiment else ""
-            raise UserError(f"no run named {', '.join(map(repr, missing))}{where} in {uri}"
-                            " (see `trainlab runs`)")
+            raise UserError(
+                f"no run named {', '.join(map(repr, missing))}{where} in {uri}"
+                " (see `trainlab runs`)"
+            )
         runs = runs[:limit] if limit else runs
     return runs
 
 
-def _search_all(client: MlflowClient, ids: list[str], filter_string: str,
-                limit: int | None) -> list[Run]:
+def _search_all(
+    client: MlflowClient, ids: list[str], filter_string: str, limit: int | None
+) -> list[Run]:
     runs: list[Run] = []
     token = None
     while True:
-        page = client.search_runs(ids, filter_string=filter_string,
-                                  max_results=min(limit or SEARCH_PAGE, SEARCH_PAGE),
-                                  order_by=["attributes.start_time DESC"], page_token=token)
+        page = client.search_runs(
+            ids,
+            filter_string=filter_string,
+            max_results=min(limit or SEARCH_PAGE, SEARCH_PAGE),
+            order_by=["attributes.start_time DESC"],
+            page_token=token,
+        )
         runs.extend(page)
         token = page.token
         if not token or (limit and len(runs) >= limit):
@@ -139,8 +154,11 @@ def parse_param(text: str) -> Any:
 
 
 def _iso(ms: int | None) -> str | None:
-    return datetime.fromtimestamp(ms / 1000, UTC).astimezone().isoformat(timespec="seconds") \
-        if ms else None
+    return (
+        datetime.fromtimestamp(ms / 1000, UTC).astimezone().isoformat(timespec="seconds")
+        if ms
+        else None
+    )
 
 
 def _status(run: Run) -> str:
@@ -181,8 +199,9 @@ def run_row(client: MlflowClient, run: Run, experiment_names: dict[str, str]) ->
         "tokens_per_second": statistics.median(tps) if tps else None,
         "peak_memory_gb": max(mem) if mem else None,
         "wall_time_s": _wall_time_s(run),
-        "mix": {k.removeprefix(MIX_PREFIX): v for k, v in params.items()
-                if k.startswith(MIX_PREFIX)},
+        "mix": {
+            k.removeprefix(MIX_PREFIX): v for k, v in params.items() if k.startswith(MIX_PREFIX)
+        },
         "config_hash": run.data.tags.get("config_hash"),
         "dataset_fingerprint": run.data.tags.get("dataset_fingerprint"),
         "git_commit": run.data.tags.get("git_commit"),
@@ -212,8 +231,12 @@ def differing_keys(rows: Iterable[dict[str, Any]]) -> list[str]:
     return [k for k in keys if len({value(r, k) for r in rows}) > 1]
 
 
-def compare_runs(uri: str, names: Sequence[str] = (), experiment: str | None = None,
-                 since: datetime | None = None) -> list[dict[str, Any]]:
+def compare_runs(
+    uri: str,
+    names: Sequence[str] = (),
+    experiment: str | None = None,
+    since: datetime | None = None,
+) -> list[dict[str, Any]]:
     """One row per run, newest first; each row's `differing` holds its values of
     the config keys that differ between the rows."""
     runs = find_runs(uri, names, experiment, since)
@@ -228,8 +251,9 @@ def compare_runs(uri: str, names: Sequence[str] = (), experiment: str | None = N
     return rows
 
 
-def list_runs(uri: str, experiment: str | None = None, since: datetime | None = None,
-              limit: int = 20) -> list[dict[str, Any]]:
+def list_runs(
+    uri: str, experiment: str | None = None, since: datetime | None = None, limit: int = 20
+) -> list[dict[str, Any]]:
     """Recent runs, newest first: name, status, started, duration."""
     runs = find_runs(uri, (), experiment, since, limit)
     if not runs:
@@ -239,9 +263,11 @@ def list_runs(uri: str, experiment: str | None = None, since: datetime | None = 
     return [run_overview(r, exp_names) for r in runs]
 
 
-def run_curves(uri: str, run_ids: Sequence[str],
-               prefixes: Sequence[str] = ("loss", "val_loss/", "share/"),
-               ) -> dict[str, dict[str, list[tuple[int, float]]]]:
+def run_curves(
+    uri: str,
+    run_ids: Sequence[str],
+    prefixes: Sequence[str] = ("loss", "val_loss/", "share/"),
+) -> dict[str, dict[str, list[tuple[int, float]]]]:
     """Metric curves of several runs: {run_id: {metric: [(step, value), ...]}}."""
     client = client_for(uri)
     return {run_id: metric_series(client, run_id, prefixes) for run_id in run_ids}

@@ -57,8 +57,7 @@ def client_for(uri: str) -> MlflowClient:
     return MlflowClient(tracking_uri=uri)
 
 
-def get_or_create_experiment(client: MlflowClient, name: str,
-                             artifact_root: str | None) -> str:
+def get_or_create_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
     """The id of experiment `name`, created (with `artifact_root`) when missing."""
     from mlflow.exceptions import MlflowException
 

@@ -22,8 +22,13 @@ from trainlab.train.callbacks import CallbackList, RunContext
 
 RECIPES = Path(__file__).resolve().parents[3] / "trainers" / "recipes"
 # Pinned here so the tests do not move when the tiny recipe is retuned.
-RUN_SHAPE = ("train.total_steps=60", "train.warmup_steps=5", "train.log_interval=5",
-             "train.eval_interval=20", "train.checkpoint.every_steps=20")
+RUN_SHAPE = (
+    "train.total_steps=60",
+    "train.warmup_steps=5",
+    "train.log_interval=5",
+    "train.eval_interval=20",
+    "train.checkpoint.every_steps=20",
+)
 
 
 @pytest.fixture(scope="session")
@@ -46,9 +51,10 @@ def runs_root(tmp_path: Path, _template_db: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def tiny_config(runs_root: Path, *overrides: str) -> Any:
-    return load_config(RECIPES / "tiny.yaml",
-                       [f"train.runs_root={runs_root}", "tracking.system_metrics=false",
-                        *RUN_SHAPE, *overrides])
+    return load_config(
+        RECIPES / "tiny.yaml",
+        [f"train.runs_root={runs_root}", "tracking.system_metrics=false", *RUN_SHAPE, *overrides],
+    )
 
 
 class FakeRank0:
@@ -64,19 +70,36 @@ class FakeRank0:
         self.callbacks: CallbackList | None = None
 
     def context(self, start_step: int = 0, restarts: int = 0, **kw: Any) -> RunContext:
-        return RunContext(cfg=self.cfg, plan=plan(self.cfg).to_json(), run_dir=str(self.run_dir),
-                          config_hash=config_hash(self.cfg), dataset_fingerprint="f00d",
-                          manifest_path=str(self.manifest), start_step=start_step,
-                          restarts=restarts, **kw)
+        return RunContext(
+            cfg=self.cfg,
+            plan=plan(self.cfg).to_json(),
+            run_dir=str(self.run_dir),
+            config_hash=config_hash(self.cfg),
+            dataset_fingerprint="f00d",
+            manifest_path=str(self.manifest),
+            start_step=start_step,
+            restarts=restarts,
+            **kw,
+        )
 
-    def start(self, start_step: int = 0, restarts: int = 0, **kw: Any) -> CallbackList:
-        """A fresh process's callbacks (as after a worker-group restart)."""
-        self.callbacks = CallbackList(default_callbacks(self.cfg))
+    def start(
+        self, start_step: int = 0, restarts: int = 0, in_place: bool = False, **kw: Any
+    ) -> CallbackList:
+        """A fresh process's callbacks (as after a worker-group restart), or with
+        `in_place` the same callbacks started again (the agent survives restarts
+        of its training process, trainlab.train.supervisor)."""
+        if not (in_place and self.callbacks is not None):
+            self.callbacks = CallbackList(default_callbacks(self.cfg))
         self.callbacks.on_run_start(self.context(start_step, restarts, **kw))
         return self.callbacks
 
-    def steps(self, first: int, last: int, loss: Callable[[int], float] = lambda s: 9 * math.exp(-s / 40) + 1,
-              seed: int = 0) -> dict[int, dict[str, float]]:
+    def steps(
+        self,
+        first: int,
+        last: int,
+        loss: Callable[[int], float] = lambda s: 9 * math.exp(-s / 40) + 1,
+        seed: int = 0,
+    ) -> dict[int, dict[str, float]]:
         """Log steps first..last every train.log_interval (evals and checkpoints on
         their intervals); returns what was sent per step."""
         assert self.callbacks is not None
@@ -86,19 +109,30 @@ class FakeRank0:
         for step in range(first, last + 1):
             if step % t.log_interval and step != t.total_steps:
                 continue
-            metrics = {"loss": loss(step) + rng.uniform(-0.05, 0.05), "lr": 1e-3,
-                       "grad_norm": 1 + rng.random(), "tokens_per_s": 5000 + rng.uniform(-200, 200),
-                       "step_time_s": 0.1, "data_wait_frac": 0.01, "mem_gb": 1.0,
-                       "mem_peak_gb": 1.1 + step / 1000, "share/code": 0.5, "share/docs": 0.3,
-                       "share/pkgdocs": 0.2}
+            metrics = {
+                "loss": loss(step) + rng.uniform(-0.05, 0.05),
+                "lr": 1e-3,
+                "grad_norm": 1 + rng.random(),
+                "tokens_per_s": 5000 + rng.uniform(-200, 200),
+                "step_time_s": 0.1,
+                "data_wait_frac": 0.01,
+                "mem_gb": 1.0,
+                "mem_peak_gb": 1.1 + step / 1000,
+                "share/code": 0.5,
+                "share/docs": 0.3,
+                "share/pkgdocs": 0.2,
+            }
             self.callbacks.on_step_end(step, metrics)
             sent[step] = metrics
             if step % t.eval_interval == 0:
-                self.callbacks.on_eval(step, {"code": loss(step) + 0.2, "docs": loss(step) + 0.4,
-                                              "all": loss(step) + 0.3})
+                self.callbacks.on_eval(
+                    step,
+                    {"code": loss(step) + 0.2, "docs": loss(step) + 0.4, "all": loss(step) + 0.3},
+                )
             if step % t.checkpoint.every_steps == 0:
-                self.callbacks.on_checkpoint(step, str(self.run_dir / f"checkpoints/step-{step:08d}"),
-                                             True, loss(step) + 0.3)
+                self.callbacks.on_checkpoint(
+                    step, str(self.run_dir / f"checkpoints/step-{step:08d}"), True, loss(step) + 0.3
+                )
         return sent
 
     def end(self, status: str = "completed", **extra: Any) -> None:

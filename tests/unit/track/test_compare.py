@@ -32,8 +32,12 @@ def runs_root(_template_db, tmp_path_factory):
         root.mkdir()
         shutil.copy(_template_db, root / "mlflow.db")
         FakeRank0(tiny_config(root, "name=base"), root).full_run()
-        FakeRank0(tiny_config(root, "name=hot", "train.lr=0.003", "data.mix.code=0.7",
-                              "purpose=try a hotter lr"), root).full_run()
+        FakeRank0(
+            tiny_config(
+                root, "name=hot", "train.lr=0.003", "data.mix.code=0.7", "purpose=try a hotter lr"
+            ),
+            root,
+        ).full_run()
         yield root
 
 
@@ -50,17 +54,29 @@ def test_compare_json_has_the_documented_fields(runs_root, client, capsys):
     rows = json.loads(out.strip().splitlines()[-1])
     assert [r["name"] for r in rows] == ["hot", "base"]  # newest first
     for row in rows:
-        for key in ("name", "run_id", "status", "final_loss", "val_loss", "tokens_per_second",
-                    "params", "peak_memory_gb", "wall_time_s", "mix"):
+        for key in (
+            "name",
+            "run_id",
+            "status",
+            "final_loss",
+            "val_loss",
+            "tokens_per_second",
+            "params",
+            "peak_memory_gb",
+            "wall_time_s",
+            "mix",
+        ):
             assert key in row, key
         assert row["status"] == "completed"
         run_id = row["run_id"]
         losses = client.get_metric_history(run_id, "loss")
         assert row["final_loss"] == max(losses, key=lambda m: m.step).value
-        assert row["val_loss"] == min(m.value for m in
-                                      client.get_metric_history(run_id, "val_loss/all"))
+        assert row["val_loss"] == min(
+            m.value for m in client.get_metric_history(run_id, "val_loss/all")
+        )
         assert row["tokens_per_second"] == statistics.median(
-            m.value for m in client.get_metric_history(run_id, "tokens_per_s"))
+            m.value for m in client.get_metric_history(run_id, "tokens_per_s")
+        )
         assert row["peak_memory_gb"] == pytest.approx(1.1 + 60 / 1000)
     hot = rows[0]
     assert hot["params"]["train.lr"] == 0.003  # flattened, typed
@@ -101,13 +117,16 @@ def test_compare_csv(runs_root, capsys):
     assert float(rows[0]["final_loss"]) > 0
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["compare", "nope"], "no run named 'nope'"),
-    (["compare", "--experiment", "nope"], "--experiment 'nope': no such experiment"),
-    (["compare", "--since", "last tuesday"], "--since 'last tuesday': expected a date"),
-    (["compare", "--json", "--csv"], "--json and --csv: choose one"),
-    (["runs", "--since", "13/01/2026"], "--since '13/01/2026'"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["compare", "nope"], "no run named 'nope'"),
+        (["compare", "--experiment", "nope"], "--experiment 'nope': no such experiment"),
+        (["compare", "--since", "last tuesday"], "--since 'last tuesday': expected a date"),
+        (["compare", "--json", "--csv"], "--json and --csv: choose one"),
+        (["runs", "--since", "13/01/2026"], "--since '13/01/2026'"),
+    ],
+)
 def test_bad_input_exits_2_with_one_line(runs_root, capsys, argv, message):
     code, out, err = trainlab(capsys, *argv, "--runs-root", str(runs_root))
     assert code == 2

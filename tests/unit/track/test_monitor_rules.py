@@ -50,22 +50,42 @@ class Stream:
             tps *= 0.3  # the step after a checkpoint save is slow
         if self.slow_from is not None and self.slow_from <= step < self.slow_from + 100:
             tps *= 0.3
-        return {"loss": loss, "lr": 1e-3, "grad_norm": grad, "tokens_per_s": tps,
-                "step_time_s": 0.1, "data_wait_frac": 0.01, "mem_gb": 1.0, "mem_peak_gb": 1.2}
+        return {
+            "loss": loss,
+            "lr": 1e-3,
+            "grad_norm": grad,
+            "tokens_per_s": tps,
+            "step_time_s": 0.1,
+            "data_wait_frac": 0.01,
+            "mem_gb": 1.0,
+            "mem_peak_gb": 1.2,
+        }
 
     def checkpoint_valid(self, step: int) -> bool:
         return self.ckpt_invalid_from is None or step < self.ckpt_invalid_from
 
 
-def run_stream(stream: Stream, log_interval: int, tmp_path: Path, *overrides: str,
-               steps: int = STEPS) -> MonitorCallback:
-    cfg = load_config(RECIPES / "tiny.yaml", [f"train.total_steps={steps + 1}",
-                                              f"train.log_interval={log_interval}", *overrides])
+def run_stream(
+    stream: Stream, log_interval: int, tmp_path: Path, *overrides: str, steps: int = STEPS
+) -> MonitorCallback:
+    cfg = load_config(
+        RECIPES / "tiny.yaml",
+        [f"train.total_steps={steps + 1}", f"train.log_interval={log_interval}", *overrides],
+    )
     clock = {"now": 1_000_000.0}
     monitor = MonitorCallback(cfg, clock=lambda: clock["now"])
-    monitor.on_run_start(RunContext(cfg=cfg, plan={}, run_dir=str(tmp_path / "run"),
-                                    config_hash="h", dataset_fingerprint="f", manifest_path="",
-                                    start_step=0, restarts=0))
+    monitor.on_run_start(
+        RunContext(
+            cfg=cfg,
+            plan={},
+            run_dir=str(tmp_path / "run"),
+            config_hash="h",
+            dataset_fingerprint="f",
+            manifest_path="",
+            start_step=0,
+            restarts=0,
+        )
+    )
     rng = random.Random(stream.seed)
     for step in range(1, steps + 1):
         clock["now"] += STEP_SECONDS
@@ -94,8 +114,7 @@ def test_noisy_but_healthy_runs_fire_nothing(log_interval, seed, tmp_path):
 
 
 ANOMALIES = {
-    "non_finite": Stream(nan_at={1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008, 1009,
-                                 1010}),
+    "non_finite": Stream(nan_at={1000, 1001, 1002, 1003, 1004, 1005, 1006, 1007, 1008, 1009, 1010}),
     "loss_rising": Stream(rise_from=1200),
     "grad_spike": Stream(spikes_at={1500, 1501, 1502}),
     "throughput_drop": Stream(slow_from=1300),
@@ -143,45 +162,67 @@ def test_cooldown_and_rearm(tmp_path):
     assert fired(run_stream(Stream(spikes_at={1500, 1550}), 1, tmp_path)) == ["grad_spike"]
     # 300 steps apart: a second, separate episode fires again.
     assert fired(run_stream(Stream(spikes_at={1500, 1800}), 1, tmp_path)) == [
-        "grad_spike", "grad_spike"]
+        "grad_spike",
+        "grad_spike",
+    ]
     # With no cool-down, one NaN episode still fires once (latched until it clears) ...
     nan_burst = Stream(nan_at=set(range(1000, 1020)))
-    assert fired(run_stream(nan_burst, 1, tmp_path,
-                            "tracking.alerts.non_finite.cooldown=0")) == ["non_finite"]
+    assert fired(run_stream(nan_burst, 1, tmp_path, "tracking.alerts.non_finite.cooldown=0")) == [
+        "non_finite"
+    ]
     # ... and a NaN after it cleared is a new episode.
     two = Stream(nan_at={1000, 1010})
     assert fired(run_stream(two, 1, tmp_path, "tracking.alerts.non_finite.cooldown=0")) == [
-        "non_finite", "non_finite"]
+        "non_finite",
+        "non_finite",
+    ]
 
 
 def test_disabled_rule_and_configured_severity(tmp_path):
-    quiet = run_stream(ANOMALIES["grad_spike"], 1, tmp_path,
-                       "tracking.alerts.grad_spike.enabled=false")
+    quiet = run_stream(
+        ANOMALIES["grad_spike"], 1, tmp_path, "tracking.alerts.grad_spike.enabled=false"
+    )
     assert fired(quiet) == []
-    loud = run_stream(ANOMALIES["grad_spike"], 1, tmp_path,
-                      "tracking.alerts.grad_spike.severity=P0")
+    loud = run_stream(
+        ANOMALIES["grad_spike"], 1, tmp_path, "tracking.alerts.grad_spike.severity=P0"
+    )
     assert [a.severity for a in loud.alerts] == ["P0"]
 
 
 def test_p0_checkpoint_and_stop_requests_a_stop(tmp_path):
     notify = run_stream(ANOMALIES["non_finite"], 1, tmp_path)
     assert not notify.stop_requested
-    stop = run_stream(ANOMALIES["non_finite"], 1, tmp_path,
-                      "tracking.alerts.on_p0=checkpoint_and_stop", steps=1005)
+    stop = run_stream(
+        ANOMALIES["non_finite"],
+        1,
+        tmp_path,
+        "tracking.alerts.on_p0=checkpoint_and_stop",
+        steps=1005,
+    )
     assert stop.stop_requested
     assert "non_finite at step 1000" in stop.stop_reason
     # P1 alerts never stop a run.
-    p1 = run_stream(ANOMALIES["grad_spike"], 1, tmp_path,
-                    "tracking.alerts.on_p0=checkpoint_and_stop")
+    p1 = run_stream(
+        ANOMALIES["grad_spike"], 1, tmp_path, "tracking.alerts.on_p0=checkpoint_and_stop"
+    )
     assert fired(p1) == ["grad_spike"] and not p1.stop_requested
 
 
 def test_stale_checkpoint_uses_the_loops_checkpoint_age_when_reported(tmp_path):
     cfg = load_config(RECIPES / "tiny.yaml", ["tracking.alerts.stale_checkpoint.minutes=1"])
     monitor = MonitorCallback(cfg, clock=lambda: 0.0)  # the clock never moves
-    monitor.on_run_start(RunContext(cfg=cfg, plan={}, run_dir=str(tmp_path), config_hash="h",
-                                    dataset_fingerprint="f", manifest_path="", start_step=0,
-                                    restarts=0))
+    monitor.on_run_start(
+        RunContext(
+            cfg=cfg,
+            plan={},
+            run_dir=str(tmp_path),
+            config_hash="h",
+            dataset_fingerprint="f",
+            manifest_path="",
+            start_step=0,
+            restarts=0,
+        )
+    )
     for step, age in [(5, 10.0), (10, 50.0), (15, 70.0), (20, 80.0), (25, 5.0), (30, 90.0)]:
         monitor.on_step_end(step, {"loss": 3.0, "ckpt_age_s": age})
     assert [(a.rule, a.step) for a in monitor.alerts] == [("stale_checkpoint", 15)]

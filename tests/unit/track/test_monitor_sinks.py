@@ -57,7 +57,12 @@ def test_webhook_receives_the_alert_as_json(rank0, client, webhook_server, monke
     path, content_type, body = received.get(timeout=30)
     assert path == "/hooks/alerts" and content_type == "application/json"
     assert {k: body[k] for k in ("run", "rule", "severity", "step", "value")} == {
-        "run": "tiny", "rule": "non_finite", "severity": "P0", "step": 30, "value": "nan"}
+        "run": "tiny",
+        "rule": "non_finite",
+        "severity": "P0",
+        "step": 30,
+        "value": "nan",
+    }
     assert "loss is nan" in body["message"]
     assert body["run_id"] == only_run(client).info.run_id
     r0.end()

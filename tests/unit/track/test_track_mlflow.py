@@ -8,6 +8,8 @@ import json
 import pickle
 import time
 
+import pytest
+
 from tests.unit.track.conftest import artifact_text, only_run
 from trainlab.config import flatten, load_config
 from trainlab.track import close_run, default_callbacks
@@ -38,8 +40,14 @@ def test_new_run_has_flattened_params_and_the_record_tags(rank0, client, monkeyp
     assert params["data.mix.code"] == "0.5"
     assert params["model.arch"] == "llama"
     assert params["train.chaos.kill_at_steps"] == "[]"
-    for headline in ("plan.num_params", "plan.strategy", "plan.dp", "plan.memory_per_device_gb",
-                     "plan.flops_per_token", "plan.tokens_per_step"):
+    for headline in (
+        "plan.num_params",
+        "plan.strategy",
+        "plan.dp",
+        "plan.memory_per_device_gb",
+        "plan.flops_per_token",
+        "plan.tokens_per_step",
+    ):
         assert headline in params
     tags = run.data.tags
     assert tags["git_commit"] == "0123abc" and tags["git_dirty"] == "true"
@@ -64,21 +72,31 @@ def test_start_artifacts_describe_the_run(rank0, client):
     plan = json.loads(artifact_text(client, run_id, "plan.json"))
     assert plan["num_params"] == int(only_run(client).data.params["plan.num_params"])
     assert json.loads(artifact_text(client, run_id, "data/tiny-manifest.json")) == {
-        "format_version": 1, "fingerprint": "f00d"}
+        "format_version": 1,
+        "fingerprint": "f00d",
+    }
 
 
-def test_restart_continues_the_same_run_with_strictly_increasing_steps(rank0, client):
-    r0 = rank0()
+@pytest.mark.parametrize("in_place", [False, True], ids=["new-process", "in-place"])
+def test_restart_continues_the_same_run_with_strictly_increasing_steps(rank0, client, in_place):
+    r0 = rank0("tracking.system_metrics=true")
     r0.start()
     first = r0.steps(1, 45)  # crash after step 45; the newest checkpoint is step 40 ...
-    r0.start(start_step=20, restarts=1)  # ... but say it was 20: steps 21-45 are redone
+    r0.start(start_step=20, restarts=1, in_place=in_place)  # ... say 20: 21-45 are redone
     r0.steps(21, 60, seed=1)
     r0.end()
 
     run = only_run(client)  # still exactly one MLflow run
     run_id = run.info.run_id
-    for key in ("loss", "grad_norm", "tokens_per_s", "share/code", "val_loss/all",
-                "val_loss/code", "progress"):
+    for key in (
+        "loss",
+        "grad_norm",
+        "tokens_per_s",
+        "share/code",
+        "val_loss/all",
+        "val_loss/code",
+        "progress",
+    ):
         steps = _steps(client, run_id, key)
         assert steps == sorted(set(steps)), (key, steps)  # strictly increasing
     assert _steps(client, run_id, "loss") == list(range(5, 61, 5))
@@ -96,8 +114,15 @@ def test_end_artifacts_and_checkpoint_references(rank0, client):
     r0.full_run()
     run = only_run(client)
     run_id = run.info.run_id
-    assert {"config.yaml", "plan.json", "data", "run_summary.json", "loss_curve.png",
-            "mix_shares.png", "alerts.jsonl"} <= _artifacts(client, run_id)
+    assert {
+        "config.yaml",
+        "plan.json",
+        "data",
+        "run_summary.json",
+        "loss_curve.png",
+        "mix_shares.png",
+        "alerts.jsonl",
+    } <= _artifacts(client, run_id)
     for png in ("loss_curve.png", "mix_shares.png"):
         with open(client.download_artifacts(run_id, png), "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -118,7 +143,8 @@ def test_log_checkpoints_copies_valid_checkpoints(rank0, client):
     callbacks.on_checkpoint(20, str(ckpt), True, 3.0)
     run_id = only_run(client).info.run_id
     assert _artifacts(client, run_id, "checkpoints/step-00000020") == {
-        "checkpoints/step-00000020/model.pt"}
+        "checkpoints/step-00000020/model.pt"
+    }
 
 
 def test_each_training_run_gets_its_own_mlflow_run(rank0, client):
@@ -177,10 +203,10 @@ def test_git_info_reads_a_checkout(tmp_path, monkeypatch):
     (repo / "f.txt").write_text("a")
     run("add", "f.txt")
     run("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x")
-    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True,
-                         text=True).stdout.strip()
+    sha = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=repo, capture_output=True, text=True
+    ).stdout.strip()
     assert git_info(repo) == {"commit": sha, "dirty": "false"}
     (repo / "f.txt").write_text("b")
     assert git_info(repo) == {"commit": sha, "dirty": "true"}
     assert git_info(tmp_path / "missing") == {"commit": "unknown", "dirty": "unknown"}
-

@@ -25,9 +25,15 @@ def test_tracking_server_from_the_environment_wins(monkeypatch):
 
 def test_params_are_the_flattened_config_and_read_back_typed(tmp_path):
     cfg = load_config(RECIPES / "tiny.yaml", ["train.chaos.kill_at_steps=[5, 9]"])
-    params = run_params(cfg, {"num_params": 123, "strategy": "ddp",
-                              "parallel": {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 0},
-                              "memory_per_device_bytes": {"total": 3 * 2**30}})
+    params = run_params(
+        cfg,
+        {
+            "num_params": 123,
+            "strategy": "ddp",
+            "parallel": {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 0},
+            "memory_per_device_bytes": {"total": 3 * 2**30},
+        },
+    )
     assert params["data.mix.code"] == "0.5"
     assert params["plan.num_params"] == "123" and params["plan.dp"] == "2"
     assert params["plan.memory_per_device_gb"] == "3.000"

@@ -39,9 +39,12 @@ def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp
     port = _free_port()
     trainlab = Path(sys.executable).with_name("trainlab")
     log = (tmp_path / "ui.log").open("w")
-    server = subprocess.Popen([str(trainlab), "ui", "--port", str(port), "--runs-root",
-                               str(runs_root)], stdout=log, stderr=subprocess.STDOUT,
-                              start_new_session=True)
+    server = subprocess.Popen(
+        [str(trainlab), "ui", "--port", str(port), "--runs-root", str(runs_root)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -59,9 +62,15 @@ def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp
         assert params["train.lr"] == "0.001"
         plan = json.loads(_get(f"{base}/get-artifact?path=plan.json&run_uuid={run_id}"))
         assert plan["num_params"] > 0
-        listening = {c.laddr for p in [psutil.Process(server.pid),
-                                       *psutil.Process(server.pid).children(recursive=True)]
-                     for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+        listening = {
+            c.laddr
+            for p in [
+                psutil.Process(server.pid),
+                *psutil.Process(server.pid).children(recursive=True),
+            ]
+            for c in p.net_connections("inet")
+            if c.status == psutil.CONN_LISTEN
+        }
         assert listening and {addr.ip for addr in listening} == {"127.0.0.1"}
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the group we started, nothing else
