@@ -9,11 +9,11 @@ group. What was started is recorded in a state file; `down` ends exactly those
 process groups, by id, never Ray processes by name and never `ray stop` (which
 would end every cluster on the machine).
 
-Loopback only: the head runs in Ray's single-machine mode
+Loopback only: every node runs in Ray's single-machine mode
 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), which keeps every address on 127.0.0.1.
-`ray start` refuses extra raylets in that mode, so worker nodes start through
-`python -m trainlab.jobs.raynode`, which is `ray start` with that one check
-lifted.
+`ray start` refuses extra raylets in that mode and gives a node only 30 s to
+register, so nodes start through `python -m trainlab.jobs.raynode start ...`:
+Ray's own `ray start` with those two limits adjusted (see that module).
 """
 
 from __future__ import annotations
@@ -37,6 +37,9 @@ DEFAULT_GCS_PORT = 6390
 DEFAULT_DASHBOARD_PORT = 8290
 READY_MARK = "Ray runtime started"
 SINGLE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# Ray's `ray start`, run from this environment with the adjustments of
+# trainlab.jobs.raynode (extra loopback nodes allowed, patient registration).
+RAY_START = [sys.executable, "-m", "trainlab.jobs.raynode", "start"]
 
 
 def home_dir() -> Path:
@@ -206,17 +209,11 @@ def _agent_port_flags() -> list[str]:
     ]
 
 
-def _ray_exe() -> str:
-    exe = Path(sys.executable).parent / "ray"
-    return str(exe) if exe.exists() else "ray"
-
-
 def start_head(
     num_cpus: int, gcs_port: int, dashboard_port: int, temp_dir: Path, log: Path, timeout_s: float
 ) -> NodeProc:
     cmd = [
-        _ray_exe(),
-        "start",
+        *RAY_START,
         "--head",
         "--block",
         "--disable-usage-stats",
@@ -246,10 +243,7 @@ def start_worker(
     # Its own temp dir: sharing the head's would make both nodes' log monitors
     # forward every worker log line, so a job's logs would show each line twice.
     cmd = [
-        sys.executable,
-        "-m",
-        "trainlab.jobs.raynode",
-        "start",
+        *RAY_START,
         "--block",
         "--disable-usage-stats",
         f"--address={gcs_address}",
@@ -274,7 +268,7 @@ def cluster_up(
     worker_cpus: int = 2,
     gcs_port: int | None = None,
     dashboard_port: int | None = None,
-    timeout_s: float = 120.0,
+    timeout_s: float = 300.0,
 ) -> ClusterState:
     """Start the head (and `worker_nodes` more raylets); record and return the state."""
     from trainlab.jobs.client import ensure_token
@@ -303,14 +297,18 @@ def cluster_up(
         temp_dir=str(temp_dir),
         started_at=time.time(),
     )
-    head = start_head(
-        local_num_cpus(num_cpus),
-        gcs_port,
-        dashboard_port,
-        temp_dir,
-        logs / f"head-{stamp}.log",
-        timeout_s,
-    )
+    try:
+        head = start_head(
+            local_num_cpus(num_cpus),
+            gcs_port,
+            dashboard_port,
+            temp_dir,
+            logs / f"head-{stamp}.log",
+            timeout_s,
+        )
+    except UserError:
+        shutil.rmtree(temp_dir, ignore_errors=True)  # our own log of it stays in logs/
+        raise
     state.nodes.append(head)
     _write_state(state)
     try:
@@ -323,7 +321,7 @@ def cluster_up(
 
 
 def add_worker_node(
-    state: ClusterState, num_cpus: int = 2, timeout_s: float = 120.0, path: Path | None = None
+    state: ClusterState, num_cpus: int = 2, timeout_s: float = 300.0, path: Path | None = None
 ) -> NodeProc:
     """Start one more raylet joining `state`'s head (more capacity, or a replacement
     after a failure) and record it. Ray gives a new node 30 s to register; on a
