@@ -157,8 +157,6 @@ def run(
     resume: bool = False,
     smoke: bool = False,
     base_dir: Path | None = None,
-    data: DataInfo | None = None,
-    loader_factory: str | None = None,
 ) -> dict[str, Any]:
     """Train `cfg` on Ray Train; return the run summary (run_summary.json).
 

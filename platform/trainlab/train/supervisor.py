@@ -64,22 +64,25 @@ PEER_LOST = (
 
 
 def error_kind(message: str) -> str:
-    """ "peer" when a training process failed because another one died, else "error"."""
+    """`peer` when a training process failed because another one died, else `error`."""
     return "peer" if any(s in message for s in PEER_LOST) else "error"
 
 
-def record_failure(job: TrainJob, event: str, rank: int, step: int | None, error: str) -> None:
-    """Append one failure to logs/failures.jsonl (small O_APPEND writes do not interleave)."""
-    line = json.dumps(
-        {
-            "session": job.session,
-            "event": event,
-            "time": time.time(),
-            "rank": rank,
-            "step": step,
-            "error": error,
-        }
-    )
+def record_failure(
+    job: TrainJob, event: str, rank: int, step: int | None, error: str, kind: str
+) -> None:
+    """Append one failure to logs/failures.jsonl (small O_APPEND writes do not interleave).
+    `kind`: one of trainlab.train.summary.FAILURE_KINDS."""
+    record = {
+        "session": job.session,
+        "event": event,
+        "time": time.time(),
+        "rank": rank,
+        "step": step,
+        "error": error,
+        "kind": kind,
+    }
+    line = json.dumps(record)
     with open(job.logs_dir / "failures.jsonl", "a") as f:
         f.write(line + "\n")
 
@@ -431,14 +434,13 @@ class Agent:
             record_failure(self.job, event, self.rank, chaos["step"], chaos["error"], "chaos")
             return
         if exitcode is not None and exitcode < 0:
-            error = (
-                f"training process killed by signal {-exitcode} ({signal.Signals(-exitcode).name})"
-            )
+            name = signal.Signals(-exitcode).name
+            error, kind = f"training process killed by signal {-exitcode} ({name})", "killed"
         else:
-            error = f"training process exited with code {exitcode}"
+            error, kind = f"training process exited with code {exitcode}", "error"
         if exitcode == -signal.SIGKILL and self._peer_failed_first(event):
-            error = "stopped after another rank failed"
-        record_failure(self.job, event, self.rank, self.last_step, error)
+            error, kind = "stopped after another rank failed", "peer"
+        record_failure(self.job, event, self.rank, self.last_step, error, kind)
 
     def _peer_failed_first(self, event: str) -> bool:
         group, attempt = event.rsplit("-", 1)
