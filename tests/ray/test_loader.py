@@ -1,12 +1,11 @@
 """The Ray Data side of the loader on the session's shared cluster: it delivers
-exactly the in-process stream, per rank, from any step, including inside Ray
-Train workers (where a starved pipeline would deadlock)."""
+exactly the in-process stream, per rank, from any step, including from actors
+that hold the CPUs, as Ray Train workers do (where a starved pipeline would
+deadlock)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -67,28 +66,31 @@ def test_abandoning_the_stream_midway_and_resuming_is_exact(ray_cluster: Any,
     assert _digests(head) + _digests(tail) == expected
 
 
-@pytest.mark.slow
-def test_ray_train_workers_read_their_exact_rows_without_starving(
-        ray_cluster: Any, spec: DataSpec, tmp_path: Path) -> None:
-    import ray.train
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+def test_ranks_in_placement_group_actors_read_their_exact_rows(ray_cluster: Any,
+                                                                spec: DataSpec) -> None:
+    """Ray Train workers are actors holding a CPU bundle of a placement group; each
+    rank's pipeline must run beside them (not starve, not wait for the bundle) and
+    deliver exactly that rank's rows. The full Ray Train path runs in tests/ray/test_train.py."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    def loop(config: dict[str, Any]) -> None:
-        ctx = ray.train.get_context()
-        rank, world = ctx.get_world_rank(), ctx.get_world_size()
-        loader = WorkerLoader(config["spec"], rank, world)
-        digests = _digests(loader.iter_from(0, 40))
-        out = Path(config["out"]) / f"rank{rank}.json"
-        out.write_text(json.dumps({"backend": loader.backend, "digests": digests}))
-        ray.train.report({"steps": len(digests)})
+    @ray.remote(num_cpus=1)
+    class Rank:
+        def digests(self, spec: DataSpec, rank: int, world: int) -> tuple[str, list]:
+            loader = WorkerLoader(spec, rank, world)
+            return loader.backend, _digests(loader.iter_from(0, 40))
 
-    TorchTrainer(loop, train_loop_config={"spec": spec, "out": str(tmp_path)},
-                 scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-                 run_config=RunConfig(name="loader-test", storage_path=str(tmp_path / "store"))
-                 ).fit()
-    for rank in range(2):
-        got = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert got["backend"] == "ray_data"
+    pg = placement_group([{"CPU": 1}, {"CPU": 1}])
+    ray.get(pg.ready(), timeout=60)
+    try:
+        ranks = [Rank.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=r)).remote() for r in range(2)]
+        results = ray.get([a.digests.remote(spec, r, 2) for r, a in enumerate(ranks)],
+                          timeout=300)
+    finally:
+        remove_placement_group(pg)
+    for rank, (backend, digests) in enumerate(results):
+        assert backend == "ray_data"
         expected = _digests(WorkerLoader(spec, rank, 2, backend="local").iter_from(0, 40))
-        assert [tuple(x) for x in got["digests"]] == expected
+        assert [tuple(x) for x in digests] == expected
