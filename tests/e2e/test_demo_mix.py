@@ -37,9 +37,17 @@ def _inspect(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, 
 
 
 def test_demo_shares_within_one_point_over_100_tiny_steps(
-        demo_prepared: Path, repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = _inspect(capsys, str(repo / "trainers/recipes/tiny.yaml"), "--steps", "100",
-                            "--json", "--set", f"data.path={demo_prepared}")
+    demo_prepared: Path, repo: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = _inspect(
+        capsys,
+        str(repo / "trainers/recipes/tiny.yaml"),
+        "--steps",
+        "100",
+        "--json",
+        "--set",
+        f"data.path={demo_prepared}",
+    )
     assert code == 0
     report = json.loads(out.strip().splitlines()[-1])
     assert report["steps"] == 100 and report["backend"] == "ray_data"
@@ -54,10 +62,17 @@ def test_demo_shares_within_one_point_over_100_tiny_steps(
 
 
 def test_a_mix_over_the_repetition_cap_exits_2_naming_the_source(
-        demo_prepared: Path, repo: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _inspect(capsys, str(repo / "trainers/recipes/tiny.yaml"),
-                              "--set", f"data.path={demo_prepared}",
-                              "--set", "train.total_steps=100000",
-                              "--set", "data.max_epochs_per_source=2")
+    demo_prepared: Path, repo: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, err = _inspect(
+        capsys,
+        str(repo / "trainers/recipes/tiny.yaml"),
+        "--set",
+        f"data.path={demo_prepared}",
+        "--set",
+        "train.total_steps=100000",
+        "--set",
+        "data.max_epochs_per_source=2",
+    )
     assert code == 2 and out == ""
     assert err.startswith("error: data.mix.") and "epochs" in err and "Traceback" not in err

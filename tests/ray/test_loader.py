@@ -21,12 +21,23 @@ pytestmark = pytest.mark.ray
 @pytest.fixture(scope="module")
 def spec(tmp_path_factory: pytest.TempPathFactory) -> DataSpec:
     root = small_dataset(tmp_path_factory.getbasetemp() / "small-ds")
-    cfg = ExperimentConfig.model_validate({
-        "name": "t", "model": {"vocab_size": 1024},
-        "data": {"path": str(root), "seq_len": 32, "micro_batch_size": 2, "grad_accum_steps": 2,
-                 "mix": {"code": 0.6, "docs": 0.3, "tiny": 0.1}, "val_fraction": 0.1,
-                 "loader_cpus": 0.5},
-        "train": {"total_steps": 200, "warmup_steps": 1}, "resource": {"num_workers": 2}})
+    cfg = ExperimentConfig.model_validate(
+        {
+            "name": "t",
+            "model": {"vocab_size": 1024},
+            "data": {
+                "path": str(root),
+                "seq_len": 32,
+                "micro_batch_size": 2,
+                "grad_accum_steps": 2,
+                "mix": {"code": 0.6, "docs": 0.3, "tiny": 0.1},
+                "val_fraction": 0.1,
+                "loader_cpus": 0.5,
+            },
+            "train": {"total_steps": 200, "warmup_steps": 1},
+            "resource": {"num_workers": 2},
+        }
+    )
     return prepare_run_data(cfg)
 
 
@@ -51,8 +62,9 @@ def test_ray_data_delivers_exactly_the_in_process_stream(ray_cluster: Any, spec:
         assert ray_loader.step == 150 and ray_loader.delivery.steps == 133
 
 
-def test_abandoning_the_stream_midway_and_resuming_is_exact(ray_cluster: Any,
-                                                            spec: DataSpec) -> None:
+def test_abandoning_the_stream_midway_and_resuming_is_exact(
+    ray_cluster: Any, spec: DataSpec
+) -> None:
     first = WorkerLoader(spec, 0, 2)
     head = []
     for item in first.iter_from(0, 200):
@@ -66,8 +78,9 @@ def test_abandoning_the_stream_midway_and_resuming_is_exact(ray_cluster: Any,
     assert _digests(head) + _digests(tail) == expected
 
 
-def test_ranks_in_placement_group_actors_read_their_exact_rows(ray_cluster: Any,
-                                                                spec: DataSpec) -> None:
+def test_ranks_in_placement_group_actors_read_their_exact_rows(
+    ray_cluster: Any, spec: DataSpec
+) -> None:
     """Ray Train workers are actors holding a CPU bundle of a placement group; each
     rank's pipeline must run beside them (not starve, not wait for the bundle) and
     deliver exactly that rank's rows. The full Ray Train path runs in tests/ray/test_train.py."""
@@ -84,10 +97,15 @@ def test_ranks_in_placement_group_actors_read_their_exact_rows(ray_cluster: Any,
     pg = placement_group([{"CPU": 1}, {"CPU": 1}])
     ray.get(pg.ready(), timeout=60)
     try:
-        ranks = [Rank.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
-            pg, placement_group_bundle_index=r)).remote() for r in range(2)]
-        results = ray.get([a.digests.remote(spec, r, 2) for r, a in enumerate(ranks)],
-                          timeout=300)
+        ranks = [
+            Rank.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    pg, placement_group_bundle_index=r
+                )
+            ).remote()
+            for r in range(2)
+        ]
+        results = ray.get([a.digests.remote(spec, r, 2) for r, a in enumerate(ranks)], timeout=300)
     finally:
         remove_placement_group(pg)
     for rank, (backend, digests) in enumerate(results):

@@ -23,12 +23,15 @@ def _prefix_counts(weights: list[float], rows: int) -> np.ndarray:
     return np.cumsum(np.eye(len(weights), dtype=np.int64)[sources], axis=0)
 
 
-@pytest.mark.parametrize("weights", [
-    [0.5, 0.3, 0.2],
-    [0.97, 0.02, 0.01],
-    [1 / 3, 1 / 3, 1 / 3],
-    [0.6, 0.4],
-])
+@pytest.mark.parametrize(
+    "weights",
+    [
+        [0.5, 0.3, 0.2],
+        [0.97, 0.02, 0.01],
+        [1 / 3, 1 / 3, 1 / 3],
+        [0.6, 0.4],
+    ],
+)
 def test_every_prefix_matches_the_weights_within_one_row(weights: list[float]) -> None:
     rows = 5000
     counts = _prefix_counts(weights, rows)
@@ -74,8 +77,11 @@ def test_epoch_order_is_a_fixed_permutation_that_changes_per_epoch_seed_and_sour
     a = epoch_order(1234, "code", 0, 500)
     assert sorted(a.tolist()) == list(range(500))
     assert np.array_equal(a, epoch_order(1234, "code", 0, 500))
-    for other in (epoch_order(1234, "code", 1, 500), epoch_order(1, "code", 0, 500),
-                  epoch_order(1234, "docs", 0, 500)):
+    for other in (
+        epoch_order(1234, "code", 1, 500),
+        epoch_order(1, "code", 0, 500),
+        epoch_order(1234, "docs", 0, 500),
+    ):
         assert not np.array_equal(a, other)
     # Pinned values: a numpy upgrade or a refactor must not silently change every run's data.
     assert epoch_order(1234, "code", 0, 8).tolist() == [1, 6, 5, 0, 2, 4, 7, 3]
@@ -103,8 +109,14 @@ def test_source_without_training_tokens_is_a_user_error() -> None:
 
 def test_repetition_cap_names_the_source_and_the_epochs_it_needs() -> None:
     # 100 steps x 10 rows x 16 tokens = 16,000 tokens; docs gets 30% = 4,800 of its 1,000.
-    args = dict(names=["code", "docs"], weights=[0.7, 0.3], train_tokens=[100_000, 1000],
-                seq_len=16, total_rows=1000, total_steps=100)
+    args = dict(
+        names=["code", "docs"],
+        weights=[0.7, 0.3],
+        train_tokens=[100_000, 1000],
+        seq_len=16,
+        total_rows=1000,
+        total_steps=100,
+    )
     with pytest.raises(UserError) as e:
         check_repetition_cap(max_epochs=4.0, **args)
     (line,) = e.value.lines
@@ -128,5 +140,6 @@ def test_periodic_fast_forward_equals_replaying_every_row() -> None:
     replay._run([0, 0, 0], 0, 6020, ref)
     assert np.array_equal(sources, ref[5990:])
     for i in range(3):
-        assert np.array_equal(units[sources == i],
-                              int((ref[:5990] == i).sum()) + np.arange(int((sources == i).sum())))
+        assert np.array_equal(
+            units[sources == i], int((ref[:5990] == i).sum()) + np.arange(int((sources == i).sum()))
+        )

@@ -18,9 +18,13 @@ def _source(lengths: list[int], name: str = "s") -> SourceTokens:
     with EOS as each document's last token."""
     docs = [[100 * (d + 1) + p for p in range(n - 1)] + [EOS] for d, n in enumerate(lengths)]
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    return SourceTokens(name=name, tokens=np.array(sum(docs, []), dtype=np.uint16),
-                        offsets=offsets, train_docs=np.arange(len(lengths), dtype=np.int64),
-                        val_docs=np.zeros(0, np.int64))
+    return SourceTokens(
+        name=name,
+        tokens=np.array(sum(docs, []), dtype=np.uint16),
+        offsets=offsets,
+        train_docs=np.arange(len(lengths), dtype=np.int64),
+        val_docs=np.zeros(0, np.int64),
+    )
 
 
 def _in_order(src: SourceTokens, seq_len: int, units: int) -> dict[str, np.ndarray]:
@@ -44,8 +48,11 @@ def test_labels_are_the_next_token_of_the_same_document_else_ignored() -> None:
 def test_a_long_document_is_split_and_continues_with_its_positions() -> None:
     b = _in_order(_source([3, 10, 3]), seq_len=6, units=3)
     # Row 0: doc 0 whole, then doc 1's first 3 tokens; row 1 continues doc 1 at position 3.
-    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2], [3, 4, 5, 6, 7, 8],
-                                          [9, 0, 1, 2, 0, 1]]
+    assert b["position_ids"].tolist() == [
+        [0, 1, 2, 0, 1, 2],
+        [3, 4, 5, 6, 7, 8],
+        [9, 0, 1, 2, 0, 1],
+    ]
     assert b["document_ids"].tolist() == [[0, 0, 0, 1, 1, 1], [0] * 6, [0, 1, 1, 1, 2, 2]]
     # The piece cut at a row end takes no loss on its last token (its target is elsewhere).
     assert b["labels"][0, 5] == IGNORE_INDEX and b["labels"][1, 5] == IGNORE_INDEX
@@ -81,8 +88,12 @@ def test_rows_need_not_be_consecutive_units_or_one_source() -> None:
     packed = pack_units(streams, np.array([1, 0, 1, 0]), np.array([2, 0, 0, 1]), 4, EOS)
     b_stream = b.tokens.tolist() * 3
     a_stream = a.tokens.tolist() * 2
-    assert packed.batch["input_ids"].tolist() == [b_stream[8:12], a_stream[0:4], b_stream[0:4],
-                                                  a_stream[4:8]]
+    assert packed.batch["input_ids"].tolist() == [
+        b_stream[8:12],
+        a_stream[0:4],
+        b_stream[0:4],
+        a_stream[4:8],
+    ]
     assert packed.row_source.tolist() == [1, 0, 1, 0]
 
 
@@ -98,15 +109,19 @@ def real_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, np.nd
     src = read_source(manifest, "code", val_fraction=0.1)
     stream = SourceStream(src, src.train_docs, seed=7, shuffle=True)
     units = 60_000 // 128
-    return pack_units([stream], np.zeros(units, np.int64), np.arange(units), 128,
-                      manifest.eos_id).batch, manifest.eos_id
+    return pack_units(
+        [stream], np.zeros(units, np.int64), np.arange(units), 128, manifest.eos_id
+    ).batch, manifest.eos_id
 
 
 def test_real_rows_keep_the_batch_contract(real_rows: tuple[dict[str, np.ndarray], int]) -> None:
     b, eos = real_rows
     assert {k: (v.dtype.name, v.shape[1]) for k, v in b.items()} == {
-        "input_ids": ("int64", 128), "labels": ("int64", 128), "position_ids": ("int64", 128),
-        "document_ids": ("int32", 128)}
+        "input_ids": ("int64", 128),
+        "labels": ("int64", 128),
+        "position_ids": ("int64", 128),
+        "document_ids": ("int32", 128),
+    }
     same_doc = b["document_ids"][:, 1:] == b["document_ids"][:, :-1]
     # Within a document: positions step by one and labels are the next input token.
     assert (np.diff(b["position_ids"], axis=1)[same_doc] == 1).all()

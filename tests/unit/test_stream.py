@@ -25,12 +25,24 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_cfg(path: Path, total_steps: int = 40, workers: int = 2, **data: Any) -> ExperimentConfig:
-    d = {"path": str(path), "seq_len": 32, "micro_batch_size": 2, "grad_accum_steps": 2,
-         "mix": {"code": 0.6, "docs": 0.3, "tiny": 0.1}, "val_fraction": 0.1, **data}
-    return ExperimentConfig.model_validate({
-        "name": "t", "model": {"vocab_size": 1024}, "data": d,
-        "train": {"total_steps": total_steps, "warmup_steps": 1},
-        "resource": {"num_workers": workers}})
+    d = {
+        "path": str(path),
+        "seq_len": 32,
+        "micro_batch_size": 2,
+        "grad_accum_steps": 2,
+        "mix": {"code": 0.6, "docs": 0.3, "tiny": 0.1},
+        "val_fraction": 0.1,
+        **data,
+    }
+    return ExperimentConfig.model_validate(
+        {
+            "name": "t",
+            "model": {"vocab_size": 1024},
+            "data": d,
+            "train": {"total_steps": total_steps, "warmup_steps": 1},
+            "resource": {"num_workers": workers},
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,26 +57,31 @@ def _collect(loader: WorkerLoader, start: int, stop: int) -> list[tuple[int, lis
 def _same(a: list[tuple[int, list[dict]]], b: list[tuple[int, list[dict]]]) -> bool:
     if [s for s, _ in a] != [s for s, _ in b]:
         return False
-    return all(len(x) == len(y) and all(
-        xm.keys() == ym.keys() and all(np.array_equal(xm[k], ym[k]) and xm[k].dtype == ym[k].dtype
-                                       for k in xm) for xm, ym in zip(x, y, strict=True))
-        for (_, x), (_, y) in zip(a, b, strict=True))
+    return all(
+        len(x) == len(y)
+        and all(
+            xm.keys() == ym.keys()
+            and all(np.array_equal(xm[k], ym[k]) and xm[k].dtype == ym[k].dtype for k in xm)
+            for xm, ym in zip(x, y, strict=True)
+        )
+        for (_, x), (_, y) in zip(a, b, strict=True)
+    )
 
 
 # --------------------------------------------------------------------------- the stream
 
 
 def test_each_step_has_grad_accum_micro_batches_of_the_contract_shape(spec: DataSpec) -> None:
-    (step, micro), = _collect(WorkerLoader(spec, 1, 2), 5, 6)
+    ((step, micro),) = _collect(WorkerLoader(spec, 1, 2), 5, 6)
     assert step == 5 and len(micro) == spec.grad_accum_steps
     for m in micro:
         assert {k: v.shape for k, v in m.items()} == {
             k: (spec.micro_batch_size, spec.seq_len)
-            for k in ("input_ids", "labels", "position_ids", "document_ids")}
+            for k in ("input_ids", "labels", "position_ids", "document_ids")
+        }
 
 
-def test_each_source_is_delivered_in_epoch_order_every_token_once_per_epoch(
-        spec: DataSpec) -> None:
+def test_each_source_is_delivered_in_epoch_order_every_token_once_per_epoch(spec: DataSpec) -> None:
     """Concatenating a source's rows, in stream order, gives its documents in each
     epoch's order, epoch after epoch: nothing repeated early, nothing skipped."""
     stream = TrainStream(spec)
@@ -77,9 +94,9 @@ def test_each_source_is_delivered_in_epoch_order_every_token_once_per_epoch(
         expected, e = [], 0
         while sum(map(len, expected)) < len(delivered):
             for d in src.train_docs[epoch_order(spec.seed, name, e, len(src.train_docs))]:
-                expected.append(src.tokens[src.offsets[d]:src.offsets[d + 1]])
+                expected.append(src.tokens[src.offsets[d] : src.offsets[d + 1]])
             e += 1
-        assert np.array_equal(delivered, np.concatenate(expected)[:len(delivered)]), name
+        assert np.array_equal(delivered, np.concatenate(expected)[: len(delivered)]), name
         if i == tiny:
             epochs = e
     assert epochs >= 3  # the small source really was repeated, in fresh orders
@@ -134,9 +151,11 @@ def test_changing_the_worker_count_keeps_the_global_sequence_order(dataset: Path
         assert spec.global_batch_size == 8
         steps = []
         for s in range(10):
-            rows = [np.concatenate([m["input_ids"] for m in micro])
-                    for r in range(world)
-                    for _, micro in WorkerLoader(spec, r, world).iter_from(s, s + 1)]
+            rows = [
+                np.concatenate([m["input_ids"] for m in micro])
+                for r in range(world)
+                for _, micro in WorkerLoader(spec, r, world).iter_from(s, s + 1)
+            ]
             steps.append(np.concatenate(rows))
         by_world[world] = np.stack(steps)
     assert np.array_equal(by_world[1], by_world[2]) and np.array_equal(by_world[1], by_world[4])
@@ -151,7 +170,8 @@ def test_a_global_batch_that_does_not_split_evenly_is_refused(spec: DataSpec) ->
 
 
 def test_resuming_on_a_different_dataset_is_an_error_unless_allowed(
-        dataset: Path, spec: DataSpec) -> None:
+    dataset: Path, spec: DataSpec
+) -> None:
     state = {"step": 7, "fingerprint": "0" * 64}
     with pytest.raises(UserError, match="fingerprint .* differs from the checkpoint's 0000") as e:
         WorkerLoader(spec).load_state_dict(state)
@@ -172,8 +192,9 @@ def test_validation_rows_do_not_depend_on_the_worker_count(dataset: Path) -> Non
     whole = np.concatenate([m["input_ids"] for m in one.validation_batches("docs", 2)])
     # Rank slices of each validation global batch, put back in order.
     per_rank = [[m["input_ids"] for m in loader.validation_batches("docs", 2)] for loader in two]
-    rebuilt = np.concatenate([np.concatenate(per_rank[r][2 * k:2 * k + 2])
-                              for k in range(2) for r in range(2)])
+    rebuilt = np.concatenate(
+        [np.concatenate(per_rank[r][2 * k : 2 * k + 2]) for k in range(2) for r in range(2)]
+    )
     assert np.array_equal(whole, rebuilt)
 
 

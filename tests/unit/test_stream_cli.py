@@ -34,14 +34,17 @@ def test_missing_prepared_dataset_exits_2_with_one_line(inspect: Inspect, tmp_pa
     assert line.startswith("error: data.path = ") and "run `trainlab prep` first" in line
 
 
-def test_unknown_source_in_the_mix_exits_2_naming_it(inspect: Inspect,
-                                                   tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_unknown_source_in_the_mix_exits_2_naming_it(
+    inspect: Inspect, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     root = small_dataset(tmp_path_factory.getbasetemp() / "small-ds")
-    code, _, err = inspect(str(TINY), "--set", f"data.path={root}", "--set",
-                           "data.mix={code: 0.5, cod: 0.5}")
+    code, _, err = inspect(
+        str(TINY), "--set", f"data.path={root}", "--set", "data.mix={code: 0.5, cod: 0.5}"
+    )
     assert code == 2
     assert err.strip().splitlines() == [
-        "error: data.mix.cod: no source 'cod' in the prepared dataset (sources: code, docs, tiny)"]
+        "error: data.mix.cod: no source 'cod' in the prepared dataset (sources: code, docs, tiny)"
+    ]
 
 
 def test_steps_must_be_positive(inspect: Inspect) -> None:

@@ -80,8 +80,8 @@ def _memmap_rate(spec: Any, tmp: Path, tokens: int) -> float:
     done, t0 = 0, time.perf_counter()
     while done < tokens:
         ix = rng.integers(0, len(data) - seq_len - 1, rows)
-        x = np.stack([data[i:i + seq_len].astype(np.int64) for i in ix])
-        y = np.stack([data[i + 1:i + 1 + seq_len].astype(np.int64) for i in ix])
+        x = np.stack([data[i : i + seq_len].astype(np.int64) for i in ix])
+        y = np.stack([data[i + 1 : i + 1 + seq_len].astype(np.int64) for i in ix])
         done += min(x.size, y.size)
     return done / (time.perf_counter() - t0)
 
@@ -133,17 +133,35 @@ def bench_loader() -> list[BenchResult]:
         in_process, _, _ = _loader_rate(spec, STEPS, "local")
         memmap = _memmap_rate(spec, tmp, tokens)
         train = _tiny_step_rate(cfg, spec)
-    notes = {"data": what, "steps": STEPS, "tokens": tokens,
-             "global_batch": spec.global_batch_size, "seq_len": spec.seq_len,
-             "loader_cpus": spec.loader_cpus, "first_step_s": round(startup, 2),
-             "first_step_cold_cluster_s": round(cold_start, 2),
-             "in_process_pack_tokens_per_s": round(in_process),
-             "mix": dict(zip(spec.sources, spec.weights, strict=True))}
-    results = [BenchResult("loader_tokens_per_s", loader, "tokens/s", "memmap_tokens_per_s",
-                           memmap, notes=notes)]
+    notes = {
+        "data": what,
+        "steps": STEPS,
+        "tokens": tokens,
+        "global_batch": spec.global_batch_size,
+        "seq_len": spec.seq_len,
+        "loader_cpus": spec.loader_cpus,
+        "first_step_s": round(startup, 2),
+        "first_step_cold_cluster_s": round(cold_start, 2),
+        "in_process_pack_tokens_per_s": round(in_process),
+        "mix": dict(zip(spec.sources, spec.weights, strict=True)),
+    }
+    results = [
+        BenchResult(
+            "loader_tokens_per_s", loader, "tokens/s", "memmap_tokens_per_s", memmap, notes=notes
+        )
+    ]
     if train is not None:
-        results.append(BenchResult("loader_headroom_over_tiny_step", loader, "tokens/s",
-                                   "tiny_train_step_tokens_per_s", train,
-                                   notes={"meaning": "loader tokens/s over the tokens/s one "
-                                          "tiny-recipe training process consumes"}))
+        results.append(
+            BenchResult(
+                "loader_headroom_over_tiny_step",
+                loader,
+                "tokens/s",
+                "tiny_train_step_tokens_per_s",
+                train,
+                notes={
+                    "meaning": "loader tokens/s over the tokens/s one "
+                    "tiny-recipe training process consumes"
+                },
+            )
+        )
     return results

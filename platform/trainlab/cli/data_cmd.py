@@ -17,8 +17,13 @@ def data() -> None:
 
 @data.command()
 @config_args
-@click.option("--steps", type=click.IntRange(min=1), default=100, show_default=True,
-              help="Global steps (of the configured global batch) to deliver.")
+@click.option(
+    "--steps",
+    type=click.IntRange(min=1),
+    default=100,
+    show_default=True,
+    help="Global steps (of the configured global batch) to deliver.",
+)
 @json_option
 def inspect(config: str, overrides: tuple[str, ...], steps: int, as_json: bool) -> int:
     """Run the loader of CONFIG for STEPS steps and report, per source, the target
@@ -39,16 +44,26 @@ def _print_report(name: str, r: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"data stream: {name} ({r['steps']} steps x {r['global_batch_size']} rows "
-                    f"x {r['seq_len']} tokens)", title_justify="left")
+    t = Table(
+        title=f"data stream: {name} ({r['steps']} steps x {r['global_batch_size']} rows "
+        f"x {r['seq_len']} tokens)",
+        title_justify="left",
+    )
     for col in ("source", "weight", "token share", "docs", "epochs"):
         t.add_column(col, justify="left" if col == "source" else "right")
     for src, s in r["sources"].items():
-        t.add_row(src, f"{s['weight']:.4f}", f"{s['token_share']:.4f}", f"{s['docs']:,}",
-                  f"{s['epochs']:.4f}")
+        t.add_row(
+            src,
+            f"{s['weight']:.4f}",
+            f"{s['token_share']:.4f}",
+            f"{s['docs']:,}",
+            f"{s['epochs']:.4f}",
+        )
     con = Console()
     con.print(t)
-    con.print(f"padding fraction {r['padding_fraction']:.4f}; documents split "
-              f"{r['documents_split']:,}; {r['tokens_per_second']:,.0f} tokens/s "
-              f"(backend {r['backend']}, first step after {r['startup_seconds']:.1f} s)",
-              highlight=False)
+    con.print(
+        f"padding fraction {r['padding_fraction']:.4f}; documents split "
+        f"{r['documents_split']:,}; {r['tokens_per_second']:,.0f} tokens/s "
+        f"(backend {r['backend']}, first step after {r['startup_seconds']:.1f} s)",
+        highlight=False,
+    )

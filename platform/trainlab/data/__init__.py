@@ -26,6 +26,14 @@ from trainlab.data.spec import DataSpec, prepare_run_data
 from trainlab.data.stream import TrainStream
 
 __all__ = [
-    "BATCH_KEYS", "IGNORE_INDEX", "Batch", "DataSpec", "Manifest", "TrainStream",
-    "WorkerLoader", "check_resume", "load_manifest", "prepare_run_data",
+    "BATCH_KEYS",
+    "IGNORE_INDEX",
+    "Batch",
+    "DataSpec",
+    "Manifest",
+    "TrainStream",
+    "WorkerLoader",
+    "check_resume",
+    "load_manifest",
+    "prepare_run_data",
 ]

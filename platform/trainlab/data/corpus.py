@@ -41,8 +41,9 @@ def stable_hash64(*parts: int | str) -> int:
 
 
 def doc_id_hashes(doc_ids: list[str]) -> np.ndarray:
-    return np.fromiter((stable_hash64("val", d) for d in doc_ids), dtype=np.uint64,
-                       count=len(doc_ids))
+    return np.fromiter(
+        (stable_hash64("val", d) for d in doc_ids), dtype=np.uint64, count=len(doc_ids)
+    )
 
 
 def validation_split(doc_ids: list[str], val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
@@ -105,12 +106,12 @@ def read_source(manifest: Manifest, source: str, val_fraction: float) -> SourceT
         declared = table.column("n_tokens").to_numpy().astype(np.int64)
         if not np.array_equal(n, declared):
             bad = int(np.flatnonzero(n != declared)[0])
-            raise UserError(f"{path}: row {bad} has {n[bad]} tokens but n_tokens = "
-                            f"{declared[bad]}")
+            raise UserError(f"{path}: row {bad} has {n[bad]} tokens but n_tokens = {declared[bad]}")
         if (n == 0).any():
             raise UserError(f"{path}: row {int(np.flatnonzero(n == 0)[0])} has no tokens")
-        chunks.append(col.flatten().to_numpy(zero_copy_only=False).astype(
-            manifest.token_dtype, copy=False))
+        chunks.append(
+            col.flatten().to_numpy(zero_copy_only=False).astype(manifest.token_dtype, copy=False)
+        )
         lengths.append(n)
         ids.extend(table.column("doc_id").to_pylist())
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, manifest.token_dtype)
@@ -118,22 +119,32 @@ def read_source(manifest: Manifest, source: str, val_fraction: float) -> SourceT
     if lengths:
         np.cumsum(np.concatenate(lengths), out=offsets[1:])
     if len(tokens) and int(tokens.max()) >= manifest.vocab_size:
-        raise UserError(f"{manifest.root}: source {source!r} has token id {int(tokens.max())} "
-                        f">= tokenizer.vocab_size {manifest.vocab_size}")
+        raise UserError(
+            f"{manifest.root}: source {source!r} has token id {int(tokens.max())} "
+            f">= tokenizer.vocab_size {manifest.vocab_size}"
+        )
     train, val = validation_split(ids, val_fraction)
-    return SourceTokens(name=source, tokens=tokens, offsets=offsets,
-                        train_docs=train.astype(np.int64), val_docs=val.astype(np.int64))
+    return SourceTokens(
+        name=source,
+        tokens=tokens,
+        offsets=offsets,
+        train_docs=train.astype(np.int64),
+        val_docs=val.astype(np.int64),
+    )
 
 
 @lru_cache(maxsize=4)
-def load_corpus(root: str, fingerprint: str, sources: tuple[str, ...],
-                val_fraction: float) -> dict[str, SourceTokens]:
+def load_corpus(
+    root: str, fingerprint: str, sources: tuple[str, ...], val_fraction: float
+) -> dict[str, SourceTokens]:
     """The listed sources of the dataset at `root`, read once per process.
 
     `fingerprint` is part of the cache key and is checked, so a dataset
     re-prepared under the same path is never served from a stale cache."""
     manifest = load_manifest(root)
     if manifest.fingerprint != fingerprint:
-        raise UserError(f"{root}: fingerprint is {manifest.fingerprint[:12]}..., expected "
-                        f"{fingerprint[:12]}... (the prepared dataset changed under this run)")
+        raise UserError(
+            f"{root}: fingerprint is {manifest.fingerprint[:12]}..., expected "
+            f"{fingerprint[:12]}... (the prepared dataset changed under this run)"
+        )
     return {s: read_source(manifest, s, val_fraction) for s in sources}

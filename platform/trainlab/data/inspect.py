@@ -10,8 +10,9 @@ from trainlab.data.loader import Backend, WorkerLoader
 from trainlab.data.spec import DataSpec, prepare_run_data
 
 
-def delivery_report(loader: WorkerLoader, tokens_per_second: float,
-                    startup_s: float) -> dict[str, Any]:
+def delivery_report(
+    loader: WorkerLoader, tokens_per_second: float, startup_s: float
+) -> dict[str, Any]:
     """The inspect JSON from a loader that has delivered some steps."""
     spec: DataSpec = loader.spec
     d = loader.delivery

@@ -71,12 +71,16 @@ class Delivery:
             mask = meta["row_source"] == i
             self.rows[name] = self.rows.get(name, 0) + int(mask.sum())
             self.doc_starts[name] = self.doc_starts.get(name, 0) + int(
-                meta["row_doc_starts"][mask].sum())
+                meta["row_doc_starts"][mask].sum()
+            )
 
 
 def _meta(packed: PackedRows) -> dict[str, np.ndarray]:
-    return {"row_source": packed.row_source, "row_doc_starts": packed.row_doc_starts,
-            "row_split": packed.row_split}
+    return {
+        "row_source": packed.row_source,
+        "row_doc_starts": packed.row_doc_starts,
+        "row_split": packed.row_split,
+    }
 
 
 # One TrainStream per process and DataSpec: Ray reuses worker processes across
@@ -92,8 +96,9 @@ def _stream_for(spec: DataSpec) -> TrainStream:
     return stream
 
 
-def packed_steps(stream: TrainStream, first: int, count: int, rank: int,
-                 world_size: int) -> dict[str, np.ndarray]:
+def packed_steps(
+    stream: TrainStream, first: int, count: int, rank: int, world_size: int
+) -> dict[str, np.ndarray]:
     """Steps [first, first + count) of one rank as a block: "step" [count] and every
     batch and bookkeeping array with a leading step axis ([count, rows, ...])."""
     packed = stream.rank_rows(first, rank, world_size, steps=count)
@@ -105,8 +110,9 @@ def packed_steps(stream: TrainStream, first: int, count: int, rank: int,
     return out
 
 
-def pack_steps(batch: dict[str, np.ndarray], spec: DataSpec, rank: int,
-               world_size: int) -> dict[str, np.ndarray]:
+def pack_steps(
+    batch: dict[str, np.ndarray], spec: DataSpec, rank: int, world_size: int
+) -> dict[str, np.ndarray]:
     """Ray Data map: a block of consecutive step numbers in, this rank's packed rows
     of those steps out (one output row per step)."""
     steps = batch["data"].astype(np.int64).ravel()
@@ -167,8 +173,9 @@ def _prefetch(items: Iterator, depth: int) -> Iterator:
 
 class _WarningsOnly(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return (record.levelno >= logging.WARNING
-                and not record.getMessage().startswith("Progress bars disabled"))
+        return record.levelno >= logging.WARNING and not record.getMessage().startswith(
+            "Progress bars disabled"
+        )
 
 
 def _quiet_ray_data_console() -> None:
@@ -178,7 +185,8 @@ def _quiet_ray_data_console() -> None:
 
     for handler in logging.getLogger("ray.data").handlers:
         if type(handler).__name__ == "PlainRayHandler" and not any(
-                isinstance(f, _WarningsOnly) for f in handler.filters):
+            isinstance(f, _WarningsOnly) for f in handler.filters
+        ):
             handler.addFilter(_WarningsOnly())
 
 
@@ -205,8 +213,9 @@ class WorkerLoader:
     next step is step+1, so a checkpoint written after training on it resumes
     after it."""
 
-    def __init__(self, spec: DataSpec, rank: int = 0, world_size: int = 1,
-                 backend: Backend = "auto"):
+    def __init__(
+        self, spec: DataSpec, rank: int = 0, world_size: int = 1, backend: Backend = "auto"
+    ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} not in [0, {world_size})")
         self.spec = spec
@@ -232,8 +241,9 @@ class WorkerLoader:
         """The next step this loader will deliver."""
         return self._next_step
 
-    def iter_from(self, step: int | None = None,
-                  end: int | None = None) -> Iterator[tuple[int, list[Batch]]]:
+    def iter_from(
+        self, step: int | None = None, end: int | None = None
+    ) -> Iterator[tuple[int, list[Batch]]]:
         """(step, micro batches) for steps [step, end); `end` defaults to
         spec.total_steps, `step` to the loaded state's step. Work starts now."""
         start = self._next_step if step is None else step
@@ -243,8 +253,9 @@ class WorkerLoader:
             return self._deliver(self._iter_local(start, stop))
         return self._deliver(_prefetch(self._iter_ray_data(start, stop), PREFETCH_STEPS))
 
-    def _deliver(self, items: Iterator[tuple[int, Batch, dict]]
-                 ) -> Iterator[tuple[int, list[Batch]]]:
+    def _deliver(
+        self, items: Iterator[tuple[int, Batch, dict]]
+    ) -> Iterator[tuple[int, list[Batch]]]:
         for s, batch, meta in items:
             if s != self._next_step:  # exactness is the point: never deliver out of order
                 raise RuntimeError(f"loader delivered step {s}, expected {self._next_step}")
@@ -255,8 +266,9 @@ class WorkerLoader:
     def _iter_local(self, start: int, stop: int) -> Iterator[tuple[int, Batch, dict]]:
         per_block = self._steps_per_block()
         for first in range(start, stop, per_block):
-            block = packed_steps(self.stream, first, min(per_block, stop - first),
-                                 self.rank, self.world_size)
+            block = packed_steps(
+                self.stream, first, min(per_block, stop - first), self.rank, self.world_size
+            )
             yield from _unblock(block)
 
     def _steps_per_block(self) -> int:
@@ -269,14 +281,20 @@ class WorkerLoader:
         from ray.data import ExecutionResources
 
         per_block = self._steps_per_block()
-        blocks = [np.arange(b, min(b + per_block, stop), dtype=np.int64)
-                  for b in range(start, stop, per_block)]
+        blocks = [
+            np.arange(b, min(b + per_block, stop), dtype=np.int64)
+            for b in range(start, stop, per_block)
+        ]
         cpus = self.spec.loader_cpus / self.world_size
         _quiet_ray_data_console()
         ds = ray.data.from_numpy(blocks).map_batches(
-            pack_steps, fn_kwargs={"spec": self.spec, "rank": self.rank,
-                                   "world_size": self.world_size},
-            batch_size=None, num_cpus=cpus, batch_format="numpy", zero_copy_batch=True)
+            pack_steps,
+            fn_kwargs={"spec": self.spec, "rank": self.rank, "world_size": self.world_size},
+            batch_size=None,
+            num_cpus=cpus,
+            batch_format="numpy",
+            zero_copy_batch=True,
+        )
         ctx = ds.context
         ctx.execution_options.preserve_order = True
         ctx.execution_options.resource_limits = ExecutionResources(cpu=cpus)
@@ -301,8 +319,9 @@ class WorkerLoader:
         g = self.spec.global_batch_size
         out: list[Batch] = []
         for k in range(n):
-            packed = self.stream.validation_rows(source, k * g + first,
-                                                 k * g + first + self.rows_per_rank)
+            packed = self.stream.validation_rows(
+                source, k * g + first, k * g + first + self.rows_per_rank
+            )
             out.extend(split_micro_batches(packed.batch, self.spec.micro_batch_size))
         return out
 
@@ -319,8 +338,11 @@ class WorkerLoader:
     def state_dict(self, step: int | None = None) -> dict[str, Any]:
         """`step`: the next step to train. Defaults to the step after the last one this
         loader delivered; a consumer that prefetches should pass its own."""
-        return {"step": self._next_step if step is None else int(step),
-                "fingerprint": self.spec.fingerprint, "stream": self.spec.stream_identity()}
+        return {
+            "step": self._next_step if step is None else int(step),
+            "fingerprint": self.spec.fingerprint,
+            "stream": self.spec.stream_identity(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue at `state["step"]`. A different dataset fingerprint is a UserError
@@ -332,21 +354,33 @@ class WorkerLoader:
 def check_resume(spec: DataSpec, state: dict[str, Any]) -> None:
     """Refuse to resume on a different prepared dataset unless allowed."""
     if "step" not in state or "fingerprint" not in state:
-        raise UserError("data loader state: missing 'step' or 'fingerprint' (not a trainlab "
-                        "checkpoint?)")
+        raise UserError(
+            "data loader state: missing 'step' or 'fingerprint' (not a trainlab checkpoint?)"
+        )
     old = state["fingerprint"]
     if old != spec.fingerprint:
         if not spec.allow_fingerprint_change:
             raise UserError(
                 f"data.path = {spec.path}: prepared dataset fingerprint {spec.fingerprint[:16]} "
                 f"differs from the checkpoint's {str(old)[:16]}; the data changed since the "
-                "run started. Set data.allow_fingerprint_change=true to resume anyway")
-        log.warning("resuming on a different prepared dataset (fingerprint %s -> %s) because "
-                    "data.allow_fingerprint_change is set", str(old)[:16], spec.fingerprint[:16])
+                "run started. Set data.allow_fingerprint_change=true to resume anyway"
+            )
+        log.warning(
+            "resuming on a different prepared dataset (fingerprint %s -> %s) because "
+            "data.allow_fingerprint_change is set",
+            str(old)[:16],
+            spec.fingerprint[:16],
+        )
     previous = state.get("stream") or {}
-    changed = sorted(k for k, v in spec.stream_identity().items()
-                     if k != "fingerprint" and k in previous and previous[k] != v)
+    changed = sorted(
+        k
+        for k, v in spec.stream_identity().items()
+        if k != "fingerprint" and k in previous and previous[k] != v
+    )
     if changed:
-        log.warning("resuming with a changed data stream (%s): steps from %s on follow the new "
-                    "schedule, so some sequences may repeat or be skipped",
-                    ", ".join(changed), state["step"])
+        log.warning(
+            "resuming with a changed data stream (%s): steps from %s on follow the new "
+            "schedule, so some sequences may repeat or be skipped",
+            ", ".join(changed),
+            state["step"],
+        )

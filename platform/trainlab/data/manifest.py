@@ -70,8 +70,10 @@ def resolve_dataset_dir(path: str | os.PathLike[str]) -> Path:
         if (c / MANIFEST).is_file():
             return c.resolve()
     tried = ", ".join(str(c / MANIFEST) for c in candidates)
-    raise UserError(f"data.path = {str(path)!r}: no prepared dataset (looked for {tried}); "
-                    "run `trainlab prep` first")
+    raise UserError(
+        f"data.path = {str(path)!r}: no prepared dataset (looked for {tried}); "
+        "run `trainlab prep` first"
+    )
 
 
 def _field(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
@@ -91,14 +93,20 @@ def _parse_source(name: str, raw: Any, where: str) -> SourceInfo:
         sw = f"{where}.shards[{i}]"
         if not isinstance(s, dict):
             raise UserError(f"{sw}: must be a mapping")
-        shards.append(Shard(file=_field(s, "file", str, sw), rows=_field(s, "rows", int, sw),
-                            tokens=_field(s, "tokens", int, sw),
-                            sha256=_field(s, "sha256", str, sw)))
+        shards.append(
+            Shard(
+                file=_field(s, "file", str, sw),
+                rows=_field(s, "rows", int, sw),
+                tokens=_field(s, "tokens", int, sw),
+                sha256=_field(s, "sha256", str, sw),
+            )
+        )
     docs = _field(raw, "docs_out", int, where)
     tokens = _field(raw, "tokens", int, where)
     if sum(s.rows for s in shards) != docs or sum(s.tokens for s in shards) != tokens:
-        raise UserError(f"{where}: docs_out/tokens ({docs}/{tokens}) do not match the sum "
-                        "over its shards")
+        raise UserError(
+            f"{where}: docs_out/tokens ({docs}/{tokens}) do not match the sum over its shards"
+        )
     return SourceInfo(name=name, docs=docs, tokens=tokens, shards=tuple(shards))
 
 
@@ -118,8 +126,9 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         raise UserError(f"{where}: top level must be an object")
     version = raw.get("format_version")
     if version != FORMAT_VERSION:
-        raise UserError(f"{where}: format_version = {version!r}; this trainlab reads "
-                        f"{FORMAT_VERSION}")
+        raise UserError(
+            f"{where}: format_version = {version!r}; this trainlab reads {FORMAT_VERSION}"
+        )
     tok = _field(raw, "tokenizer", dict, where)
     dtype = _field(tok, "dtype", str, f"{where}: tokenizer")
     if dtype not in TOKEN_DTYPES:
@@ -127,12 +136,17 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
     sources_raw = _field(raw, "sources", dict, where)
     if not sources_raw:
         raise UserError(f"{where}: no sources")
-    sources = {name: _parse_source(name, s, f"{where}: sources.{name}")
-               for name, s in sources_raw.items()}
-    return Manifest(root=root.resolve(), fingerprint=_field(raw, "fingerprint", str, where),
-                    eos_id=_field(tok, "eos_id", int, f"{where}: tokenizer"),
-                    vocab_size=_field(tok, "vocab_size", int, f"{where}: tokenizer"),
-                    token_dtype=dtype, sources=sources)
+    sources = {
+        name: _parse_source(name, s, f"{where}: sources.{name}") for name, s in sources_raw.items()
+    }
+    return Manifest(
+        root=root.resolve(),
+        fingerprint=_field(raw, "fingerprint", str, where),
+        eos_id=_field(tok, "eos_id", int, f"{where}: tokenizer"),
+        vocab_size=_field(tok, "vocab_size", int, f"{where}: tokenizer"),
+        token_dtype=dtype,
+        sources=sources,
+    )
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -154,8 +168,10 @@ def verify_shards(manifest: Manifest, checksums: bool = True) -> None:
             if not path.is_file():
                 raise UserError(f"{path}: shard listed in {manifest.root / MANIFEST} is missing")
             if checksums and sha256_file(path) != shard.sha256:
-                raise UserError(f"{path}: sha256 differs from the manifest; the prepared "
-                                "dataset was modified after prep (re-run `trainlab prep`)")
+                raise UserError(
+                    f"{path}: sha256 differs from the manifest; the prepared "
+                    "dataset was modified after prep (re-run `trainlab prep`)"
+                )
             rows = parquet_rows(path)
             if rows != shard.rows:
                 raise UserError(f"{path}: {rows} rows, manifest says {shard.rows}")

@@ -35,21 +35,35 @@ WEIGHT_SCALE = 100_000
 EXACT_CHECK_ROWS = 1 << 22
 
 
-def normalize_mix(mix: Mapping[str, float], available: Mapping[str, int],
-                  where: str = "data.mix") -> dict[str, float]:
+def normalize_mix(
+    mix: Mapping[str, float], available: Mapping[str, int], where: str = "data.mix"
+) -> dict[str, float]:
     """Weights summing to 1, in the order of `available` (the manifest's source order).
 
     An empty mix means every available source in proportion to its tokens."""
     unknown = [name for name in mix if name not in available]
     if unknown:
-        raise UserError([f"{where}.{name}: no source {name!r} in the prepared dataset "
-                         f"(sources: {', '.join(available)})" for name in unknown])
-    raw = {n: float(mix[n]) for n in available if n in mix} if mix else {
-        n: float(t) for n, t in available.items() if t > 0}
+        raise UserError(
+            [
+                f"{where}.{name}: no source {name!r} in the prepared dataset "
+                f"(sources: {', '.join(available)})"
+                for name in unknown
+            ]
+        )
+    raw = (
+        {n: float(mix[n]) for n in available if n in mix}
+        if mix
+        else {n: float(t) for n, t in available.items() if t > 0}
+    )
     empty = [n for n in raw if available[n] <= 0]
     if empty:
-        raise UserError([f"{where}.{n}: source {n!r} has no training tokens (all its "
-                         "documents are held out for validation, or it is empty)" for n in empty])
+        raise UserError(
+            [
+                f"{where}.{n}: source {n!r} has no training tokens (all its "
+                "documents are held out for validation, or it is empty)"
+                for n in empty
+            ]
+        )
     total = sum(raw.values())
     if total <= 0:
         raise UserError(f"{where}: no source with training tokens")
@@ -78,8 +92,7 @@ class BlendSchedule:
     Counts are memoized every `memo_every` rows within the first period, so any row
     range is computed from the nearest memo (or from where the last call ended)."""
 
-    def __init__(self, weights: Sequence[float], memo_every: int = 4096,
-                 scale: int = WEIGHT_SCALE):
+    def __init__(self, weights: Sequence[float], memo_every: int = 4096, scale: int = WEIGHT_SCALE):
         if not weights:
             raise ValueError("no weights")
         self.scale = scale
@@ -93,8 +106,9 @@ class BlendSchedule:
     def num_sources(self) -> int:
         return len(self.a)
 
-    def _run(self, counts: list[int], start: int, n: int,
-             out: np.ndarray | None = None) -> list[int]:
+    def _run(
+        self, counts: list[int], start: int, n: int, out: np.ndarray | None = None
+    ) -> list[int]:
         """Advance `counts` (a copy) over rows [start, start+n); record choices in `out`."""
         a, scale, c = self.a, self.scale, list(counts)
         s = len(a)
@@ -119,8 +133,7 @@ class BlendSchedule:
         block = row // self.memo_every
         while len(self._memo) <= block:
             last = len(self._memo) - 1
-            self._memo.append(self._run(self._memo[last], last * self.memo_every,
-                                        self.memo_every))
+            self._memo.append(self._run(self._memo[last], last * self.memo_every, self.memo_every))
         base, counts = block * self.memo_every, self._memo[block]
         if base <= self._cursor[0] <= row:  # sequential reads continue where the last ended
             base, counts = self._cursor
@@ -140,8 +153,9 @@ class BlendSchedule:
         if row >= self.scale and self.periodic:
             periods, rest = divmod(row, self.scale)
             counts = self._sequential_counts(rest)
-            return np.array([periods * ai + ci for ai, ci in zip(self.a, counts, strict=True)],
-                            dtype=np.int64)
+            return np.array(
+                [periods * ai + ci for ai, ci in zip(self.a, counts, strict=True)], dtype=np.int64
+            )
         return np.array(self._sequential_counts(row), dtype=np.int64)
 
     def assign(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
@@ -151,8 +165,10 @@ class BlendSchedule:
         after = self._run(list(counts), start, stop - start, sources)
         if stop >= self.scale and self.periodic:  # the same state, within the first period
             periods = stop // self.scale
-            self._cursor = (stop % self.scale,
-                            [c - periods * ai for c, ai in zip(after, self.a, strict=True)])
+            self._cursor = (
+                stop % self.scale,
+                [c - periods * ai for c, ai in zip(after, self.a, strict=True)],
+            )
         else:
             self._cursor = (stop, after)
         units = np.empty_like(sources)
@@ -177,9 +193,15 @@ def epoch_order(seed: int, source: str, epoch: int, n: int) -> np.ndarray:
     return np.argsort(keys, kind="stable")
 
 
-def check_repetition_cap(names: Sequence[str], weights: Sequence[float],
-                         train_tokens: Sequence[int], seq_len: int, total_rows: int,
-                         max_epochs: float, total_steps: int) -> dict[str, float]:
+def check_repetition_cap(
+    names: Sequence[str],
+    weights: Sequence[float],
+    train_tokens: Sequence[int],
+    seq_len: int,
+    total_rows: int,
+    max_epochs: float,
+    total_steps: int,
+) -> dict[str, float]:
     """Epochs each source needs for `total_rows` rows; a UserError naming every source
     that would need more than `max_epochs` (data.max_epochs_per_source)."""
     rows = BlendSchedule(weights).rows_needed_upper_bound(total_rows)
@@ -189,7 +211,9 @@ def check_repetition_cap(names: Sequence[str], weights: Sequence[float],
         f"its {t:,} training tokens for train.total_steps={total_steps}, more than "
         f"data.max_epochs_per_source={max_epochs:g}; lower its weight, add data, raise the "
         "cap or shorten the run"
-        for n, w, t in zip(names, weights, train_tokens, strict=True) if needed[n] > max_epochs]
+        for n, w, t in zip(names, weights, train_tokens, strict=True)
+        if needed[n] > max_epochs
+    ]
     if problems:
         raise UserError(problems)
     return needed

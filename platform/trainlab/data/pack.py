@@ -42,8 +42,12 @@ class Pieces:
         if not parts:
             z = np.zeros(0, np.int64)
             return Pieces(z, z, z, z)
-        return Pieces(*(np.concatenate([getattr(p, f) for p in parts])
-                        for f in ("at", "doc", "start", "length")))
+        return Pieces(
+            *(
+                np.concatenate([getattr(p, f) for p in parts])
+                for f in ("at", "doc", "start", "length")
+            )
+        )
 
 
 class SourceStream:
@@ -52,8 +56,9 @@ class SourceStream:
     `shuffle`: each epoch in its own order (`epoch_order`); otherwise `docs` in the
     given order every epoch (validation). `finite`: a single pass, no epoch 1."""
 
-    def __init__(self, src: SourceTokens, docs: np.ndarray, seed: int, shuffle: bool,
-                 finite: bool = False):
+    def __init__(
+        self, src: SourceTokens, docs: np.ndarray, seed: int, shuffle: bool, finite: bool = False
+    ):
         self.src = src
         self.docs = np.asarray(docs, dtype=np.int64)
         self.seed = seed
@@ -69,8 +74,11 @@ class SourceStream:
         cached = self._epochs.get(key)
         if cached is not None:
             return cached
-        order = (self.docs[epoch_order(self.seed, self.src.name, e, len(self.docs))]
-                 if self.shuffle else self.docs)
+        order = (
+            self.docs[epoch_order(self.seed, self.src.name, e, len(self.docs))]
+            if self.shuffle
+            else self.docs
+        )
         starts = np.zeros(len(order) + 1, dtype=np.int64)
         np.cumsum(self.doc_lengths[order], out=starts[1:])
         if len(self._epochs) >= 3:  # a batch touches at most a few epochs
@@ -94,7 +102,8 @@ class SourceStream:
             first_row_cut = -(-(base + lo + 1) // cut_every) * cut_every - base
             cuts = np.union1d(
                 starts[(starts > lo) & (starts < hi)],
-                np.arange(first_row_cut, hi, cut_every, dtype=np.int64))
+                np.arange(first_row_cut, hi, cut_every, dtype=np.int64),
+            )
             at = np.concatenate([[lo], cuts]).astype(np.int64)
             length = np.diff(np.concatenate([at, [hi]]))
             j = np.searchsorted(starts, at, side="right") - 1
@@ -137,8 +146,9 @@ def _consecutive_runs(units: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[:-1].tolist(), edges[1:].tolist(), strict=True))
 
 
-def _write_pieces(out: PackedRows, src: SourceTokens, p: Pieces, rows: np.ndarray,
-                  seq_len: int) -> None:
+def _write_pieces(
+    out: PackedRows, src: SourceTokens, p: Pieces, rows: np.ndarray, seq_len: int
+) -> None:
     """Write pieces (in stream order, already mapped to output `rows`) into `out`."""
     if len(p.at) == 0:
         return
@@ -163,15 +173,17 @@ def _write_pieces(out: PackedRows, src: SourceTokens, p: Pieces, rows: np.ndarra
     out.row_split[rows[cut]] = True
 
 
-def pack_units(streams: list[SourceStream], sources: np.ndarray, units: np.ndarray,
-               seq_len: int, pad_id: int) -> PackedRows:
+def pack_units(
+    streams: list[SourceStream], sources: np.ndarray, units: np.ndarray, seq_len: int, pad_id: int
+) -> PackedRows:
     """Row i = unit `units[i]` of stream `sources[i]` (stream tokens
     [units[i]*L, (units[i]+1)*L)), padded where a finite stream ends."""
     sources = np.asarray(sources, np.int64)
     units = np.asarray(units, np.int64)
     n = len(sources)
-    out = PackedRows(empty_batch(n, seq_len, pad_id), sources, units,
-                     np.zeros(n, np.int64), np.zeros(n, bool))
+    out = PackedRows(
+        empty_batch(n, seq_len, pad_id), sources, units, np.zeros(n, np.int64), np.zeros(n, bool)
+    )
     for s in np.unique(sources).tolist():
         out_rows = np.flatnonzero(sources == s)
         stream = streams[s]

@@ -50,9 +50,15 @@ class DataSpec:
 
     def stream_identity(self) -> dict[str, Any]:
         """What fixes the sequence order (besides the step)."""
-        return {"fingerprint": self.fingerprint, "sources": list(self.sources),
-                "weights": list(self.weights), "seed": self.seed, "seq_len": self.seq_len,
-                "global_batch_size": self.global_batch_size, "val_fraction": self.val_fraction}
+        return {
+            "fingerprint": self.fingerprint,
+            "sources": list(self.sources),
+            "weights": list(self.weights),
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "global_batch_size": self.global_batch_size,
+            "val_fraction": self.val_fraction,
+        }
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,25 +81,44 @@ def prepare_run_data(cfg: Any, check_checksums: bool = True) -> DataSpec:
     manifest = load_manifest(root)
     verify_shards(manifest, checksums=check_checksums)
     if manifest.vocab_size > cfg.model.vocab_size:
-        raise UserError(f"model.vocab_size = {cfg.model.vocab_size}: smaller than the prepared "
-                        f"dataset's tokenizer vocabulary ({manifest.vocab_size}, {root})")
-    counts = {name: _split_token_counts(manifest, name, d.val_fraction)
-              for name in manifest.sources}
+        raise UserError(
+            f"model.vocab_size = {cfg.model.vocab_size}: smaller than the prepared "
+            f"dataset's tokenizer vocabulary ({manifest.vocab_size}, {root})"
+        )
+    counts = {
+        name: _split_token_counts(manifest, name, d.val_fraction) for name in manifest.sources
+    }
     weights = normalize_mix(d.mix, {n: c[0] for n, c in counts.items()})
     names = tuple(weights)
     global_batch = cfg.global_batch_size
     train_tokens = tuple(counts[n][0] for n in names)
-    needed = check_repetition_cap(names, [weights[n] for n in names], train_tokens,
-                                  d.seq_len, cfg.train.total_steps * global_batch,
-                                  d.max_epochs_per_source, cfg.train.total_steps)
+    needed = check_repetition_cap(
+        names,
+        [weights[n] for n in names],
+        train_tokens,
+        d.seq_len,
+        cfg.train.total_steps * global_batch,
+        d.max_epochs_per_source,
+        cfg.train.total_steps,
+    )
     return DataSpec(
-        path=str(root), fingerprint=manifest.fingerprint, sources=names,
-        weights=tuple(weights[n] for n in names), train_tokens=train_tokens,
-        val_tokens=tuple(counts[n][1] for n in names), seed=d.seed, seq_len=d.seq_len,
-        micro_batch_size=d.micro_batch_size, grad_accum_steps=d.grad_accum_steps,
-        global_batch_size=global_batch, total_steps=cfg.train.total_steps,
-        val_fraction=d.val_fraction, max_epochs_per_source=d.max_epochs_per_source,
-        eos_id=manifest.eos_id, vocab_size=manifest.vocab_size, loader_cpus=d.loader_cpus,
+        path=str(root),
+        fingerprint=manifest.fingerprint,
+        sources=names,
+        weights=tuple(weights[n] for n in names),
+        train_tokens=train_tokens,
+        val_tokens=tuple(counts[n][1] for n in names),
+        seed=d.seed,
+        seq_len=d.seq_len,
+        micro_batch_size=d.micro_batch_size,
+        grad_accum_steps=d.grad_accum_steps,
+        global_batch_size=global_batch,
+        total_steps=cfg.train.total_steps,
+        val_fraction=d.val_fraction,
+        max_epochs_per_source=d.max_epochs_per_source,
+        eos_id=manifest.eos_id,
+        vocab_size=manifest.vocab_size,
+        loader_cpus=d.loader_cpus,
         allow_fingerprint_change=d.allow_fingerprint_change,
         epochs_needed=tuple(round(float(needed[n]), 6) for n in names),
         all_sources=tuple(manifest.sources),
@@ -104,7 +129,8 @@ def rows_per_rank(spec: DataSpec, world_size: int) -> int:
     """Rows of each global batch one rank gets; checks the topology fits the batch."""
     g = spec.global_batch_size
     if world_size < 1 or g % world_size or (g // world_size) % spec.micro_batch_size:
-        raise UserError(f"data: global batch {g} cannot be split into {world_size} equal "
-                        f"slices of whole micro batches of {spec.micro_batch_size} rows")
+        raise UserError(
+            f"data: global batch {g} cannot be split into {world_size} equal "
+            f"slices of whole micro batches of {spec.micro_batch_size} rows"
+        )
     return g // world_size
-

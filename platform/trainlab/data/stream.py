@@ -32,12 +32,15 @@ class TrainStream:
     def __init__(self, spec: DataSpec, corpus: dict[str, SourceTokens] | None = None):
         self.spec = spec
         if corpus is None:
-            corpus = load_corpus(spec.path, spec.fingerprint,
-                                 spec.all_sources or spec.sources, spec.val_fraction)
+            corpus = load_corpus(
+                spec.path, spec.fingerprint, spec.all_sources or spec.sources, spec.val_fraction
+            )
         self.corpus = corpus
         self.schedule = BlendSchedule(spec.weights)
-        self.streams = [SourceStream(corpus[n], corpus[n].train_docs, spec.seed, shuffle=True)
-                        for n in spec.sources]
+        self.streams = [
+            SourceStream(corpus[n], corpus[n].train_docs, spec.seed, shuffle=True)
+            for n in spec.sources
+        ]
         self._val_streams: dict[str, SourceStream] = {}
 
     # ------------------------------------------------------------------ training rows
@@ -46,16 +49,18 @@ class TrainStream:
         sources, units = self.schedule.assign(start, stop)
         return pack_units(self.streams, sources, units, self.spec.seq_len, self.spec.eos_id)
 
-    def rank_rows(self, step: int, rank: int = 0, world_size: int = 1,
-                  steps: int = 1) -> PackedRows:
+    def rank_rows(
+        self, step: int, rank: int = 0, world_size: int = 1, steps: int = 1
+    ) -> PackedRows:
         """This rank's rows of global steps [step, step + steps), step after step.
         Packing several steps in one call amortizes numpy's per-call cost."""
         per_rank = rows_per_rank(self.spec, world_size)
         g = self.spec.global_batch_size
         sources, units = self.schedule.assign(step * g, (step + steps) * g)
         mine = (np.arange(steps)[:, None] * g + rank * per_rank + np.arange(per_rank)).ravel()
-        return pack_units(self.streams, sources[mine], units[mine], self.spec.seq_len,
-                          self.spec.eos_id)
+        return pack_units(
+            self.streams, sources[mine], units[mine], self.spec.seq_len, self.spec.eos_id
+        )
 
     def global_batch(self, step: int) -> Batch:
         return self.rank_rows(step).batch
@@ -64,19 +69,27 @@ class TrainStream:
 
     def validation_stream(self, source: str) -> SourceStream:
         if source not in self.corpus:
-            raise UserError(f"validation source {source!r}: not in the prepared dataset "
-                            f"(sources: {', '.join(self.corpus)})")
+            raise UserError(
+                f"validation source {source!r}: not in the prepared dataset "
+                f"(sources: {', '.join(self.corpus)})"
+            )
         if source not in self._val_streams:
             src = self.corpus[source]
-            self._val_streams[source] = SourceStream(src, src.val_docs, self.spec.seed,
-                                                     shuffle=False, finite=True)
+            self._val_streams[source] = SourceStream(
+                src, src.val_docs, self.spec.seed, shuffle=False, finite=True
+            )
         return self._val_streams[source]
 
     def validation_rows(self, source: str, start: int, stop: int) -> PackedRows:
         """Rows [start, stop) of the source's held-out documents, packed in a fixed
         order. Past the end of the validation set rows are padding (labels -100)."""
-        packed = pack_units([self.validation_stream(source)], np.zeros(stop - start, np.int64),
-                            np.arange(start, stop), self.spec.seq_len, self.spec.eos_id)
+        packed = pack_units(
+            [self.validation_stream(source)],
+            np.zeros(stop - start, np.int64),
+            np.arange(start, stop),
+            self.spec.seq_len,
+            self.spec.eos_id,
+        )
         packed.row_source[:] = -1  # not a training source index
         return packed
 
@@ -103,7 +116,11 @@ class TrainStream:
         for i, name in enumerate(self.spec.sources):
             tokens = int(rows[i]) * self.spec.seq_len
             stream = self.streams[i]
-            out[name] = {"weight": self.spec.weights[i], "token_share": int(rows[i]) / total,
-                         "tokens": tokens, "docs": stream.docs_started(tokens),
-                         "epochs": tokens / stream.epoch_tokens}
+            out[name] = {
+                "weight": self.spec.weights[i],
+                "token_share": int(rows[i]) / total,
+                "tokens": tokens,
+                "docs": stream.docs_started(tokens),
+                "epochs": tokens / stream.epoch_tokens,
+            }
         return out

@@ -28,8 +28,9 @@ def stdlib_files(limit: int, min_bytes: int = 200) -> list[Path]:
 
 def stdlib_code(limit: int, max_chars: int = 40_000) -> list[str]:
     """Source files of the standard library (real code documents, some long)."""
-    return [p.read_text(encoding="utf-8", errors="replace")[:max_chars]
-            for p in stdlib_files(limit)]
+    return [
+        p.read_text(encoding="utf-8", errors="replace")[:max_chars] for p in stdlib_files(limit)
+    ]
 
 
 def stdlib_docstrings(limit: int) -> list[str]:
@@ -57,9 +58,12 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int = 2048) -> Any:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(iter(texts), trainer)
     return tok
 
@@ -70,11 +74,12 @@ def _sha256(path: Path) -> str:
 
 def _chunks(items: Sequence[Any], n: int) -> Iterator[Sequence[Any]]:
     for i in range(0, len(items), n):
-        yield items[i:i + n]
+        yield items[i : i + n]
 
 
-def write_prepared_dataset(root: str | Path, texts: Mapping[str, Sequence[str]], tokenizer: Any,
-                           docs_per_shard: int = 1000) -> dict[str, Any]:
+def write_prepared_dataset(
+    root: str | Path, texts: Mapping[str, Sequence[str]], tokenizer: Any, docs_per_shard: int = 1000
+) -> dict[str, Any]:
     """Tokenize `texts` ({source: documents}) and write DIR in the prepared format;
     return the manifest dict."""
     import pyarrow as pa
@@ -92,28 +97,48 @@ def write_prepared_dataset(root: str | Path, texts: Mapping[str, Sequence[str]],
         shards = []
         for i, chunk in enumerate(_chunks(list(docs), docs_per_shard)):
             ids = [e.ids + [eos_id] for e in tokenizer.encode_batch(list(chunk))]
-            table = pa.table({
-                "doc_id": [hashlib.sha256(t.encode()).hexdigest()[:32] for t in chunk],
-                "source": [name] * len(chunk),
-                "tokens": pa.array(ids, type=pa.list_(getattr(pa, dtype)())),
-                "n_tokens": pa.array([len(x) for x in ids], type=pa.int64()),
-            })
+            table = pa.table(
+                {
+                    "doc_id": [hashlib.sha256(t.encode()).hexdigest()[:32] for t in chunk],
+                    "source": [name] * len(chunk),
+                    "tokens": pa.array(ids, type=pa.list_(getattr(pa, dtype)())),
+                    "n_tokens": pa.array([len(x) for x in ids], type=pa.int64()),
+                }
+            )
             rel = f"{name}/part-{i:05d}.parquet"
             pq.write_table(table, root / rel, compression="zstd")
-            shards.append({"file": rel, "rows": len(chunk), "tokens": sum(map(len, ids)),
-                           "sha256": _sha256(root / rel)})
-        sources[name] = {"docs_in": len(docs), "docs_out": len(docs),
-                         "tokens": sum(s["tokens"] for s in shards), "rejected": {},
-                         "shards": shards}
+            shards.append(
+                {
+                    "file": rel,
+                    "rows": len(chunk),
+                    "tokens": sum(map(len, ids)),
+                    "sha256": _sha256(root / rel),
+                }
+            )
+        sources[name] = {
+            "docs_in": len(docs),
+            "docs_out": len(docs),
+            "tokens": sum(s["tokens"] for s in shards),
+            "rejected": {},
+            "shards": shards,
+        }
     tok_sha = _sha256(root / "tokenizer.json")
     cleaning = {"written_by": "trainlab.data.testing"}
-    blob = json.dumps([tok_sha, cleaning, [s["sha256"] for src in sources.values()
-                                           for s in src["shards"]]], sort_keys=True)
+    blob = json.dumps(
+        [tok_sha, cleaning, [s["sha256"] for src in sources.values() for s in src["shards"]]],
+        sort_keys=True,
+    )
     manifest = {
         "format_version": 1,
         "fingerprint": hashlib.sha256(blob.encode()).hexdigest(),
-        "tokenizer": {"file": "tokenizer.json", "sha256": tok_sha, "vocab_size": vocab,
-                      "eos_id": eos_id, "eos_token": EOS_TOKEN, "dtype": dtype},
+        "tokenizer": {
+            "file": "tokenizer.json",
+            "sha256": tok_sha,
+            "vocab_size": vocab,
+            "eos_id": eos_id,
+            "eos_token": EOS_TOKEN,
+            "dtype": dtype,
+        },
         "cleaning": cleaning,
         "sources": sources,
     }
@@ -121,8 +146,9 @@ def write_prepared_dataset(root: str | Path, texts: Mapping[str, Sequence[str]],
     return manifest
 
 
-def write_stdlib_dataset(root: str | Path, code_docs: int = 120, prose_docs: int = 300,
-                         vocab_size: int = 2048) -> dict[str, Any]:
+def write_stdlib_dataset(
+    root: str | Path, code_docs: int = 120, prose_docs: int = 300, vocab_size: int = 2048
+) -> dict[str, Any]:
     """Two real sources: `code` (stdlib modules, long documents) and `docs` (docstrings,
     short ones), tokenized with a BPE trained on them."""
     texts = {"code": stdlib_code(code_docs), "docs": stdlib_docstrings(prose_docs)}
@@ -137,8 +163,11 @@ def small_dataset(root: str | Path) -> Path:
     root = Path(root)
     if not (root / "manifest.json").exists():
         docstrings = stdlib_docstrings(160)
-        texts = {"code": stdlib_code(24, max_chars=12_000), "docs": docstrings[:150],
-                 "tiny": docstrings[150:156]}
+        texts = {
+            "code": stdlib_code(24, max_chars=12_000),
+            "docs": docstrings[:150],
+            "tiny": docstrings[150:156],
+        }
         tok = train_tokenizer([t for docs in texts.values() for t in docs], vocab_size=1024)
         write_prepared_dataset(root, texts, tok, docs_per_shard=64)
     return root
