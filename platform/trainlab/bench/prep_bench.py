@@ -4,8 +4,8 @@ on the >= 100 MB variant of the demo corpus, in tokens/s.
 Baseline, measured in the same run over the same (kept, cleaned) texts: one
 process calling `tokenizers` `encode_batch` with its own thread pool, which is
 the tokenization limit of this machine. The prep time excludes starting Ray and
-training the tokenizer (both reported in notes); "where the time goes" is a
-single-process profile of each stage over a slice of the same corpus.
+training the tokenizer (both reported in notes). Where the time goes: CPU
+seconds per stage as measured inside the Ray workers, and the driver's own.
 """
 
 from __future__ import annotations
@@ -43,12 +43,16 @@ def bench_prep() -> list[BenchResult]:
 
     # The machine is shared: half of the baseline runs before prep and half after,
     # so a change in load hits both sides alike.
+    cpu = time.process_time()
     first_s, first_tokens = _encode_seconds(tokenizer, batches[0::2])
+    baseline_cpu_s = time.process_time() - cpu
     shutil.rmtree(BENCH_DIR / "prepared", ignore_errors=True)
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     result = run_prep(sources, BENCH_DIR / "prepared", tokenizer=str(tokenizer))
-    wall_s = time.perf_counter() - t
+    wall_s, driver_cpu_s = time.perf_counter() - t, time.process_time() - cpu
+    cpu = time.process_time()
     second_s, second_tokens = _encode_seconds(tokenizer, batches[1::2])
+    baseline_cpu_s += time.process_time() - cpu
     fast_s, fast_tokens = _encode_seconds(tokenizer, batches[0::4], fast=True)
     baseline_s, baseline_tokens = first_s + second_s, first_tokens + second_tokens
 
@@ -61,13 +65,22 @@ def bench_prep() -> list[BenchResult]:
         "docs_out": len(texts),
         "tokens": tokens,
         "prep_s (read+clean+dedup+tokenize+write)": round(prep_s, 1),
-        "prep_wall_s incl. ray start": round(wall_s, 1),
+        "prep_wall_s (the run_prep call; Ray already up)": round(wall_s, 1),
         "prep_phases_s": {k: round(v, 2) for k, v in phases.items()},
         "tokenizer_training_s (BPE on a 16 MB sample, not in prep_s)": round(train_s, 1),
         "encode_batch_s": round(baseline_s, 1),
         "encode_batch_fast_tokens_per_s (no offsets; what prep's actors call)":
             round(fast_tokens / fast_s),
-        "cpu_share_per_stage (one process, every 5th unit)": _stage_profile(sources, tokenizer),
+        # CPU time is what a busy shared machine distorts least: baseline CPU seconds
+        # over prep's (workers' read/clean and tokenize, plus this driver process).
+        "cpu_s": {"read+clean+hash (workers)": round(phases["cpu_read_clean"], 1),
+                  "tokenize (workers)": round(phases["cpu_tokenize"], 1),
+                  "driver (dedup, write, Ray client; Ray daemons not counted)":
+                      round(driver_cpu_s, 1),
+                  "encode_batch baseline": round(baseline_cpu_s, 1)},
+        "cpu_ratio (baseline cpu / prep cpu)": round(
+            baseline_cpu_s / (phases["cpu_read_clean"] + phases["cpu_tokenize"] + driver_cpu_s),
+            3),
         "corpus_build_s": round(build_s, 1),
     }
     return [BenchResult("prep_tokens_per_s", tokens / prep_s, "tokens/s",
@@ -130,47 +143,3 @@ def _encode_seconds(tokenizer_path: Path, batches: list[list[str]],
     for batch in batches:
         tokens += sum(len(e.ids) + 1 for e in encode(batch, add_special_tokens=False))
     return time.perf_counter() - t, tokens
-
-
-def _stage_profile(sources: Path, tokenizer: Path, every: int = 5) -> dict[str, float]:
-    """Share of CPU time per stage (all threads of this process), over every
-    `every`-th unit, each stage run on its own."""
-    import tempfile
-
-    from trainlab.data.prep.cleaning import clean_text, content_id
-    from trainlab.data.prep.readers import read_records
-    from trainlab.data.prep.shards import DatasetWriter
-    from trainlab.data.prep.spec import CleaningSettings
-    from trainlab.data.prep.units import TokenizeStage, read_clean_unit
-
-    tok_json = tokenizer.read_text()
-    stage = TokenizeStage(tok_json, 0, "uint16")
-    spent = dict.fromkeys(("read+decode", "clean+hash", "tokenize", "dedup+write"), 0.0)
-    units = _units(sources)[::every]
-    with tempfile.TemporaryDirectory() as tmp:
-        writer = DatasetWriter(Path(tmp), sorted({u.source for u in units}), "uint16", 64 << 20)
-        for unit in units:
-            settings = CleaningSettings(min_chars=unit.min_chars, max_chars=unit.max_chars)
-            t = time.process_time()
-            records = [r for f in unit.files for r in read_records(f, unit.format,
-                                                                   unit.text_field)]
-            spent["read+decode"] += time.process_time() - t
-            t = time.process_time()
-            for r in records:
-                if r.text is not None:
-                    text, reason = clean_text(r.text, settings)
-                    if reason is None:
-                        content_id(text)
-            spent["clean+hash"] += time.process_time() - t
-            table = read_clean_unit(unit)
-            t = time.process_time()
-            tokenized = stage(table)
-            spent["tokenize"] += time.process_time() - t
-            t = time.process_time()
-            writer.add(tokenized)
-            spent["dedup+write"] += time.process_time() - t
-        t = time.process_time()
-        writer.finish()
-        spent["dedup+write"] += time.process_time() - t
-    total = sum(spent.values())
-    return {k: round(v / total, 3) for k, v in spent.items()}

@@ -74,6 +74,7 @@ class RayDataExecutor:
 
     def __init__(self) -> None:
         import ray
+
         from trainlab.raycluster import ensure_ray
 
         resources = ensure_ray()

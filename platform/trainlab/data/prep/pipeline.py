@@ -77,8 +77,9 @@ class PrepResult:
     manifest: dict
     up_to_date: bool
     seconds: float
-    # Wall time per phase: check, train_tokenizer, tokenize_write (of which
-    # dedup_write_in_driver is this process's own work), finish.
+    # Wall seconds per phase: check, train_tokenizer, tokenize_write (of which
+    # dedup_write_in_driver is this process's own work), finish; and CPU seconds
+    # the workers spent in cpu_read_clean and cpu_tokenize.
     timings: dict[str, float] = field(default_factory=dict)
 
 
@@ -131,9 +132,10 @@ def run_prep(sources: str | Path, out: str | Path, *, tokenizer: str | None = No
     timings["train_tokenizer"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    accounts, timings["dedup_write_in_driver"] = _tokenize_and_write(
-        ex, units, inputs, tokenizer_json, info, out_dir, progress)
+    accounts, spent = _tokenize_and_write(ex, units, inputs, tokenizer_json, info, out_dir,
+                                          progress)
     timings["tokenize_write"] = time.perf_counter() - t
+    timings.update(spent)
 
     t = time.perf_counter()
     manifest = build_manifest(info, inputs.cleaning, accounts, inputs.signature)
@@ -232,22 +234,27 @@ def _train_tokenizer(ex: Executor, units: list[WorkUnit], inputs: _Inputs,
 
 def _tokenize_and_write(ex: Executor, units: list[WorkUnit], inputs: _Inputs,
                         tokenizer_json: bytes, info: TokenizerInfo, out_dir: Path,
-                        progress: ProgressFn | None) -> tuple[dict[str, SourceAccount], float]:
-    """The main pass; returns the accounts and the seconds this process spent
-    deduplicating and writing (the rest of the pass is waiting for the pipeline)."""
+                        progress: ProgressFn | None) -> tuple[dict[str, SourceAccount],
+                                                              dict[str, float]]:
+    """The main pass; returns the accounts and where the time went: CPU seconds of
+    the workers' stages, and this process's own dedup+write seconds (the rest of
+    the pass it waits for the pipeline)."""
     writer = DatasetWriter(out_dir, [s.name for s in inputs.sources], info.dtype,
                            int(inputs.spec.shard_target_mb * MB))
     stage_kwargs = {"tokenizer_json": tokenizer_json.decode("utf-8"), "eos_id": info.eos_id,
                     "dtype": info.dtype, "threads": ex.tokenizer_threads}
-    writing = 0.0
+    spent = dict.fromkeys(("cpu_read_clean", "cpu_tokenize", "dedup_write_in_driver"), 0.0)
     for table in _with_progress(ex.map_units(units, TokenizeStage, stage_kwargs), units,
                                 "tokenize", progress):
         t = time.perf_counter()
         writer.add(table)
-        writing += time.perf_counter() - t
+        spent["dedup_write_in_driver"] += time.perf_counter() - t
+        for column in ("cpu_read_clean", "cpu_tokenize"):
+            spent[column] += float(table.column(column).to_numpy().sum())
     t = time.perf_counter()
     accounts = writer.finish()
-    return accounts, writing + time.perf_counter() - t
+    spent["dedup_write_in_driver"] += time.perf_counter() - t
+    return accounts, spent
 
 
 def _with_progress(tables: Iterable[pa.Table], units: list[WorkUnit], phase: str,

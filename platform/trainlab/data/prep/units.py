@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
@@ -25,6 +26,9 @@ from trainlab.data.prep.spec import CleaningSettings
 CLEANED_SCHEMA = pa.schema([
     ("unit", pa.int64()), ("source", pa.string()), ("location", pa.string()),
     ("doc_id", pa.string()), ("text", pa.large_string()), ("reason", pa.string()),
+    # CPU seconds the stage spent on this unit, on the unit's first row (0 elsewhere):
+    # where the time goes, measured in the worker that did the work.
+    ("cpu_read_clean", pa.float64()),
 ])
 
 
@@ -93,6 +97,7 @@ def _unit(index: int, src: SourceFiles, files: list[InputFile]) -> WorkUnit:
 
 def read_clean_unit(unit: WorkUnit) -> pa.Table:
     """Every raw record of the unit's files, cleaned and hashed, in file order."""
+    cpu_start = time.process_time()
     settings = CleaningSettings(min_chars=unit.min_chars, max_chars=unit.max_chars)
     locations, doc_ids, texts, reasons = [], [], [], []
     for location in unit.files:
@@ -113,8 +118,13 @@ def read_clean_unit(unit: WorkUnit) -> pa.Table:
     n = len(locations)
     return pa.table([pa.array([unit.index] * n, pa.int64()), pa.array([unit.source] * n),
                      pa.array(locations, pa.string()), pa.array(doc_ids, pa.string()),
-                     pa.array(texts, pa.large_string()), pa.array(reasons, pa.string())],
+                     pa.array(texts, pa.large_string()), pa.array(reasons, pa.string()),
+                     _first_row(time.process_time() - cpu_start, n)],
                     schema=CLEANED_SCHEMA)
+
+
+def _first_row(value: float, n: int) -> pa.Array:
+    return pa.array(([value] + [0.0] * (n - 1)) if n else [], pa.float64())
 
 
 def read_clean_batch(batch: pa.Table) -> pa.Table:
@@ -179,6 +189,7 @@ class TokenizeStage:
         self.dtype = np.dtype(dtype)
 
     def __call__(self, table: pa.Table) -> pa.Table:
+        cpu_start = time.process_time()
         reasons = table.column("reason").to_pylist()
         doc_ids = table.column("doc_id").to_pylist()
         todo = _first_copies(doc_ids, reasons)
@@ -188,11 +199,14 @@ class TokenizeStage:
         ids = [e.ids for e in encodings]
         lengths = np.zeros(len(table), dtype=np.int64)
         lengths[todo] = [len(x) + 1 for x in ids]
+        tokens = self._token_lists(ids, lengths)
         return pa.table({
             "unit": table.column("unit"), "source": table.column("source"),
             "location": table.column("location"), "doc_id": table.column("doc_id"),
-            "reason": pa.array(reasons, pa.string()), "tokens": self._token_lists(ids, lengths),
+            "reason": pa.array(reasons, pa.string()), "tokens": tokens,
             "n_tokens": pa.array(lengths, pa.int64()),
+            "cpu_read_clean": table.column("cpu_read_clean"),
+            "cpu_tokenize": _first_row(time.process_time() - cpu_start, len(table)),
         })
 
     def _token_lists(self, ids: list[list[int]], lengths: np.ndarray) -> pa.ListArray:
