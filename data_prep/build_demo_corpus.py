@@ -12,7 +12,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(DEMO_RAW), help="where to write (default %(default)s)")
     parser.add_argument("--max-mb", type=float, default=6.0, help="cap per domain, MB of raw input")
-    parser.add_argument("--with-site-packages", action="store_true",
-                        help="code domain also from site-packages (the >= 100 MB benchmark size)")
+    parser.add_argument(
+        "--with-site-packages",
+        action="store_true",
+        help="code domain also from site-packages (the >= 100 MB benchmark size)",
+    )
     args = parser.parse_args()
     print(json.dumps(build_demo_corpus(args.out, args.max_mb, args.with_site_packages), indent=2))

@@ -1,6 +1,6 @@
 """Entry script for `ray job submit`: the same as `trainlab prep ARGS...`.
 
-    python data_prep/prep.py data_prep/sources/demo.yaml --out data/demo/prepared
+python data_prep/prep.py data_prep/sources/demo.yaml --out data/demo/prepared
 """
 
 import sys

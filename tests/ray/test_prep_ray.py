@@ -75,6 +75,6 @@ def test_cli_prints_the_manifest_and_then_is_up_to_date(ray_cluster, sources, tm
 
 
 def test_resource_plan_leaves_room_on_small_clusters():
-    assert plan_ray_resources(8, 2).stage_actors == 2      # embedded cluster on 2 cores
-    assert plan_ray_resources(2, 2).stage_actors == 1      # a num_cpus=2 cluster: no starvation
+    assert plan_ray_resources(8, 2).stage_actors == 2  # embedded cluster on 2 cores
+    assert plan_ray_resources(2, 2).stage_actors == 1  # a num_cpus=2 cluster: no starvation
     assert plan_ray_resources(64, 64).stage_actors == 63

@@ -28,8 +28,13 @@ def corpus(tmp_path: Path) -> Path:
     # although "alpha" sorts first.
     put(raw / "zeta/b.txt", SHARED)
     put(raw / "zeta/a.txt", OTHER)
-    put(raw / "alpha/docs.jsonl", "".join(json.dumps({"text": t}) + "\n" for t in
-                                          [OTHER + " (alpha)", SHARED, SHARED.replace(" ", " ")]))
+    put(
+        raw / "alpha/docs.jsonl",
+        "".join(
+            json.dumps({"text": t}) + "\n"
+            for t in [OTHER + " (alpha)", SHARED, SHARED.replace(" ", " ")]
+        ),
+    )
     put(raw / "alpha/z.jsonl", json.dumps({"text": "cafe\u0301 " + SHARED}) + "\n")
     put(raw / "alpha/y.jsonl", json.dumps({"text": "caf\u00e9 " + SHARED}) + "\n")
     (tmp_path / "s.yaml").write_text("""
@@ -64,9 +69,16 @@ def test_first_copy_by_source_order_then_path_then_position(tmp_path):
     # Shard rows are in dedup order: path order within a source.
     assert shard_doc_ids(tmp_path / "out", m, "zeta") == [content_id(OTHER), content_id(SHARED)]
     assert shard_doc_ids(tmp_path / "out", m, "alpha") == [
-        content_id(OTHER + " (alpha)"), content_id("caf\u00e9 " + SHARED)]
-    assert len(set(shard_doc_ids(tmp_path / "out", m, "zeta")) &
-               set(shard_doc_ids(tmp_path / "out", m, "alpha"))) == 0
+        content_id(OTHER + " (alpha)"),
+        content_id("caf\u00e9 " + SHARED),
+    ]
+    assert (
+        len(
+            set(shard_doc_ids(tmp_path / "out", m, "zeta"))
+            & set(shard_doc_ids(tmp_path / "out", m, "alpha"))
+        )
+        == 0
+    )
 
 
 def test_result_does_not_depend_on_how_work_is_cut(tmp_path):

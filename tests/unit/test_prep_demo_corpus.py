@@ -20,8 +20,12 @@ def test_demo_corpus_builds_idempotently_and_prepares(tmp_path, repo):
     assert all(s["records"] > 0 for s in stats.values())
     assert stats["code"]["bytes"] <= 0.5 * 2**20
     assert (raw / "code/stdlib").is_dir() and (raw / "docs/topics.jsonl").is_file()
-    assert pq.read_schema(raw / "pkgdocs/metadata.parquet").names == \
-        ["name", "version", "summary", "text"]
+    assert pq.read_schema(raw / "pkgdocs/metadata.parquet").names == [
+        "name",
+        "version",
+        "summary",
+        "text",
+    ]
     mtimes = {p: p.stat().st_mtime_ns for p in raw.rglob("*.*") if p.name != ".corpus.json"}
     (raw / ".corpus.json").unlink()  # force a rebuild: identical files stay untouched
     assert build_demo_corpus(raw, max_mb=0.5) == stats

@@ -26,15 +26,20 @@ def make_corpus(tmp_path: Path, shard_mb: float = 0.01) -> Path:
     for p in sorted((STDLIB / "json").glob("*.py")):
         (raw / p.name).write_bytes(p.read_bytes())
     path = tmp_path / "s.yaml"
-    path.write_text(f"root: raw\ntrain_tokenizer: {{vocab_size: 300}}\n"
-                    f"shard_target_mb: {shard_mb}\n"
-                    "sources: [{name: code, paths: [\"*.py\"], format: text}]\n")
+    path.write_text(
+        f"root: raw\ntrain_tokenizer: {{vocab_size: 300}}\n"
+        f"shard_target_mb: {shard_mb}\n"
+        'sources: [{name: code, paths: ["*.py"], format: text}]\n'
+    )
     return path
 
 
 def snapshot(out: Path) -> dict[str, int]:
-    return {p.relative_to(out).as_posix(): p.stat().st_mtime_ns
-            for p in sorted(out.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(out).as_posix(): p.stat().st_mtime_ns
+        for p in sorted(out.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_rerun_is_up_to_date_and_touches_nothing(tmp_path):
@@ -123,8 +128,9 @@ def test_process_killed_midway_then_rerun(tmp_path):
     """A real SIGKILL while shards are being written."""
     sources = make_corpus(tmp_path, shard_mb=0.002)
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", KILLABLE, str(sources), str(out)],
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLABLE, str(sources), str(out)], start_new_session=True
+    )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
         if len(list((out / "code").glob("part-*.parquet"))) >= 2:

@@ -45,16 +45,19 @@ def bad_corpus(tmp_path: Path) -> Path:
     put(raw / "txt/07-copy.txt", GOOD + "one\nend")
     put(raw / "txt/08-crlf-copy.txt", GOOD + "one\r\nend")  # the same once cleaned
     # jsonl: one record per line
-    put(raw / "recs/a.jsonl", jsonl(
-        {"text": GOOD + "two"},
-        "{not json",
-        "[1, 2, 3]",
-        {"other": "field"},
-        {"text": None},
-        {"text": 42},
-        "",  # a blank line is not a record
-        '{"text": "lone surrogate \\ud800 inside a document of some length"}',
-    ))
+    put(
+        raw / "recs/a.jsonl",
+        jsonl(
+            {"text": GOOD + "two"},
+            "{not json",
+            "[1, 2, 3]",
+            {"other": "field"},
+            {"text": None},
+            {"text": 42},
+            "",  # a blank line is not a record
+            '{"text": "lone surrogate \\ud800 inside a document of some length"}',
+        ),
+    )
     with (raw / "recs/a.jsonl").open("ab") as f:
         f.write(b'{"text": "bad \xff\xfe utf-8 in this line"}\n')
     put(raw / "recs/b-empty.jsonl", b"")
@@ -63,8 +66,16 @@ def bad_corpus(tmp_path: Path) -> Path:
     parquet(raw / "tab/2-nocol.parquet", pa.table({"body": ["a", "b"]}))
     parquet(raw / "tab/3-int.parquet", pa.table({"text": [1, 2]}))
     parquet(raw / "tab/4-zero.parquet", pa.table({"text": pa.array([], pa.string())}))
-    parquet(raw / "tab/5-binary.parquet", pa.table({"text": pa.array(
-        [(GOOD + "four").encode(), b"\xff\xfe\xfa bad bytes here"], pa.binary())}))
+    parquet(
+        raw / "tab/5-binary.parquet",
+        pa.table(
+            {
+                "text": pa.array(
+                    [(GOOD + "four").encode(), b"\xff\xfe\xfa bad bytes here"], pa.binary()
+                )
+            }
+        ),
+    )
     put(raw / "tab/6-corrupt.parquet", b"PAR1 this is not really parquet at all PAR1")
     (tmp_path / "sources.yaml").write_text("""
 root: raw
@@ -85,12 +96,27 @@ def counts(source: dict) -> dict[str, int]:
 def test_every_reason_is_counted_with_examples_and_the_manifest_balances(bad_corpus):
     m = run_prep(bad_corpus / "sources.yaml", bad_corpus / "out", executor="local").manifest
     src = m["sources"]
-    assert counts(src["txt"]) == {"empty": 2, "too_short": 1, "too_long": 1,
-                                  "bad_encoding": 1, "duplicate": 2}
-    assert counts(src["recs"]) == {"malformed_record": 3, "missing_field": 2,
-                                   "bad_encoding": 2, "empty": 1}
-    assert counts(src["tab"]) == {"missing_field": 3, "malformed_record": 2, "too_short": 1,
-                                  "empty": 1, "bad_encoding": 1, "unreadable": 1}
+    assert counts(src["txt"]) == {
+        "empty": 2,
+        "too_short": 1,
+        "too_long": 1,
+        "bad_encoding": 1,
+        "duplicate": 2,
+    }
+    assert counts(src["recs"]) == {
+        "malformed_record": 3,
+        "missing_field": 2,
+        "bad_encoding": 2,
+        "empty": 1,
+    }
+    assert counts(src["tab"]) == {
+        "missing_field": 3,
+        "malformed_record": 2,
+        "too_short": 1,
+        "empty": 1,
+        "bad_encoding": 1,
+        "unreadable": 1,
+    }
     assert (src["txt"]["docs_out"], src["recs"]["docs_out"], src["tab"]["docs_out"]) == (1, 1, 2)
     for name, s in src.items():
         assert set(s["rejected"]) == set(REASONS)
@@ -106,14 +132,18 @@ def test_every_reason_is_counted_with_examples_and_the_manifest_balances(bad_cor
     assert f"{bad_corpus / 'raw/tab/1-good.parquet'}:row=1" in tab["missing_field"]["examples"]
     assert tab["unreadable"]["examples"][0].startswith(str(bad_corpus / "raw/tab/6-corrupt"))
     assert src["txt"]["rejected"]["duplicate"]["examples"] == [
-        str(bad_corpus / "raw/txt/07-copy.txt"), str(bad_corpus / "raw/txt/08-crlf-copy.txt")]
+        str(bad_corpus / "raw/txt/07-copy.txt"),
+        str(bad_corpus / "raw/txt/08-crlf-copy.txt"),
+    ]
 
 
 def test_examples_are_capped_at_five(tmp_path):
     put(tmp_path / "raw/a.jsonl", jsonl(*[{"x": i} for i in range(12)], {"text": GOOD}))
-    (tmp_path / "s.yaml").write_text("root: raw\ntrain_tokenizer: {vocab_size: 300}\n"
-                                     "sources: [{name: a, paths: [a.jsonl], format: jsonl, "
-                                     "text_field: text}]\n")
+    (tmp_path / "s.yaml").write_text(
+        "root: raw\ntrain_tokenizer: {vocab_size: 300}\n"
+        "sources: [{name: a, paths: [a.jsonl], format: jsonl, "
+        "text_field: text}]\n"
+    )
     m = run_prep(tmp_path / "s.yaml", tmp_path / "out", executor="local").manifest
     missing = m["sources"]["a"]["rejected"]["missing_field"]
     assert missing["count"] == 12 and len(missing["examples"]) == 5
@@ -127,19 +157,28 @@ def test_a_file_that_cannot_be_read_is_one_unreadable_record(tmp_path):
         assert records[0].location.startswith(gone)
 
 
-@pytest.mark.parametrize("raw, cleaned", [
-    ("a\r\nb\rc", "a\nb\nc"),
-    ("cafe\u0301", "caf\u00e9"),                       # NFD -> NFC
-    ("tab\tnew\nline\x00\x07\x1b[0m\x7f\x85", "tab\tnew\nline[0m"),
-    ("zero\u200bwidth stays", "zero\u200bwidth stays"),  # a format char, not a control
-])
+@pytest.mark.parametrize(
+    "raw, cleaned",
+    [
+        ("a\r\nb\rc", "a\nb\nc"),
+        ("cafe\u0301", "caf\u00e9"),  # NFD -> NFC
+        ("tab\tnew\nline\x00\x07\x1b[0m\x7f\x85", "tab\tnew\nline[0m"),
+        ("zero\u200bwidth stays", "zero\u200bwidth stays"),  # a format char, not a control
+    ],
+)
 def test_cleaning_rules(raw, cleaned):
     assert clean_text(raw, CleaningSettings(min_chars=1)) == (cleaned, None)
 
 
-@pytest.mark.parametrize("raw, reason", [
-    ("", "empty"), ("  \n\t\x00 ", "empty"), ("abc", "too_short"), ("x" * 21, "too_long"),
-])
+@pytest.mark.parametrize(
+    "raw, reason",
+    [
+        ("", "empty"),
+        ("  \n\t\x00 ", "empty"),
+        ("abc", "too_short"),
+        ("x" * 21, "too_long"),
+    ],
+)
 def test_cleaning_rejections(raw, reason):
     assert clean_text(raw, CleaningSettings(min_chars=5, max_chars=20)) == ("", reason)
 

@@ -33,23 +33,35 @@ sources:
 """
 
 
-@pytest.mark.parametrize("body, expected", [
-    ("sources: [", "invalid YAML"),
-    ("- just a list", "top level must be a mapping"),
-    ("sources: []", "sources = []: list should have at least 1 item"),
-    ("sources:\n  - {name: a, paths: [x], format: csv}", "sources.0.format = 'csv'"),
-    ("sources:\n  - {name: a, paths: [x], format: jsonl}", "needs text_field"),
-    ("sources:\n  - {name: a, paths: [x], format: text, text_field: t}", "takes no text_field"),
-    ("sources:\n  - {name: a, paths: [x], format: text}\n  - {name: a, paths: [y], format: text}",
-     "source name 'a' is used twice"),
-    ("colour: red\nsources:\n  - {name: a, paths: [x], format: text}", "colour: unknown key"),
-    ("sources:\n  - {name: a, paths: [x], format: text, cleaning: {min_chars: 0}}",
-     "sources.0.cleaning.min_chars = 0"),
-    ("cleaning: {min_chars: 10, max_chars: 5}\nsources:\n  - {name: a, paths: [x], format: text}",
-     "min_chars (10) must be <= max_chars (5)"),
-    ("tokenizer: t.json\ntrain_tokenizer: {vocab_size: 300}\n"
-     "sources:\n  - {name: a, paths: [x], format: text}", "either tokenizer or train_tokenizer"),
-])
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ("sources: [", "invalid YAML"),
+        ("- just a list", "top level must be a mapping"),
+        ("sources: []", "sources = []: list should have at least 1 item"),
+        ("sources:\n  - {name: a, paths: [x], format: csv}", "sources.0.format = 'csv'"),
+        ("sources:\n  - {name: a, paths: [x], format: jsonl}", "needs text_field"),
+        ("sources:\n  - {name: a, paths: [x], format: text, text_field: t}", "takes no text_field"),
+        (
+            "sources:\n  - {name: a, paths: [x], format: text}\n  - {name: a, paths: [y], format: text}",
+            "source name 'a' is used twice",
+        ),
+        ("colour: red\nsources:\n  - {name: a, paths: [x], format: text}", "colour: unknown key"),
+        (
+            "sources:\n  - {name: a, paths: [x], format: text, cleaning: {min_chars: 0}}",
+            "sources.0.cleaning.min_chars = 0",
+        ),
+        (
+            "cleaning: {min_chars: 10, max_chars: 5}\nsources:\n  - {name: a, paths: [x], format: text}",
+            "min_chars (10) must be <= max_chars (5)",
+        ),
+        (
+            "tokenizer: t.json\ntrain_tokenizer: {vocab_size: 300}\n"
+            "sources:\n  - {name: a, paths: [x], format: text}",
+            "either tokenizer or train_tokenizer",
+        ),
+    ],
+)
 def test_bad_sources_file_names_the_field(tmp_path, body, expected):
     path = sources_yaml(tmp_path, body)
     with pytest.raises(UserError) as err:
@@ -64,23 +76,31 @@ def test_missing_sources_file(tmp_path):
 
 
 def test_per_source_cleaning_overrides_defaults(tmp_path):
-    spec = load_sources_file(sources_yaml(tmp_path, """
+    spec = load_sources_file(
+        sources_yaml(
+            tmp_path,
+            """
 cleaning: {min_chars: 10, max_chars: 100}
 sources:
   - {name: a, paths: [x], format: text, cleaning: {max_chars: 50}}
   - {name: b, paths: [x], format: text}
-"""))
+""",
+        )
+    )
     assert spec.cleaning_for(spec.sources[0]).model_dump() == {"min_chars": 10, "max_chars": 50}
     assert spec.cleaning_for(spec.sources[1]).model_dump() == {"min_chars": 10, "max_chars": 100}
 
 
-@pytest.mark.parametrize("pattern, matches, misses", [
-    ("/r/**/*.py", ["/r/a.py", "/r/x/y/a.py"], ["/r/a.pyc", "/q/a.py"]),
-    ("/r/*.txt", ["/r/a.txt"], ["/r/x/a.txt"]),
-    ("/r/[ab]?.md", ["/r/a1.md", "/r/bz.md"], ["/r/c1.md", "/r/a.md"]),
-    ("/r/[!a]*.md", ["/r/b.md"], ["/r/a.md"]),
-    ("/r/**", ["/r/a", "/r/x/y"], ["/q/a"]),
-])
+@pytest.mark.parametrize(
+    "pattern, matches, misses",
+    [
+        ("/r/**/*.py", ["/r/a.py", "/r/x/y/a.py"], ["/r/a.pyc", "/q/a.py"]),
+        ("/r/*.txt", ["/r/a.txt"], ["/r/x/a.txt"]),
+        ("/r/[ab]?.md", ["/r/a1.md", "/r/bz.md"], ["/r/c1.md", "/r/a.md"]),
+        ("/r/[!a]*.md", ["/r/b.md"], ["/r/a.md"]),
+        ("/r/**", ["/r/a", "/r/x/y"], ["/q/a"]),
+    ],
+)
 def test_glob_patterns(pattern, matches, misses):
     regex = glob_to_regex(pattern)
     assert all(regex.match(m) for m in matches)
@@ -91,20 +111,28 @@ def test_listing_sorts_dedups_and_skips_hidden(tmp_path):
     for rel in ("b/2.txt", "a.txt", "b/1.txt", ".hidden.txt", "b/.git/x.txt", "c.md"):
         write(tmp_path / rel, "x")
     files = list_source_files(["*.txt", "b/", "a.txt", "**/*.txt"], tmp_path, "s")
-    assert [Path(f.location).relative_to(tmp_path).as_posix() for f in files] == \
-        ["a.txt", "b/1.txt", "b/2.txt"]
+    assert [Path(f.location).relative_to(tmp_path).as_posix() for f in files] == [
+        "a.txt",
+        "b/1.txt",
+        "b/2.txt",
+    ]
     # file:// URIs go through pyarrow's filesystem layer, like s3:// and gs://.
     uri_files = list_source_files([f"file://{tmp_path}/b/*.txt"], tmp_path, "s")
-    assert [f.location for f in uri_files] == [f"file://{tmp_path}/b/1.txt",
-                                               f"file://{tmp_path}/b/2.txt"]
+    assert [f.location for f in uri_files] == [
+        f"file://{tmp_path}/b/1.txt",
+        f"file://{tmp_path}/b/2.txt",
+    ]
 
 
-@pytest.mark.parametrize("entry, message", [
-    ("missing/", "path does not exist"),
-    ("raw/*.json", "glob matches no files"),
-    ("nodir/**/*.txt", "glob matches no files"),
-    ("emptydir", "directory holds no files"),
-])
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ("missing/", "path does not exist"),
+        ("raw/*.json", "glob matches no files"),
+        ("nodir/**/*.txt", "glob matches no files"),
+        ("emptydir", "directory holds no files"),
+    ],
+)
 def test_paths_that_yield_nothing_are_errors(tmp_path, entry, message):
     write(tmp_path / "raw" / "a.txt", "hello")
     (tmp_path / "emptydir").mkdir()
@@ -120,8 +148,18 @@ def run_cli(args: list[str], capsys) -> tuple[int, str, str]:
     return exit_info.value.code, out, err
 
 
-@pytest.mark.parametrize("case", ["no_file", "bad_yaml", "bad_field", "missing_path",
-                                  "empty_glob", "both_flags", "bad_tokenizer"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "no_file",
+        "bad_yaml",
+        "bad_field",
+        "missing_path",
+        "empty_glob",
+        "both_flags",
+        "bad_tokenizer",
+    ],
+)
 def test_cli_user_errors_exit_2_with_one_line_and_no_output(tmp_path, capsys, case):
     write(tmp_path / "raw" / "a.txt", "some text here")
     path = sources_yaml(tmp_path, GOOD)

@@ -33,8 +33,14 @@ print(hashlib.sha256(data).hexdigest())
 def train_in_subprocess(folder: Path, seed: str) -> str:
     # Different hash seeds: Python's and the Rust HashMaps' iteration orders differ.
     env = {"PYTHONHASHSEED": seed, "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", TRAIN, str(folder)], env=env, check=True,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", TRAIN, str(folder)],
+        env=env,
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return out.stdout.strip()
 
 
@@ -46,8 +52,9 @@ def test_training_is_deterministic_across_processes():
 
 def sources(tmp_path: Path, extra: str = "") -> Path:
     path = tmp_path / "s.yaml"
-    path.write_text(f"{extra}\nsources:\n"
-                    f"  - {{name: code, paths: [\"{STDLIB}/json/*.py\"], format: text}}\n")
+    path.write_text(
+        f'{extra}\nsources:\n  - {{name: code, paths: ["{STDLIB}/json/*.py"], format: text}}\n'
+    )
     return path
 
 
@@ -55,14 +62,17 @@ def test_prep_trains_the_same_tokenizer_and_dataset_twice(tmp_path):
     path = sources(tmp_path, "train_tokenizer: {vocab_size: 400}")
     a = run_prep(path, tmp_path / "a", executor="local").manifest
     b = run_prep(path, tmp_path / "b", executor="local").manifest
-    assert (tmp_path / "a/tokenizer.json").read_bytes() == (tmp_path / "b/tokenizer.json").read_bytes()
+    assert (tmp_path / "a/tokenizer.json").read_bytes() == (
+        tmp_path / "b/tokenizer.json"
+    ).read_bytes()
     assert a["fingerprint"] == b["fingerprint"]
     assert a["tokenizer"]["vocab_size"] == 400 and a["tokenizer"]["eos_id"] == 0
 
 
 def test_given_tokenizer_is_copied_as_is(tmp_path):
-    trained = run_prep(sources(tmp_path, "train_tokenizer: {vocab_size: 300}"), tmp_path / "a",
-                       executor="local").manifest
+    trained = run_prep(
+        sources(tmp_path, "train_tokenizer: {vocab_size: 300}"), tmp_path / "a", executor="local"
+    ).manifest
     given = tmp_path / "a" / "tokenizer.json"
     m = run_prep(sources(tmp_path), tmp_path / "b", tokenizer=str(given), executor="local").manifest
     assert (tmp_path / "b/tokenizer.json").read_bytes() == given.read_bytes()
@@ -76,12 +86,20 @@ def test_tokenizer_without_the_eos_token_is_a_user_error(tmp_path):
     tok.add_tokens(["hello"])
     tok.save(str(tmp_path / "noeos.json"))
     with pytest.raises(UserError, match=re.escape("no token '<|endoftext|>'")):
-        run_prep(sources(tmp_path), tmp_path / "out", tokenizer=str(tmp_path / "noeos.json"),
-                 executor="local")
+        run_prep(
+            sources(tmp_path),
+            tmp_path / "out",
+            tokenizer=str(tmp_path / "noeos.json"),
+            executor="local",
+        )
     (tmp_path / "junk.json").write_text("{}")
     with pytest.raises(UserError, match="not a tokenizers JSON file"):
-        run_prep(sources(tmp_path), tmp_path / "out", tokenizer=str(tmp_path / "junk.json"),
-                 executor="local")
+        run_prep(
+            sources(tmp_path),
+            tmp_path / "out",
+            tokenizer=str(tmp_path / "junk.json"),
+            executor="local",
+        )
     assert not (tmp_path / "out" / "manifest.json").exists()
 
 

@@ -39,7 +39,7 @@ def bench_prep() -> list[BenchResult]:
     t = time.perf_counter()
     tokenizer = _train_tokenizer(texts, BENCH_DIR / "tokenizer.json")
     train_s = time.perf_counter() - t
-    batches = [texts[i:i + BASELINE_BATCH] for i in range(0, len(texts), BASELINE_BATCH)]
+    batches = [texts[i : i + BASELINE_BATCH] for i in range(0, len(texts), BASELINE_BATCH)]
 
     # The machine is shared: half of the baseline runs before prep and half after,
     # so a change in load hits both sides alike.
@@ -69,22 +69,32 @@ def bench_prep() -> list[BenchResult]:
         "prep_phases_s": {k: round(v, 2) for k, v in phases.items()},
         "tokenizer_training_s (BPE on a 16 MB sample, not in prep_s)": round(train_s, 1),
         "encode_batch_s": round(baseline_s, 1),
-        "encode_batch_fast_tokens_per_s (no offsets; what prep's actors call)":
-            round(fast_tokens / fast_s),
+        "encode_batch_fast_tokens_per_s (no offsets; what prep's actors call)": round(
+            fast_tokens / fast_s
+        ),
         # CPU time is what a busy shared machine distorts least: baseline CPU seconds
         # over prep's (workers' read/clean and tokenize, plus this driver process).
-        "cpu_s": {"read+clean+hash (workers)": round(phases["cpu_read_clean"], 1),
-                  "tokenize (workers)": round(phases["cpu_tokenize"], 1),
-                  "driver (dedup, write, Ray client; Ray daemons not counted)":
-                      round(driver_cpu_s, 1),
-                  "encode_batch baseline": round(baseline_cpu_s, 1)},
+        "cpu_s": {
+            "read+clean+hash (workers)": round(phases["cpu_read_clean"], 1),
+            "tokenize (workers)": round(phases["cpu_tokenize"], 1),
+            "driver (dedup, write, Ray client; Ray daemons not counted)": round(driver_cpu_s, 1),
+            "encode_batch baseline": round(baseline_cpu_s, 1),
+        },
         "cpu_ratio (baseline cpu / prep cpu)": round(
-            baseline_cpu_s / (phases["cpu_read_clean"] + phases["cpu_tokenize"] + driver_cpu_s),
-            3),
+            baseline_cpu_s / (phases["cpu_read_clean"] + phases["cpu_tokenize"] + driver_cpu_s), 3
+        ),
         "corpus_build_s": round(build_s, 1),
     }
-    return [BenchResult("prep_tokens_per_s", tokens / prep_s, "tokens/s",
-                        "encode_batch_tokens_per_s", baseline_tokens / baseline_s, notes=notes)]
+    return [
+        BenchResult(
+            "prep_tokens_per_s",
+            tokens / prep_s,
+            "tokens/s",
+            "encode_batch_tokens_per_s",
+            baseline_tokens / baseline_s,
+            notes=notes,
+        )
+    ]
 
 
 def _bench_sources(demo_sources: Path, bench_dir: Path) -> Path:
@@ -122,16 +132,18 @@ def _kept_texts(sources: Path) -> list[str]:
     texts = []
     for unit in _units(sources):
         table = read_clean_unit(unit)
-        for doc_id, text in zip(table.column("doc_id").to_pylist(),
-                                table.column("text").to_pylist(), strict=True):
+        for doc_id, text in zip(
+            table.column("doc_id").to_pylist(), table.column("text").to_pylist(), strict=True
+        ):
             if doc_id is not None and doc_id not in seen:
                 seen.add(doc_id)
                 texts.append(text)
     return texts
 
 
-def _encode_seconds(tokenizer_path: Path, batches: list[list[str]],
-                    fast: bool = False) -> tuple[float, int]:
+def _encode_seconds(
+    tokenizer_path: Path, batches: list[list[str]], fast: bool = False
+) -> tuple[float, int]:
     """Seconds for single-process `encode_batch` (its own thread pool) over `batches`;
     tokens counted with one EOS per document, as prep counts them."""
     from tokenizers import Tokenizer

@@ -12,23 +12,40 @@ from trainlab.cli.common import echo_json, json_option
 
 @click.command()
 @click.argument("sources", type=click.Path(dir_okay=False))
-@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
-              help="Output directory (manifest.json, tokenizer.json, <source>/part-*.parquet).")
-@click.option("--tokenizer", "tokenizer", type=click.Path(dir_okay=False), default=None,
-              help="A Hugging Face tokenizers JSON file to use as is.")
-@click.option("--vocab-size", "vocab_size", type=click.IntRange(min=1), default=None,
-              help="Train a byte-level BPE of this size on the sources instead.")
+@click.option(
+    "--out",
+    "out",
+    required=True,
+    type=click.Path(file_okay=False),
+    help="Output directory (manifest.json, tokenizer.json, <source>/part-*.parquet).",
+)
+@click.option(
+    "--tokenizer",
+    "tokenizer",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A Hugging Face tokenizers JSON file to use as is.",
+)
+@click.option(
+    "--vocab-size",
+    "vocab_size",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Train a byte-level BPE of this size on the sources instead.",
+)
 @json_option
-def prep(sources: str, out: str, tokenizer: str | None, vocab_size: int | None,
-         as_json: bool) -> int:
+def prep(
+    sources: str, out: str, tokenizer: str | None, vocab_size: int | None, as_json: bool
+) -> int:
     """Clean, deduplicate and tokenize SOURCES (a sources YAML) into Parquet shards
     plus manifest.json in --out, on Ray Data. A re-run with unchanged inputs does no
     work and says "up to date"."""
     from trainlab.data.prep import run_prep
 
     with _progress_bar() as progress:
-        result = run_prep(sources, out, tokenizer=tokenizer, vocab_size=vocab_size,
-                          progress=progress)
+        result = run_prep(
+            sources, out, tokenizer=tokenizer, vocab_size=vocab_size, progress=progress
+        )
     if as_json:
         echo_json(result.manifest)
     else:
@@ -50,10 +67,19 @@ def _progress_bar() -> Iterator:
         TimeRemainingColumn,
     )
 
-    labels = {"sample": "reading a sample for the tokenizer", "tokenize": "read/clean/tokenize/write"}
-    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), DownloadColumn(),
-                   TimeElapsedColumn(), TimeRemainingColumn(),
-                   console=Console(stderr=True), transient=False)
+    labels = {
+        "sample": "reading a sample for the tokenizer",
+        "tokenize": "read/clean/tokenize/write",
+    }
+    bar = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+        transient=False,
+    )
     tasks: dict[str, int] = {}
 
     def update(phase: str, done: int, total: int) -> None:
@@ -72,14 +98,27 @@ def _print_summary(result) -> None:  # noqa: ANN001 - PrepResult, imported lazil
     con = Console()
     m = result.manifest
     status = "up to date" if result.up_to_date else f"prepared in {result.seconds:.1f} s"
-    con.print(f"{result.out_dir}: {status} (fingerprint {m['fingerprint'][:16]}, "
-              f"vocab {m['tokenizer']['vocab_size']}, {m['tokenizer']['dtype']})", highlight=False)
+    con.print(
+        f"{result.out_dir}: {status} (fingerprint {m['fingerprint'][:16]}, "
+        f"vocab {m['tokenizer']['vocab_size']}, {m['tokenizer']['dtype']})",
+        highlight=False,
+    )
     t = Table(title_justify="left")
     for col in ("source", "docs in", "docs out", "rejected", "tokens", "shards"):
         t.add_column(col, justify="left" if col in ("source", "rejected") else "right")
     for name, s in m["sources"].items():
-        rejected = ", ".join(f"{reason} {r['count']:,}" for reason, r in s["rejected"].items()
-                             if r["count"]) or "-"
-        t.add_row(name, f"{s['docs_in']:,}", f"{s['docs_out']:,}", rejected,
-                  f"{s['tokens']:,}", str(len(s["shards"])))
+        rejected = (
+            ", ".join(
+                f"{reason} {r['count']:,}" for reason, r in s["rejected"].items() if r["count"]
+            )
+            or "-"
+        )
+        t.add_row(
+            name,
+            f"{s['docs_in']:,}",
+            f"{s['docs_out']:,}",
+            rejected,
+            f"{s['tokens']:,}",
+            str(len(s["shards"])),
+        )
     con.print(t)

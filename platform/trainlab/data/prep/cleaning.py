@@ -16,14 +16,24 @@ from trainlab.data.prep.spec import CleaningSettings
 # Part of the dataset fingerprint: bump it whenever the rules below change, so a
 # dataset cleaned by older rules is rebuilt rather than trusted.
 CLEANING_RULES_VERSION = 1
-CLEANING_RULES = ("newlines CRLF/CR -> LF; Unicode NFC; strip control characters (Cc) "
-                  "except tab and newline; reject empty (whitespace only), too_short, too_long")
+CLEANING_RULES = (
+    "newlines CRLF/CR -> LF; Unicode NFC; strip control characters (Cc) "
+    "except tab and newline; reject empty (whitespace only), too_short, too_long"
+)
 
 # Unicode category Cc without tab (\x09) and newline (\x0a); \r is gone by then.
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
-REASONS = ("empty", "too_short", "too_long", "bad_encoding", "malformed_record",
-           "missing_field", "unreadable", "duplicate")
+REASONS = (
+    "empty",
+    "too_short",
+    "too_long",
+    "bad_encoding",
+    "malformed_record",
+    "missing_field",
+    "unreadable",
+    "duplicate",
+)
 
 
 def decode_utf8(data: bytes) -> str | None:

@@ -39,20 +39,28 @@ _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 _MIN_DOCSTRING_CHARS = 200
 
 
-def build_demo_corpus(out: str | Path = DEMO_RAW, max_mb: float = 6.0,
-                      with_site_packages: bool = False) -> dict[str, dict[str, int]]:
+def build_demo_corpus(
+    out: str | Path = DEMO_RAW, max_mb: float = 6.0, with_site_packages: bool = False
+) -> dict[str, dict[str, int]]:
     """Write the corpus under `out` (code/, docs/, pkgdocs/); at most `max_mb` MB of
     raw input per domain. Returns {domain: {"files", "records", "bytes"}}."""
     out = Path(out)
-    key = {"builder": BUILDER_VERSION, "max_mb": max_mb, "site_packages": with_site_packages,
-           "python": sysconfig.get_python_version(), "dists": _dist_names()}
+    key = {
+        "builder": BUILDER_VERSION,
+        "max_mb": max_mb,
+        "site_packages": with_site_packages,
+        "python": sysconfig.get_python_version(),
+        "dists": _dist_names(),
+    }
     stamp = _read_stamp(out)
     if stamp.get("key") == key and all((out / d).is_dir() for d in ("code", "docs", "pkgdocs")):
         return stamp["stats"]
     cap = int(max_mb * MB)
-    stats = {"code": build_code(out / "code", cap, with_site_packages),
-             "docs": build_docs(out / "docs", cap),
-             "pkgdocs": build_pkgdocs(out / "pkgdocs", cap)}
+    stats = {
+        "code": build_code(out / "code", cap, with_site_packages),
+        "docs": build_docs(out / "docs", cap),
+        "pkgdocs": build_pkgdocs(out / "pkgdocs", cap),
+    }
     _write_if_changed(out / STAMP, json.dumps({"key": key, "stats": stats}, indent=2).encode())
     return stats
 
@@ -82,9 +90,11 @@ def _spread_key(name: str) -> str:
 
 def build_code(dest: Path, cap: int, with_site_packages: bool = False) -> dict[str, int]:
     """Copy Python source files byte for byte, chosen by path hash up to `cap` bytes."""
-    candidates = [(f"{label}/{p.relative_to(root).as_posix()}", p)
-                  for label, root in _code_roots(with_site_packages).items()
-                  for p in _python_files(root)]
+    candidates = [
+        (f"{label}/{p.relative_to(root).as_posix()}", p)
+        for label, root in _code_roots(with_site_packages).items()
+        for p in _python_files(root)
+    ]
     chosen: dict[str, Path] = {}
     total = 0
     for rel, path in sorted(candidates, key=lambda c: _spread_key(c[0])):
@@ -146,8 +156,11 @@ def build_docs(dest: Path, cap: int) -> dict[str, int]:
     for name, content in data.items():
         _write_if_changed(dest / name, content)
     _remove_others(dest, set(data))
-    return {"files": 2, "records": len(topic_records) + len(doc_records),
-            "bytes": sum(len(c) for c in data.values())}
+    return {
+        "files": 2,
+        "records": len(topic_records) + len(doc_records),
+        "bytes": sum(len(c) for c in data.values()),
+    }
 
 
 # --------------------------------------------------------------------------- pkgdocs
@@ -178,9 +191,15 @@ def build_pkgdocs(dest: Path, cap: int) -> dict[str, int]:
     for dist in metadata.distributions():
         meta = dist.metadata  # each access re-reads and re-parses METADATA
         name, version = meta["Name"] or "", meta["Version"] or ""
-        rows.setdefault((name.lower(), version), {
-            "name": name, "version": version, "summary": meta.get("Summary"),
-            "text": _description(meta)})
+        rows.setdefault(
+            (name.lower(), version),
+            {
+                "name": name,
+                "version": version,
+                "summary": meta.get("Summary"),
+                "text": _description(meta),
+            },
+        )
     records, total = [], 0
     for key in sorted(rows):
         size = len((rows[key]["text"] or "").encode())
@@ -188,9 +207,17 @@ def build_pkgdocs(dest: Path, cap: int) -> dict[str, int]:
             continue
         records.append(rows[key])
         total += size
-    table = pa.Table.from_pylist(records, schema=pa.schema(
-        [("name", pa.string()), ("version", pa.string()), ("summary", pa.string()),
-         ("text", pa.large_string())]))
+    table = pa.Table.from_pylist(
+        records,
+        schema=pa.schema(
+            [
+                ("name", pa.string()),
+                ("version", pa.string()),
+                ("summary", pa.string()),
+                ("text", pa.large_string()),
+            ]
+        ),
+    )
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     _write_if_changed(dest / "metadata.parquet", buf.getvalue())

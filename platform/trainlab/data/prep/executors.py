@@ -44,8 +44,9 @@ class LocalExecutor:
     parallelism = 1
     tokenizer_threads = True
 
-    def map_units(self, units: list[WorkUnit], stage_cls: type,
-                  stage_kwargs: dict[str, Any]) -> Iterator[pa.Table]:
+    def map_units(
+        self, units: list[WorkUnit], stage_cls: type, stage_kwargs: dict[str, Any]
+    ) -> Iterator[pa.Table]:
         stage = stage_cls(**stage_kwargs)
         for unit in units:
             yield stage(read_clean_unit(unit))
@@ -88,8 +89,9 @@ class RayDataExecutor:
         self.tokenizer_threads = self.plan.tokenizer_threads
         log.info("prep resources: %s", self.plan)
 
-    def map_units(self, units: list[WorkUnit], stage_cls: type,
-                  stage_kwargs: dict[str, Any]) -> Iterator[pa.Table]:
+    def map_units(
+        self, units: list[WorkUnit], stage_cls: type, stage_kwargs: dict[str, Any]
+    ) -> Iterator[pa.Table]:
         import ray.data  # binds `ray` too
 
         items = [{"unit": u.to_json()} for u in units]
@@ -99,18 +101,26 @@ class RayDataExecutor:
         ctx.enable_progress_bars = False
         ds = ds.map_batches(read_clean_batch, batch_size=1, batch_format="pyarrow")
         # Big arguments (the tokenizer JSON) go through the object store by reference.
-        kwargs = {k: ByRef(ray.put(v)) if isinstance(v, str | bytes) and len(v) > 50_000 else v
-                  for k, v in stage_kwargs.items()}
-        ds = ds.map_batches(stage_cls, fn_constructor_kwargs=kwargs, batch_size=None,
-                            batch_format="pyarrow", num_cpus=1,
-                            compute=ray.data.ActorPoolStrategy(size=self.plan.stage_actors))
+        kwargs = {
+            k: ByRef(ray.put(v)) if isinstance(v, str | bytes) and len(v) > 50_000 else v
+            for k, v in stage_kwargs.items()
+        }
+        ds = ds.map_batches(
+            stage_cls,
+            fn_constructor_kwargs=kwargs,
+            batch_size=None,
+            batch_format="pyarrow",
+            num_cpus=1,
+            compute=ray.data.ActorPoolStrategy(size=self.plan.stage_actors),
+        )
         yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
 
 
 class _WarningsOnly(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return (record.levelno >= logging.WARNING
-                and not record.getMessage().startswith("Progress bars disabled"))
+        return record.levelno >= logging.WARNING and not record.getMessage().startswith(
+            "Progress bars disabled"
+        )
 
 
 def _quiet_ray_data_console() -> None:
@@ -121,5 +131,6 @@ def _quiet_ray_data_console() -> None:
 
     for handler in logging.getLogger("ray.data").handlers:
         if type(handler).__name__ == "PlainRayHandler" and not any(
-                isinstance(f, _WarningsOnly) for f in handler.filters):
+            isinstance(f, _WarningsOnly) for f in handler.filters
+        ):
             handler.addFilter(_WarningsOnly())

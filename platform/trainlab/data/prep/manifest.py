@@ -35,8 +35,12 @@ def fingerprint(tokenizer_sha256: str, cleaning: dict, accounts: dict[str, Sourc
     return signature({"tokenizer": tokenizer_sha256, "cleaning": cleaning, "shards": shards})
 
 
-def build_manifest(tokenizer: TokenizerInfo, cleaning: dict,
-                   accounts: dict[str, SourceAccount], input_signature: str) -> dict:
+def build_manifest(
+    tokenizer: TokenizerInfo,
+    cleaning: dict,
+    accounts: dict[str, SourceAccount],
+    input_signature: str,
+) -> dict:
     return {
         "format_version": FORMAT_VERSION,
         "fingerprint": fingerprint(tokenizer.sha256, cleaning, accounts),
@@ -70,8 +74,9 @@ def current_manifest(out_dir: Path, input_signature: str) -> dict | None:
         return None
     try:
         files = [(manifest["tokenizer"]["file"], manifest["tokenizer"]["sha256"])]
-        files += [(s["file"], s["sha256"]) for src in manifest["sources"].values()
-                  for s in src["shards"]]
+        files += [
+            (s["file"], s["sha256"]) for src in manifest["sources"].values() for s in src["shards"]
+        ]
     except (KeyError, TypeError):
         return None
     for rel, digest in files:

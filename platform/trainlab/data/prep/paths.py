@@ -95,7 +95,7 @@ def _segment_regex(seg: str) -> str:
         elif c == "?":
             out.append("[^/]")
         elif c == "[" and (end := _class_end(seg, i)) > 0:
-            body = seg[i + 1:end]
+            body = seg[i + 1 : end]
             if body.startswith("!"):
                 body = "^" + body[1:]
             out.append("[" + body.replace("\\", "\\\\") + "]")
@@ -109,9 +109,9 @@ def _segment_regex(seg: str) -> str:
 def _class_end(seg: str, start: int) -> int:
     """Index of the `]` closing the class opened at `start`, or -1 (then `[` is literal)."""
     j = start + 1
-    if seg[j:j + 1] == "!":
+    if seg[j : j + 1] == "!":
         j += 1
-    if seg[j:j + 1] == "]":
+    if seg[j : j + 1] == "]":
         j += 1
     return seg.find("]", j)
 
@@ -128,7 +128,7 @@ def _glob_base(pattern: str) -> str:
 
 
 def _hidden_below(path: str, base: str) -> bool:
-    rel = path[len(base):].lstrip("/")
+    rel = path[len(base) :].lstrip("/")
     return any(part.startswith(".") for part in rel.split("/"))
 
 
@@ -154,8 +154,10 @@ def list_files(entry: str, root: Path, source_name: str) -> list[InputFile]:
             found = _expand_plain(filesystem, target.rstrip("/") or "/", where)
     except OSError as e:
         raise UserError(f"{where}: cannot list ({e})") from None
-    return sorted(InputFile(prefix + info.path if prefix else info.path, info.size or 0,
-                            info.mtime_ns or 0) for info in found)
+    return sorted(
+        InputFile(prefix + info.path if prefix else info.path, info.size or 0, info.mtime_ns or 0)
+        for info in found
+    )
 
 
 def _expand_plain(filesystem, target: str, where: str) -> list:  # noqa: ANN001
@@ -166,8 +168,11 @@ def _expand_plain(filesystem, target: str, where: str) -> list:  # noqa: ANN001
         raise UserError(f"{where}: path does not exist ({target})")
     if info.type == fs.FileType.File:
         return [info]
-    found = [i for i in filesystem.get_file_info(fs.FileSelector(target, recursive=True))
-             if i.type == fs.FileType.File and not _hidden_below(i.path, target)]
+    found = [
+        i
+        for i in filesystem.get_file_info(fs.FileSelector(target, recursive=True))
+        if i.type == fs.FileType.File and not _hidden_below(i.path, target)
+    ]
     if not found:
         raise UserError(f"{where}: directory holds no files ({target})")
     return found
@@ -181,9 +186,11 @@ def _expand_glob(filesystem, pattern: str) -> list:  # noqa: ANN001
         return []
     regex = glob_to_regex(pattern)
     selector = fs.FileSelector(base, recursive=True)
-    return [i for i in filesystem.get_file_info(selector)
-            if i.type == fs.FileType.File and regex.match(i.path)
-            and not _hidden_below(i.path, base)]
+    return [
+        i
+        for i in filesystem.get_file_info(selector)
+        if i.type == fs.FileType.File and regex.match(i.path) and not _hidden_below(i.path, base)
+    ]
 
 
 def list_source_files(entries: list[str], root: Path, source_name: str) -> list[InputFile]:

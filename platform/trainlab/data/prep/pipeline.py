@@ -67,8 +67,9 @@ class Executor(Protocol):
     parallelism: int
     tokenizer_threads: bool
 
-    def map_units(self, units: list[WorkUnit], stage_cls: type,
-                  stage_kwargs: dict[str, Any]) -> Iterable[pa.Table]: ...
+    def map_units(
+        self, units: list[WorkUnit], stage_cls: type, stage_kwargs: dict[str, Any]
+    ) -> Iterable[pa.Table]: ...
 
 
 @dataclass
@@ -97,9 +98,16 @@ class _Inputs:
         return sum(f.size for s in self.sources for f in s.files)
 
 
-def run_prep(sources: str | Path, out: str | Path, *, tokenizer: str | None = None,
-             vocab_size: int | None = None, executor: str | Executor = "ray",
-             progress: ProgressFn | None = None, unit_bytes: int | None = None) -> PrepResult:
+def run_prep(
+    sources: str | Path,
+    out: str | Path,
+    *,
+    tokenizer: str | None = None,
+    vocab_size: int | None = None,
+    executor: str | Executor = "ray",
+    progress: ProgressFn | None = None,
+    unit_bytes: int | None = None,
+) -> PrepResult:
     """Prepare the dataset described by the sources file `sources` into `out`.
 
     `tokenizer` / `vocab_size` override the sources file's tokenizer choice.
@@ -117,8 +125,9 @@ def run_prep(sources: str | Path, out: str | Path, *, tokenizer: str | None = No
         return PrepResult(out_dir, existing, True, time.perf_counter() - t0, timings)
 
     ex = _make_executor(executor)
-    units = plan_units(inputs.sources, unit_bytes or default_unit_bytes(inputs.total_bytes,
-                                                                         ex.parallelism))
+    units = plan_units(
+        inputs.sources, unit_bytes or default_unit_bytes(inputs.total_bytes, ex.parallelism)
+    )
     old_manifest = read_manifest(out_dir)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # from here on the directory is unfinished
 
@@ -132,8 +141,9 @@ def run_prep(sources: str | Path, out: str | Path, *, tokenizer: str | None = No
     timings["train_tokenizer"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    accounts, spent = _tokenize_and_write(ex, units, inputs, tokenizer_json, info, out_dir,
-                                          progress)
+    accounts, spent = _tokenize_and_write(
+        ex, units, inputs, tokenizer_json, info, out_dir, progress
+    )
     timings["tokenize_write"] = time.perf_counter() - t
     timings.update(spent)
 
@@ -159,33 +169,68 @@ def _check_inputs(sources_path: Path, tokenizer: str | None, vocab_size: int | N
         describe(tokenizer_json, spec.eos_token, str(value))
     else:
         training = value  # type: ignore[assignment]
-    sources = [SourceFiles(s.name, s.format, s.text_field, spec.cleaning_for(s),
-                           list_source_files(s.paths, root, s.name)) for s in spec.sources]
-    cleaning = {"rules_version": CLEANING_RULES_VERSION, "rules": CLEANING_RULES,
-                "sources": {s.name: s.cleaning.model_dump() for s in sources}}
-    return _Inputs(spec, sources, tokenizer_json, training,
-                   _input_signature(spec, sources, tokenizer_json, training, cleaning), cleaning)
+    sources = [
+        SourceFiles(
+            s.name,
+            s.format,
+            s.text_field,
+            spec.cleaning_for(s),
+            list_source_files(s.paths, root, s.name),
+        )
+        for s in spec.sources
+    ]
+    cleaning = {
+        "rules_version": CLEANING_RULES_VERSION,
+        "rules": CLEANING_RULES,
+        "sources": {s.name: s.cleaning.model_dump() for s in sources},
+    }
+    return _Inputs(
+        spec,
+        sources,
+        tokenizer_json,
+        training,
+        _input_signature(spec, sources, tokenizer_json, training, cleaning),
+        cleaning,
+    )
 
 
-def _input_signature(spec: SourcesFile, sources: list[SourceFiles], tokenizer_json: bytes | None,
-                     training: TokenizerTraining | None, cleaning: dict) -> str:
+def _input_signature(
+    spec: SourcesFile,
+    sources: list[SourceFiles],
+    tokenizer_json: bytes | None,
+    training: TokenizerTraining | None,
+    cleaning: dict,
+) -> str:
     """Identifies every input and setting the output depends on (files by location,
     size and mtime; library versions that change bytes or merges)."""
     import pyarrow
     import tokenizers
 
-    return signature({
-        "format_version": FORMAT_VERSION,
-        "cleaning": cleaning,
-        "sources": [{"name": s.name, "format": s.format, "text_field": s.text_field,
-                     "files": [[f.location, f.size, f.mtime_ns] for f in s.files]}
-                    for s in sources],
-        "tokenizer": (sha256_bytes(tokenizer_json) if tokenizer_json is not None
-                      else training.model_dump() if training else None),
-        "eos_token": spec.eos_token,
-        "shard_target_mb": spec.shard_target_mb,
-        "versions": {"tokenizers": tokenizers.__version__, "pyarrow": pyarrow.__version__},
-    })
+    return signature(
+        {
+            "format_version": FORMAT_VERSION,
+            "cleaning": cleaning,
+            "sources": [
+                {
+                    "name": s.name,
+                    "format": s.format,
+                    "text_field": s.text_field,
+                    "files": [[f.location, f.size, f.mtime_ns] for f in s.files],
+                }
+                for s in sources
+            ],
+            "tokenizer": (
+                sha256_bytes(tokenizer_json)
+                if tokenizer_json is not None
+                else training.model_dump()
+                if training
+                else None
+            ),
+            "eos_token": spec.eos_token,
+            "shard_target_mb": spec.shard_target_mb,
+            "versions": {"tokenizers": tokenizers.__version__, "pyarrow": pyarrow.__version__},
+        }
+    )
 
 
 def _prepare_out_dir(out_dir: Path) -> None:
@@ -210,8 +255,9 @@ def _make_executor(executor: str | Executor) -> Executor:
 # --------------------------------------------------------------------------- phases
 
 
-def _train_tokenizer(ex: Executor, units: list[WorkUnit], inputs: _Inputs,
-                     progress: ProgressFn | None) -> bytes:
+def _train_tokenizer(
+    ex: Executor, units: list[WorkUnit], inputs: _Inputs, progress: ProgressFn | None
+) -> bytes:
     """Train on the cleaned documents whose hash falls in the sampled fraction, each
     distinct text once, in dedup order: the same inputs give the same tokenizer."""
     training = inputs.training
@@ -221,31 +267,45 @@ def _train_tokenizer(ex: Executor, units: list[WorkUnit], inputs: _Inputs,
     texts: list[str] = []
     stream = ex.map_units(units, SampleStage, {"fraction": fraction})
     for table in _with_progress(stream, units, "sample", progress):
-        for doc_id, text in zip(table.column("doc_id").to_pylist(),
-                                table.column("text").to_pylist(), strict=True):
+        for doc_id, text in zip(
+            table.column("doc_id").to_pylist(), table.column("text").to_pylist(), strict=True
+        ):
             if doc_id not in seen:
                 seen.add(doc_id)
                 texts.append(text)
     if not texts:
-        raise UserError("no usable document to train the tokenizer on: every record was "
-                        "rejected (see the sources' cleaning settings)")
+        raise UserError(
+            "no usable document to train the tokenizer on: every record was "
+            "rejected (see the sources' cleaning settings)"
+        )
     return train_bpe(texts, training, inputs.spec.eos_token)
 
 
-def _tokenize_and_write(ex: Executor, units: list[WorkUnit], inputs: _Inputs,
-                        tokenizer_json: bytes, info: TokenizerInfo, out_dir: Path,
-                        progress: ProgressFn | None) -> tuple[dict[str, SourceAccount],
-                                                              dict[str, float]]:
+def _tokenize_and_write(
+    ex: Executor,
+    units: list[WorkUnit],
+    inputs: _Inputs,
+    tokenizer_json: bytes,
+    info: TokenizerInfo,
+    out_dir: Path,
+    progress: ProgressFn | None,
+) -> tuple[dict[str, SourceAccount], dict[str, float]]:
     """The main pass; returns the accounts and where the time went: CPU seconds of
     the workers' stages, and this process's own dedup+write seconds (the rest of
     the pass it waits for the pipeline)."""
-    writer = DatasetWriter(out_dir, [s.name for s in inputs.sources], info.dtype,
-                           int(inputs.spec.shard_target_mb * MB))
-    stage_kwargs = {"tokenizer_json": tokenizer_json.decode("utf-8"), "eos_id": info.eos_id,
-                    "dtype": info.dtype, "threads": ex.tokenizer_threads}
+    writer = DatasetWriter(
+        out_dir, [s.name for s in inputs.sources], info.dtype, int(inputs.spec.shard_target_mb * MB)
+    )
+    stage_kwargs = {
+        "tokenizer_json": tokenizer_json.decode("utf-8"),
+        "eos_id": info.eos_id,
+        "dtype": info.dtype,
+        "threads": ex.tokenizer_threads,
+    }
     spent = dict.fromkeys(("cpu_read_clean", "cpu_tokenize", "dedup_write_in_driver"), 0.0)
-    for table in _with_progress(ex.map_units(units, TokenizeStage, stage_kwargs), units,
-                                "tokenize", progress):
+    for table in _with_progress(
+        ex.map_units(units, TokenizeStage, stage_kwargs), units, "tokenize", progress
+    ):
         t = time.perf_counter()
         writer.add(table)
         spent["dedup_write_in_driver"] += time.perf_counter() - t
@@ -257,8 +317,9 @@ def _tokenize_and_write(ex: Executor, units: list[WorkUnit], inputs: _Inputs,
     return accounts, spent
 
 
-def _with_progress(tables: Iterable[pa.Table], units: list[WorkUnit], phase: str,
-                   progress: ProgressFn | None) -> Iterable[pa.Table]:
+def _with_progress(
+    tables: Iterable[pa.Table], units: list[WorkUnit], phase: str, progress: ProgressFn | None
+) -> Iterable[pa.Table]:
     total = sum(u.nbytes for u in units)
     done_units: set[int] = set()
     done = 0

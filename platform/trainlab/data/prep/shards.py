@@ -35,7 +35,8 @@ class SourceAccount:
     docs_out: int = 0
     tokens: int = 0
     rejected: dict[str, dict] = field(
-        default_factory=lambda: {r: {"count": 0, "examples": []} for r in REASONS})
+        default_factory=lambda: {r: {"count": 0, "examples": []} for r in REASONS}
+    )
     shards: list[dict] = field(default_factory=list)
 
     def reject(self, reason: str, location: str) -> None:
@@ -45,8 +46,13 @@ class SourceAccount:
             entry["examples"].append(location)
 
     def to_json(self) -> dict:
-        return {"docs_in": self.docs_in, "docs_out": self.docs_out, "tokens": self.tokens,
-                "rejected": self.rejected, "shards": self.shards}
+        return {
+            "docs_in": self.docs_in,
+            "docs_out": self.docs_out,
+            "tokens": self.tokens,
+            "rejected": self.rejected,
+            "shards": self.shards,
+        }
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -69,8 +75,7 @@ def write_shard(path: Path, table: pa.Table) -> str:
 
 
 class DatasetWriter:
-    def __init__(self, out_dir: Path, source_names: list[str], dtype: str,
-                 shard_target_bytes: int):
+    def __init__(self, out_dir: Path, source_names: list[str], dtype: str, shard_target_bytes: int):
         self.out_dir = out_dir
         self.accounts = {name: SourceAccount(name) for name in source_names}
         self.itemsize = np.dtype(dtype).itemsize
@@ -99,8 +104,12 @@ class DatasetWriter:
             self._source = source
         account = self.accounts[source]
         keep = np.zeros(table.num_rows, dtype=bool)
-        rows = zip(table.column("doc_id").to_pylist(), table.column("reason").to_pylist(),
-                   table.column("location").to_pylist(), strict=True)
+        rows = zip(
+            table.column("doc_id").to_pylist(),
+            table.column("reason").to_pylist(),
+            table.column("location").to_pylist(),
+            strict=True,
+        )
         for i, (doc_id, reason, location) in enumerate(rows):
             account.docs_in += 1
             if reason is None and doc_id in self._seen:
@@ -136,7 +145,8 @@ class DatasetWriter:
         rel = f"{self._source}/{SHARD_NAME.format(len(account.shards))}"
         digest = write_shard(self.out_dir / rel, table)
         tokens = int(table.column("n_tokens").to_numpy().sum())
-        account.shards.append({"file": rel, "rows": table.num_rows, "tokens": tokens,
-                               "sha256": digest})
+        account.shards.append(
+            {"file": rel, "rows": table.num_rows, "tokens": tokens, "sha256": digest}
+        )
         account.docs_out += table.num_rows
         account.tokens += tokens

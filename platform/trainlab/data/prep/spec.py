@@ -49,8 +49,9 @@ class CleaningSettings(_Strict):
     @model_validator(mode="after")
     def _bounds_ordered(self) -> CleaningSettings:
         if self.min_chars > self.max_chars:
-            raise ValueError(f"min_chars ({self.min_chars}) must be <= max_chars "
-                             f"({self.max_chars})")
+            raise ValueError(
+                f"min_chars ({self.min_chars}) must be <= max_chars ({self.max_chars})"
+            )
         return self
 
 
@@ -85,8 +86,7 @@ class SourceSpec(_Strict):
     @model_validator(mode="after")
     def _text_field_for_records(self) -> SourceSpec:
         if self.format in ("jsonl", "parquet") and not self.text_field:
-            raise ValueError(f"format {self.format} needs text_field (the field holding "
-                             "the text)")
+            raise ValueError(f"format {self.format} needs text_field (the field holding the text)")
         if self.format == "text" and self.text_field:
             raise ValueError("format text takes no text_field (the whole file is the document)")
         return self
@@ -123,8 +123,7 @@ class SourcesFile(_Strict):
         try:
             return CleaningSettings.model_validate(merged)
         except ValidationError as e:
-            raise UserError(f"sources[{source.name}].cleaning: "
-                            f"{_first_message(e)}") from None
+            raise UserError(f"sources[{source.name}].cleaning: {_first_message(e)}") from None
 
 
 def _first_message(err: ValidationError) -> str:
@@ -178,8 +177,9 @@ def resolve_root(sources_path: Path, spec: SourcesFile) -> Path:
 TokenizerChoice = tuple[Literal["file"], Path] | tuple[Literal["train"], TokenizerTraining]
 
 
-def choose_tokenizer(sources_path: Path, spec: SourcesFile, tokenizer: str | None,
-                     vocab_size: int | None) -> TokenizerChoice:
+def choose_tokenizer(
+    sources_path: Path, spec: SourcesFile, tokenizer: str | None, vocab_size: int | None
+) -> TokenizerChoice:
     """CLI flags win over the sources file; exactly one way must be given."""
     if tokenizer and vocab_size:
         raise UserError("give either --tokenizer or --vocab-size, not both")
@@ -195,5 +195,7 @@ def choose_tokenizer(sources_path: Path, spec: SourcesFile, tokenizer: str | Non
         return "file", (sources_path.resolve().parent / spec.tokenizer)
     if spec.train_tokenizer:
         return "train", spec.train_tokenizer
-    raise UserError(f"{sources_path}: no tokenizer: give --tokenizer PATH or --vocab-size N, "
-                    "or `tokenizer:` / `train_tokenizer:` in the sources file")
+    raise UserError(
+        f"{sources_path}: no tokenizer: give --tokenizer PATH or --vocab-size N, "
+        "or `tokenizer:` / `train_tokenizer:` in the sources file"
+    )

@@ -49,9 +49,12 @@ def train_bpe(texts: Iterable[str], settings: TokenizerTraining, eos_token: str)
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=settings.vocab_size, min_frequency=settings.min_frequency,
-        special_tokens=[eos_token], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False)
+        vocab_size=settings.vocab_size,
+        min_frequency=settings.min_frequency,
+        special_tokens=[eos_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok.to_str().encode("utf-8")
 
@@ -81,9 +84,17 @@ def describe(tokenizer_json: bytes, eos_token: str, origin: str) -> TokenizerInf
     tok = Tokenizer.from_str(tokenizer_json.decode("utf-8"))
     eos_id = tok.token_to_id(eos_token)
     if eos_id is None:
-        raise UserError(f"{origin}: tokenizer has no token {eos_token!r} to end documents "
-                        "with (set eos_token in the sources file)")
+        raise UserError(
+            f"{origin}: tokenizer has no token {eos_token!r} to end documents "
+            "with (set eos_token in the sources file)"
+        )
     vocab = tok.get_vocab(with_added_tokens=True)
     vocab_size = max(tok.get_vocab_size(with_added_tokens=True), max(vocab.values()) + 1)
-    return TokenizerInfo("tokenizer.json", sha256_bytes(tokenizer_json), vocab_size, eos_id,
-                         eos_token, token_dtype(vocab_size))
+    return TokenizerInfo(
+        "tokenizer.json",
+        sha256_bytes(tokenizer_json),
+        vocab_size,
+        eos_id,
+        eos_token,
+        token_dtype(vocab_size),
+    )

@@ -23,13 +23,19 @@ from trainlab.data.prep.readers import read_records
 from trainlab.data.prep.spec import CleaningSettings
 
 # Columns of a unit's table after read -> clean -> hash (one row per raw record).
-CLEANED_SCHEMA = pa.schema([
-    ("unit", pa.int64()), ("source", pa.string()), ("location", pa.string()),
-    ("doc_id", pa.string()), ("text", pa.large_string()), ("reason", pa.string()),
-    # CPU seconds the stage spent on this unit, on the unit's first row (0 elsewhere):
-    # where the time goes, measured in the worker that did the work.
-    ("cpu_read_clean", pa.float64()),
-])
+CLEANED_SCHEMA = pa.schema(
+    [
+        ("unit", pa.int64()),
+        ("source", pa.string()),
+        ("location", pa.string()),
+        ("doc_id", pa.string()),
+        ("text", pa.large_string()),
+        ("reason", pa.string()),
+        # CPU seconds the stage spent on this unit, on the unit's first row (0 elsewhere):
+        # where the time goes, measured in the worker that did the work.
+        ("cpu_read_clean", pa.float64()),
+    ]
+)
 
 
 @dataclass(frozen=True)
@@ -87,9 +93,16 @@ def plan_units(sources: Iterable[SourceFiles], target_bytes: int) -> list[WorkUn
 
 
 def _unit(index: int, src: SourceFiles, files: list[InputFile]) -> WorkUnit:
-    return WorkUnit(index, src.name, src.format, src.text_field, src.cleaning.min_chars,
-                    src.cleaning.max_chars, tuple(f.location for f in files),
-                    sum(f.size for f in files))
+    return WorkUnit(
+        index,
+        src.name,
+        src.format,
+        src.text_field,
+        src.cleaning.min_chars,
+        src.cleaning.max_chars,
+        tuple(f.location for f in files),
+        sum(f.size for f in files),
+    )
 
 
 # --------------------------------------------------------------------------- read -> clean
@@ -116,11 +129,18 @@ def read_clean_unit(unit: WorkUnit) -> pa.Table:
             texts.append(text)
             reasons.append(reason)
     n = len(locations)
-    return pa.table([pa.array([unit.index] * n, pa.int64()), pa.array([unit.source] * n),
-                     pa.array(locations, pa.string()), pa.array(doc_ids, pa.string()),
-                     pa.array(texts, pa.large_string()), pa.array(reasons, pa.string()),
-                     _first_row(time.process_time() - cpu_start, n)],
-                    schema=CLEANED_SCHEMA)
+    return pa.table(
+        [
+            pa.array([unit.index] * n, pa.int64()),
+            pa.array([unit.source] * n),
+            pa.array(locations, pa.string()),
+            pa.array(doc_ids, pa.string()),
+            pa.array(texts, pa.large_string()),
+            pa.array(reasons, pa.string()),
+            _first_row(time.process_time() - cpu_start, n),
+        ],
+        schema=CLEANED_SCHEMA,
+    )
 
 
 def _first_row(value: float, n: int) -> pa.Array:
@@ -141,10 +161,17 @@ def sample_texts(table: pa.Table, fraction: float) -> pa.Table:
     independent of order and of where units are cut)."""
     ids = table.column("doc_id").to_pylist()
     texts = table.column("text").to_pylist()
-    picked = [(d, t) for d, t in zip(ids, texts, strict=True)
-              if d is not None and hash_fraction(d) < fraction]
-    return pa.table({"doc_id": pa.array([d for d, _ in picked], pa.string()),
-                     "text": pa.array([t for _, t in picked], pa.large_string())})
+    picked = [
+        (d, t)
+        for d, t in zip(ids, texts, strict=True)
+        if d is not None and hash_fraction(d) < fraction
+    ]
+    return pa.table(
+        {
+            "doc_id": pa.array([d for d, _ in picked], pa.string()),
+            "text": pa.array([t for _, t in picked], pa.large_string()),
+        }
+    )
 
 
 # --------------------------------------------------------------------------- tokenize
@@ -178,8 +205,7 @@ class TokenizeStage:
     actors already occupy every core.
     """
 
-    def __init__(self, tokenizer_json: str | ByRef, eos_id: int, dtype: str,
-                 threads: bool = True):
+    def __init__(self, tokenizer_json: str | ByRef, eos_id: int, dtype: str, threads: bool = True):
         if not threads:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
         from tokenizers import Tokenizer
@@ -194,20 +220,26 @@ class TokenizeStage:
         doc_ids = table.column("doc_id").to_pylist()
         todo = _first_copies(doc_ids, reasons)
         texts = table.column("text").to_pylist()
-        encodings = self.tokenizer.encode_batch_fast([texts[i] for i in todo],
-                                                     add_special_tokens=False)
+        encodings = self.tokenizer.encode_batch_fast(
+            [texts[i] for i in todo], add_special_tokens=False
+        )
         ids = [e.ids for e in encodings]
         lengths = np.zeros(len(table), dtype=np.int64)
         lengths[todo] = [len(x) + 1 for x in ids]
         tokens = self._token_lists(ids, lengths)
-        return pa.table({
-            "unit": table.column("unit"), "source": table.column("source"),
-            "location": table.column("location"), "doc_id": table.column("doc_id"),
-            "reason": pa.array(reasons, pa.string()), "tokens": tokens,
-            "n_tokens": pa.array(lengths, pa.int64()),
-            "cpu_read_clean": table.column("cpu_read_clean"),
-            "cpu_tokenize": _first_row(time.process_time() - cpu_start, len(table)),
-        })
+        return pa.table(
+            {
+                "unit": table.column("unit"),
+                "source": table.column("source"),
+                "location": table.column("location"),
+                "doc_id": table.column("doc_id"),
+                "reason": pa.array(reasons, pa.string()),
+                "tokens": tokens,
+                "n_tokens": pa.array(lengths, pa.int64()),
+                "cpu_read_clean": table.column("cpu_read_clean"),
+                "cpu_tokenize": _first_row(time.process_time() - cpu_start, len(table)),
+            }
+        )
 
     def _token_lists(self, ids: list[list[int]], lengths: np.ndarray) -> pa.ListArray:
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -215,7 +247,7 @@ class TokenizeStage:
         flat = np.empty(int(offsets[-1]), dtype=self.dtype)
         ends = offsets[1:][lengths > 0]
         for end, doc in zip(ends, ids, strict=True):
-            flat[end - 1 - len(doc):end - 1] = doc
+            flat[end - 1 - len(doc) : end - 1] = doc
         flat[ends - 1] = self.eos_id
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat))
 
