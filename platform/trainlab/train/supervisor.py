@@ -293,6 +293,49 @@ class Feeder:
         self.stopped.set()
 
 
+def start_fork_server(deterministic: bool) -> Any:
+    """The multiprocessing context whose fork server has torch and the training loop
+    imported; started now so that its imports overlap the agent's own setup."""
+    import multiprocessing.forkserver
+
+    ctx = mp.get_context("forkserver")
+    preload = ["trainlab.train.loop"]
+    if deterministic:
+        preload.append("torch._inductor.config")  # torch.use_deterministic_algorithms needs it
+    ctx.set_forkserver_preload(preload)
+    multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
+class CallbackRunner:
+    """Runs rank 0's callbacks in order in a thread of the agent, so the training
+    process never waits for tracking. A stop request reaches the training process
+    with the reply to a later hook (at most a log interval later)."""
+
+    def __init__(self, callbacks: Any):
+        self.callbacks = callbacks
+        self.queue: queue.Queue = queue.Queue()
+        self.stop: tuple[bool, str] = (False, "")
+        threading.Thread(target=self._run, name="trainlab-callbacks", daemon=True).start()
+
+    def submit(self, hook: str, args: tuple) -> None:
+        self.queue.put((hook, args))
+
+    def drain(self) -> None:
+        self.queue.join()
+
+    def _run(self) -> None:
+        while True:
+            hook, args = self.queue.get()
+            try:
+                getattr(self.callbacks, hook)(*args)
+                self.stop = (bool(self.callbacks.stop_requested), self.callbacks.stop_reason or "")
+            except Exception:  # noqa: BLE001 - tracking must not end training
+                log.exception("callback hook %s failed", hook)
+            finally:
+                self.queue.task_done()
+
+
 @dataclass
 class AttemptResult:
     ok: bool
@@ -319,11 +362,8 @@ class Agent:
         self.feeder: Feeder | None = None
         self.last_step: int | None = None
         self._summary: dict[str, Any] | None = None
-        self.ctx = mp.get_context("forkserver")
-        preload = ["trainlab.train.loop"]
-        if job.cfg["train"]["deterministic"]:
-            preload.append("torch._inductor.config")  # torch.use_deterministic_algorithms needs it
-        self.ctx.set_forkserver_preload(preload)
+        self.runner = CallbackRunner(callbacks) if callbacks is not None else None
+        self.ctx = start_fork_server(bool(job.cfg["train"]["deterministic"]))
 
     # ------------------------------------------------------------- collectives
 
@@ -473,14 +513,9 @@ class Agent:
                     self._summary = hook_args[0]
                 elif name == "on_step_end":
                     self._write_progress(hook_args[0])
-                if self.callbacks is not None:
-                    getattr(self.callbacks, name)(*hook_args)
-                    conn.send(
-                        (
-                            "ok",
-                            (bool(self.callbacks.stop_requested), self.callbacks.stop_reason or ""),
-                        )
-                    )
+                if self.runner is not None:
+                    self.runner.submit(name, hook_args)
+                    conn.send(("ok", self.runner.stop))
                 else:
                     conn.send(("ok", (False, "")))
             elif kind == "failed":
@@ -496,6 +531,8 @@ class Agent:
                 conn.send(("ok", None))
                 return "failed"
             elif kind == "done":
+                if self.runner is not None:
+                    self.runner.drain()  # the record is complete before the run returns
                 conn.send(("ok", None))
                 return "done"
             else:
@@ -523,11 +560,9 @@ class Agent:
             self.job, f"gave up after {spent} failure(s) (train.max_failures = {budget})"
         )
         write_summary(self.job.run_path, summary)
-        if self.callbacks is not None:
-            try:
-                self.callbacks.on_run_end(summary)
-            except Exception:  # noqa: BLE001
-                log.exception("callbacks failed at the end of a failed run")
+        if self.runner is not None:
+            self.runner.submit("on_run_end", (summary,))
+            self.runner.drain()
         return summary
 
 

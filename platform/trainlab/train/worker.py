@@ -51,10 +51,11 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import torch
 
-    from trainlab.train.supervisor import Agent
+    from trainlab.train.supervisor import Agent, start_fork_server
 
     job = TrainJob.from_dict(config)
     os.environ.update(job.env)
+    start_fork_server(bool(job.cfg["train"]["deterministic"]))  # imports overlap what follows
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     setup_logging(job.logs_dir, rank)
