@@ -88,7 +88,15 @@ def test_cli_without_a_cluster_says_how_to_get_one(clean_env, repo):
     assert sub.returncode == 2 and sub.stdout == ""
     assert sub.stderr.strip().splitlines()[-1].startswith("error: no Ray cluster given")
     bad = subprocess.run(
-        [exe, "submit", "trainers/recipes/tiny.yaml", "--set", "model.num_heads=7"],
+        [
+            exe,
+            "submit",
+            "trainers/recipes/tiny.yaml",
+            "--set",
+            "model.num_heads=7",
+            "--address",
+            "http://127.0.0.1:9",
+        ],
         cwd=repo,
         env=env,
         capture_output=True,

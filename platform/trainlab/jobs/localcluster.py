@@ -297,18 +297,21 @@ def cluster_up(
         temp_dir=str(temp_dir),
         started_at=time.time(),
     )
-    try:
-        head = start_head(
-            local_num_cpus(num_cpus),
-            gcs_port,
-            dashboard_port,
-            temp_dir,
-            logs / f"head-{stamp}.log",
-            timeout_s,
-        )
-    except UserError:
-        shutil.rmtree(temp_dir, ignore_errors=True)  # our own log of it stays in logs/
-        raise
+    for attempt in (1, 2):  # a second try on a machine too busy for the first
+        try:
+            head = start_head(
+                local_num_cpus(num_cpus),
+                gcs_port,
+                dashboard_port,
+                temp_dir,
+                logs / f"head-{stamp}-{attempt}.log",
+                timeout_s,
+            )
+            break
+        except UserError:
+            shutil.rmtree(temp_dir, ignore_errors=True)  # our own log of it stays in logs/
+            if attempt == 2:
+                raise
     state.nodes.append(head)
     _write_state(state)
     try:

@@ -88,11 +88,13 @@ def prepare(config: str, overrides: tuple[str, ...] | list[str], repo: Path) -> 
     plan that does not fit, a layout it cannot execute, an unknown attention); make
     paths absolute."""
     from trainlab.config import load_config, to_yaml
-    from trainlab.plan import plan
+    from trainlab.plan import plan, require_fit
     from trainlab.storage import resolve_storage
-    from trainlab.train.launcher import prepare_layout
 
     cfg = load_config(config, overrides)
+    require_fit(plan(cfg))  # before importing torch below: a plan error is instant
+    from trainlab.train.launcher import prepare_layout
+
     prepare_layout(cfg)  # the trainer's own pre-launch checks, here before any upload
     absolute = [
         f"data.path={_absolute(cfg.data.path, repo)}",
@@ -300,12 +302,12 @@ def submit(
 ) -> Submission:
     """The whole flow; returns the submission (with status when followed)."""
     repo = repo_root()
+    url = jobclient.resolve_address(address)  # no network yet: only which cluster
     prep = prepare(config, overrides, repo)
     say(
         f"config ok: {prep.name} ({prep.plan.num_params:,} parameters, "
         f"{prep.plan.strategy} x{prep.plan.world_size}, fits)"
     )
-    url = jobclient.resolve_address(address)
     with tempfile.TemporaryDirectory(prefix="trainlab-submit-") as tmp:
         wd = Path(tmp) / "working_dir"
         config_rel = stage_working_dir(prep, wd)
