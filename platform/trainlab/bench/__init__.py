@@ -39,4 +39,5 @@ BENCHMARKS: list[str] = [
     "trainlab.bench.plan_bench:bench_plan",
     "trainlab.bench.prep_bench:bench_prep",
     "trainlab.bench.loader_bench:bench_loader",
+    "trainlab.bench.track_bench:bench_tracking",
 ]

@@ -6,6 +6,8 @@ group continues the same MLflow run. Steps redone after restoring a
 checkpoint are not logged again: each metric keeps a high-water mark of its
 logged steps (seeded from the store on resume), so every metric's steps stay
 strictly increasing and the first-logged value of a step is the one kept.
+Metric points go to the store from a background thread (trainlab.track.writer);
+everything else (params, tags, artifacts) is written synchronously.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from trainlab.track.store import (
     get_or_create_experiment,
     tracking_uri,
 )
+from trainlab.track.writer import MetricWriter
 from trainlab.train.callbacks import Callback, RunContext
 
 if TYPE_CHECKING:
@@ -40,7 +43,6 @@ log = logging.getLogger(__name__)
 MAX_PARAM_VALUE = 6000
 MAX_TAG_VALUE = 8000
 PARAMS_PER_BATCH = 100
-METRICS_PER_BATCH = 1000
 TAGS_PER_BATCH = 100
 
 # Plan numbers worth a column in a comparison (prefixed `plan.` as params).
@@ -201,6 +203,7 @@ class MlflowCallback(Callback):
         self._client: MlflowClient | None = None
         self._steps = StepFilter()
         self._system_monitor: Any = None
+        self._writer: MetricWriter | None = None
         self._run_dir: str = ""
         self._best_val_loss = math.inf
 
@@ -208,6 +211,7 @@ class MlflowCallback(Callback):
         state = self.__dict__.copy()
         state["_client"] = None
         state["_system_monitor"] = None
+        state["_writer"] = None
         return state
 
     # ---------------------------------------------------------------- tracker API
@@ -226,9 +230,14 @@ class MlflowCallback(Callback):
             name = metric_name(key)
             if self._steps.admit(name, step):
                 points.append(Metric(name, float(value), now, int(step)))
-        for i in range(0, len(points), METRICS_PER_BATCH):
-            self._client.log_batch(self.run_id, metrics=points[i : i + METRICS_PER_BATCH])
+        if self._writer is not None:
+            self._writer.put(points)
         return len(points)
+
+    def flush(self) -> None:
+        """Wait until the metrics logged so far are in the store."""
+        if self._writer is not None:
+            self._writer.flush()
 
     def set_tags(self, tags: dict[str, str]) -> None:
         if self._client is None or self.run_id is None:
@@ -252,6 +261,7 @@ class MlflowCallback(Callback):
         # The same callback sees every in-place restart (trainlab.train.supervisor):
         # one system-metrics thread at a time.
         self._stop_system_metrics()
+        self._close_writer()
         runs_root = self._connect(str(ctx.run_dir))
         exp_id = get_or_create_experiment(
             self._client, experiment_name(ctx.cfg), artifact_location(runs_root)
@@ -263,6 +273,7 @@ class MlflowCallback(Callback):
         else:
             self._resume_run(existing, ctx)
             resumed = True
+        self._writer = MetricWriter(self._client, self.run_id)
         self._start_system_metrics(resumed)
         log.info(
             "MLflow run %s (%s) at %s",
@@ -289,6 +300,7 @@ class MlflowCallback(Callback):
     def on_run_end(self, summary: dict[str, Any]) -> None:
         if self._client is None or self.run_id is None:
             return
+        self._close_writer()  # the curves below are read back from the store
         try:
             self._log_end_artifacts(summary)
         finally:
@@ -412,6 +424,11 @@ class MlflowCallback(Callback):
             tracking_uri=self.tracking_uri,
         )
         self._system_monitor.start()
+
+    def _close_writer(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
 
     def _stop_system_metrics(self) -> None:
         if self._system_monitor is not None:

@@ -89,6 +89,8 @@ class FakeRank0:
         `in_place` the same callbacks started again (the agent survives restarts
         of its training process, trainlab.train.supervisor)."""
         if not (in_place and self.callbacks is not None):
+            if self.callbacks is not None:  # the old process "dies" once its writes landed
+                self.callbacks.callbacks[0].flush()
             self.callbacks = CallbackList(default_callbacks(self.cfg))
         self.callbacks.on_run_start(self.context(start_step, restarts, **kw))
         return self.callbacks

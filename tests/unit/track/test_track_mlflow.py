@@ -210,3 +210,18 @@ def test_git_info_reads_a_checkout(tmp_path, monkeypatch):
     (repo / "f.txt").write_text("b")
     assert git_info(repo) == {"commit": sha, "dirty": "true"}
     assert git_info(tmp_path / "missing") == {"commit": "unknown", "dirty": "unknown"}
+
+
+def test_a_tracking_outage_never_stops_training(rank0, monkeypatch, caplog):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")  # nothing listens
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    r0 = rank0()
+    callbacks = r0.start()  # the MLflow callback fails here, logged, not raised
+    r0.steps(1, 30, loss=lambda s: float("nan") if s == 20 else 3.0)
+    r0.end()
+    assert "callback MlflowCallback.on_run_start failed" in caplog.text
+    assert callbacks.callbacks[0].run_id is None
+    # Monitoring goes on without MLflow: the alert still reaches the run log.
+    assert [a.rule for a in callbacks.callbacks[1].alerts] == ["non_finite"]
+    assert (r0.run_dir / "logs" / "alerts.jsonl").is_file()
