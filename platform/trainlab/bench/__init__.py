@@ -40,4 +40,6 @@ BENCHMARKS: list[str] = [
     "trainlab.bench.prep_bench:bench_prep",
     "trainlab.bench.loader_bench:bench_loader",
     "trainlab.bench.track_bench:bench_tracking",
+    "trainlab.bench.train_bench:bench_train_step_throughput",
+    "trainlab.bench.train_bench:bench_recovery_seconds",
 ]

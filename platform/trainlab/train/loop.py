@@ -217,6 +217,9 @@ class Trainer:
         self.restarts = 0
         self._validation_batch: Batch | None = None
         self.window = Window()
+        # Tokens and seconds of every log window but an attempt's first (which holds
+        # the pipeline's warm-up): the run's steady-state throughput.
+        self.steady_tokens, self.steady_seconds, self.windows_logged = 0, 0.0, 0
         self._build(t.seed)
 
     # ----------------------------------------------------------------- setup
@@ -507,6 +510,10 @@ class Trainer:
         )
         self.last_loss = agg[0].item() / self.env.world_size
         metrics = self._metrics(grad_norm)
+        if self.windows_logged:
+            self.steady_tokens += self.tokens_per_step * self.window.steps
+            self.steady_seconds += time.perf_counter() - self.window.started
+        self.windows_logged += 1
         if self.env.is_main:
             self.callbacks.on_step_end(self.step, metrics)
             self._progress_line(metrics)
@@ -582,6 +589,8 @@ class Trainer:
             self.window.steps += 1
             self.window.data_wait += t1 - t0
             self.window.step_time += time.perf_counter() - t0
+            if self.step == start + 1:
+                self._record_first_step()
             self._maybe_chaos_kill()
             last = self.step == t.total_steps
             if self.step % t.log_interval == 0 or last:
@@ -596,6 +605,14 @@ class Trainer:
         self.writer.wait()
         self._deliver_checkpoints()
         return self._finish("stopped" if stopped else "completed")
+
+    def _record_first_step(self) -> None:
+        """When this attempt completed its first step (recovery time = this minus the
+        failure's time)."""
+        if self.env.is_main:
+            record = {"session": self.job.session, "first_step": self.step, "time": time.time()}
+            with open(self.job.logs_dir / "attempts.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
 
     def _announce_start(self, start: int) -> None:
         if not self.env.is_main:
@@ -665,6 +682,9 @@ class Trainer:
             "last_checkpoint": str(self.last_checkpoint.path) if self.last_checkpoint else None,
             "best_checkpoint": str(best.path) if best else None,
             "wall_seconds": round(time.time() - self.job.started_at, 3),
+            "tokens_per_s": (
+                self.steady_tokens / self.steady_seconds if self.steady_seconds else None
+            ),
             "val_losses": dict(self.last_val),
             "run_dir": self.job.run_dir,
             "config_hash": self.job.config_hash,

@@ -46,7 +46,12 @@ def read_failures(run_dir: Path, session: str | None = None) -> list[dict[str, A
 
 def read_attempts(run_dir: Path) -> list[dict[str, Any]]:
     """Every start of the training processes in this run directory (logs/attempts.jsonl)."""
-    return _jsonl(run_dir / "logs" / "attempts.jsonl")
+    return [r for r in _jsonl(run_dir / "logs" / "attempts.jsonl") if "start_step" in r]
+
+
+def read_first_steps(run_dir: Path) -> list[dict[str, Any]]:
+    """When each attempt completed its first step: {"session", "first_step", "time"}."""
+    return [r for r in _jsonl(run_dir / "logs" / "attempts.jsonl") if "first_step" in r]
 
 
 # kinds of failure records: infrastructure (the process or worker was killed or lost;
