@@ -1,6 +1,7 @@
 """Training on the shared local Ray cluster, on a real prepared dataset read by
-the real loader (Ray Data): DDP and FSDP with 2 workers, a chaos kill that
-resumes bitwise-identically, and max_failures exhausted.
+the real loader (Ray Data): DDP (through `trainlab train --smoke`) and FSDP
+with 2 workers, a chaos kill that resumes bitwise-identically, and
+max_failures exhausted.
 
 Tiny model and few steps: the cost is starting Ray Train worker groups."""
 
@@ -11,9 +12,13 @@ import re
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from tests.train_helpers import dataset_dir, tiny_config
+from trainlab.cli import cli
+from trainlab.config import to_yaml
 from trainlab.train import TrainingFailed, run
+from trainlab.train.launcher import SMOKE_STEPS, smoke_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -54,27 +59,61 @@ def two_workers(dataset, parallel=None, **train):
     )
 
 
-def test_ddp_chaos_kill_resumes_and_matches_an_uninterrupted_run(ray_cluster, dataset, tmp_path):
-    clean = train(two_workers(dataset), tmp_path / "clean")
-    chaos_cfg = two_workers(dataset, chaos={"kill_at_steps": [7], "kill_rank": 1})
-    killed = train(chaos_cfg, tmp_path / "chaos")
+def last_json_line(output: str) -> dict:
+    """The run summary: the last line of stdout that is a JSON object."""
+    for line in reversed(output.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no JSON summary in {output[-2000:]!r}")
+
+
+def test_ddp_smoke_kill_and_resume_match_an_uninterrupted_run(ray_cluster, dataset, tmp_path):
+    """`trainlab train --smoke --json` (2 DDP workers, a worker killed, resumed from the
+    validated checkpoint) ends bitwise-identical to the same steps uninterrupted."""
+    cfg = two_workers(dataset)
+    config_file = tmp_path / "exp.yaml"
+    config_file.write_text(to_yaml(cfg))
+    result = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            str(config_file),
+            "--smoke",
+            "--json",
+            "--set",
+            f"train.runs_root={tmp_path / 'smoke'}",
+        ],
+        standalone_mode=False,
+    )
+    assert result.exception is None and result.return_value == 0, result.output[-3000:]
+    killed = last_json_line(result.stdout)
+
+    smoke = smoke_config(cfg)
+    uninterrupted = smoke.model_copy(
+        update={
+            "train": smoke.train.model_copy(
+                update={"chaos": smoke.train.chaos.model_copy(update={"kill_at_steps": []})}
+            )
+        }
+    )
+    clean = train(uninterrupted, tmp_path / "clean")
 
     assert set(clean) >= SUMMARY_KEYS and set(killed) >= SUMMARY_KEYS
     assert clean["status"] == killed["status"] == "completed"
     assert clean["restarts"] == 0 and killed["restarts"] == 1
-    assert killed["final_step"] == 10 and killed["start_step"] == 6  # newest valid before 7
+    assert all(killed["smoke"]["checks"].values())
+    assert killed["final_step"] == SMOKE_STEPS and killed["start_step"] == 3  # newest valid
     # bitwise identity of the killed-and-resumed run and the uninterrupted one
     assert killed["weights_sha256"] == clean["weights_sha256"]
     assert killed["final_loss"] == clean["final_loss"]
 
     # the failure is recorded with its step and rank (the survivor's error is too)
-    failures = killed["failures"]
-    chaos = [f for f in failures if f["rank"] == 1]
-    assert chaos and chaos[0]["step"] == 7 and "chaos" in chaos[0]["error"]
+    chaos = [f for f in killed["failures"] if f["rank"] == 1]
+    assert chaos and chaos[0]["step"] == 4 and chaos[0]["kind"] == "chaos"
 
     # the run directory
     rd = Path(killed["run_dir"])
-    assert rd.parent.parent == tmp_path / "chaos" / "runs" and rd.name == chaos_cfg.name
+    assert rd.parent.parent == tmp_path / "smoke" and rd.name == "unit-smoke"
     for name in (
         "config.yaml",
         "plan.json",
@@ -88,7 +127,7 @@ def test_ddp_chaos_kill_resumes_and_matches_an_uninterrupted_run(ray_cluster, da
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ rank1 ", line), line
     assert json.loads((rd / "run_summary.json").read_text())["restarts"] == 1
     kept = sorted(p.name for p in (rd / "checkpoints").iterdir())
-    assert kept[-1] == "step-00000010" and len(kept) <= 3  # keep_last 2 + keep_best 1
+    assert kept[-1] == f"step-{SMOKE_STEPS:08d}" and len(kept) <= 3  # keep_last 2 + best 1
 
 
 def test_fsdp_two_workers_saves_sharded_and_resumes(ray_cluster, dataset, tmp_path):
