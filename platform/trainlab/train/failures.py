@@ -18,6 +18,8 @@ from typing import Any
 
 from ray.train import UserCallback
 
+from trainlab.train.summary import last_logged_step
+
 
 def one_line(error: BaseException) -> str:
     """The most telling line of an error, which Ray wraps in several layers."""
@@ -59,11 +61,3 @@ class FailureRecorder(UserCallback):
                     )
                     + "\n"
                 )
-
-
-def last_logged_step(logs: Path) -> int | None:
-    """The newest step rank 0 logged (logs/progress.json, written at each log interval)."""
-    try:
-        return int(json.loads((logs / "progress.json").read_text())["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return None

@@ -100,3 +100,11 @@ def failed_summary(job: TrainJob, error: str) -> dict[str, Any]:
         "failures": failures,
         "failure_cause": failure_cause(failures),
     }
+
+
+def last_logged_step(logs: Path) -> int | None:
+    """The newest step rank 0 logged (logs/progress.json, written at each log interval)."""
+    try:
+        return int(json.loads((logs / "progress.json").read_text())["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

@@ -44,6 +44,7 @@ from typing import Any
 
 from trainlab.train.callbacks import Callback, RunContext
 from trainlab.train.job import TrainJob
+from trainlab.train.summary import last_logged_step
 
 log = logging.getLogger("trainlab.train")
 
@@ -139,9 +140,30 @@ class PipeLoader:
         self.client = client
 
     def iter_from(self, step: int):
+        """Steps from `step`, fetched by a thread a few steps ahead so that the round
+        trip to the agent overlaps the current step's compute."""
         self.client.call("iter_from", step)
+        ahead: queue.Queue = queue.Queue(maxsize=PREFETCH_STEPS)
+
+        def fetch() -> None:
+            while True:
+                try:
+                    item = self.client.call("next")
+                except BaseException as e:  # noqa: BLE001 - re-raised in the training loop
+                    ahead.put(("error", e))
+                    return
+                ahead.put(("ok", item))
+                if item is None:  # the end of the stream
+                    return
+
+        threading.Thread(target=fetch, name="trainlab-fetch", daemon=True).start()
         while True:
-            yield self.client.call("next")
+            status, item = ahead.get()
+            if status == "error":
+                raise item
+            if item is None:
+                return
+            yield item
 
     def validation_batches(self, source: str, n: int) -> list[dict]:
         return self.client.call("validation", source, n)
@@ -201,6 +223,16 @@ class ChildArgs:
     master_port: int
 
 
+def normal_priority() -> None:
+    """Ray runs its worker processes at nice 15 so its control plane stays responsive;
+    training (the agent and its training process) is the node's main work, so it takes
+    back the normal priority when allowed. At nice 15 every nice-0 process on the node
+    (Ray's log monitor, GCS, a user's shell) preempts it almost entirely."""
+    with contextlib.suppress(OSError):  # lowering niceness needs CAP_SYS_NICE
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)
+
+
 def child_main(args: ChildArgs, conn: Any) -> None:
     """Entry point of a training process (forked from the agent's fork server)."""
     import torch
@@ -211,6 +243,7 @@ def child_main(args: ChildArgs, conn: Any) -> None:
     from trainlab.train.worker import setup_logging
 
     t0 = time.time()
+    normal_priority()
     job = TrainJob.from_dict(args.job)
     setup_logging(job.logs_dir, args.rank)
     client = PipeClient(conn)
@@ -263,6 +296,7 @@ class Feeder:
         self.queue: queue.Queue = queue.Queue(maxsize=PREFETCH_STEPS)
         self.stopped = threading.Event()
         self.error: BaseException | None = None
+        self.ended = False
         self.thread = threading.Thread(
             target=self._run, args=(loader, step), daemon=True, name=f"feeder-{step}"
         )
@@ -271,22 +305,31 @@ class Feeder:
     def _run(self, loader: Any, step: int) -> None:
         try:
             for item in loader.iter_from(step):
-                while not self.stopped.is_set():
-                    try:
-                        self.queue.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if self.stopped.is_set():
+                if not self._put(item):
                     return
         except BaseException as e:  # noqa: BLE001 - handed to the training process
             self.error = e
-            self.queue.put(None)
+        self._put(None)  # the end of the stream (or its failure)
+
+    def _put(self, item: Any) -> bool:
+        while not self.stopped.is_set():
+            try:
+                self.queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def next(self) -> Any:
+        """The next (step, micro_batches), or None at the end of the stream (again and
+        again: the training process may ask ahead)."""
+        if self.ended:
+            return None
         item = self.queue.get()
-        if item is None and self.error is not None:
-            raise RuntimeError(f"data stream failed: {type(self.error).__name__}: {self.error}")
+        if item is None:
+            self.ended = True
+            if self.error is not None:
+                raise RuntimeError(f"data stream failed: {type(self.error).__name__}: {self.error}")
         return item
 
     def stop(self) -> None:
@@ -299,7 +342,7 @@ def start_fork_server(deterministic: bool) -> Any:
     import multiprocessing.forkserver
 
     ctx = mp.get_context("forkserver")
-    preload = ["trainlab.train.loop"]
+    preload = ["trainlab.train.loop", "trainlab.train.supervisor"]
     if deterministic:
         preload.append("torch._inductor.config")  # torch.use_deterministic_algorithms needs it
     ctx.set_forkserver_preload(preload)
@@ -360,7 +403,6 @@ class Agent:
         self.local_rank, self.device = local_rank, device
         self.loader, self.callbacks = loader, callbacks
         self.feeder: Feeder | None = None
-        self.last_step: int | None = None
         self._summary: dict[str, Any] | None = None
         self.runner = CallbackRunner(callbacks) if callbacks is not None else None
         self.ctx = start_fork_server(bool(job.cfg["train"]["deterministic"]))
@@ -480,7 +522,12 @@ class Agent:
             error, kind = f"training process exited with code {exitcode}", "error"
         if exitcode == -signal.SIGKILL and self._peer_failed_first(event):
             error, kind = "stopped after another rank failed", "peer"
-        record_failure(self.job, event, self.rank, self.last_step, error, kind)
+        # No step from a process that died without a word: the newest step rank 0
+        # logged (the death came after it, within one log interval).
+        step = last_logged_step(self.job.logs_dir)
+        if step is not None:
+            error = f"{error} (after step {step})"
+        record_failure(self.job, event, self.rank, step, error, kind)
 
     def _peer_failed_first(self, event: str) -> bool:
         group, attempt = event.rsplit("-", 1)
@@ -490,9 +537,7 @@ class Agent:
         kind, *args = request
         try:
             if kind == "next":
-                item = self.feeder.next()
-                self.last_step = item[0]
-                conn.send(("ok", item))
+                conn.send(("ok", self.feeder.next()))
             elif kind == "iter_from":
                 if self.feeder is not None:
                     self.feeder.stop()

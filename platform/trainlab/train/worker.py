@@ -51,10 +51,13 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     import ray.train
     import torch
 
-    from trainlab.train.supervisor import Agent, start_fork_server
+    from trainlab.train.supervisor import Agent, normal_priority, start_fork_server
 
     job = TrainJob.from_dict(config)
     os.environ.update(job.env)
+    # The agent answers the training process's requests for data: same priority
+    # (Ray starts workers at nice 15), and the fork server's children inherit it.
+    normal_priority()
     start_fork_server(bool(job.cfg["train"]["deterministic"]))  # imports overlap what follows
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
