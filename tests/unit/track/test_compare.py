@@ -34,7 +34,7 @@ def runs_root(_template_db, tmp_path_factory):
         FakeRank0(tiny_config(root, "name=base"), root).full_run()
         FakeRank0(
             tiny_config(
-                root, "name=hot", "train.lr=0.003", "data.mix.code=0.7", "purpose=try a hotter lr"
+                root, "name=hot", "train.lr=0.005", "data.mix.code=0.7", "purpose=try a hotter lr"
             ),
             root,
         ).full_run()
@@ -79,7 +79,7 @@ def test_compare_json_has_the_documented_fields(runs_root, client, capsys):
         )
         assert row["peak_memory_gb"] == pytest.approx(1.1 + 60 / 1000)
     hot = rows[0]
-    assert hot["params"]["train.lr"] == 0.003  # flattened, typed
+    assert hot["params"]["train.lr"] == 0.005  # flattened, typed
     assert hot["params"]["data.mix.code"] == 0.7
     assert hot["mix"] == {"code": 0.7, "docs": 0.3, "pkgdocs": 0.2}
     # `purpose` and `name` differ too, but they describe the record, not the experiment.
@@ -106,14 +106,14 @@ def test_compare_table_highlights_differing_keys(runs_root, capsys):
     assert code == 0
     assert "base" in out and "hot" in out and "completed" in out
     assert "differing config keys (highlighted): data.mix.code, train.lr" in out
-    assert "0.003" in out  # the differing values are columns
+    assert "0.005" in out  # the differing values are columns
 
 
 def test_compare_csv(runs_root, capsys):
     _, out, _ = trainlab(capsys, "compare", "--csv", "--runs-root", str(runs_root))
     rows = list(csv.DictReader(io.StringIO(out)))
     assert [r["name"] for r in rows] == ["hot", "base"]
-    assert rows[0]["param.train.lr"] == "0.003" and rows[1]["mix.code"] == "0.5"
+    assert rows[0]["param.train.lr"] == "0.005" and rows[1]["mix.code"] == "0.5"
     assert float(rows[0]["final_loss"]) > 0
 
 

@@ -34,7 +34,8 @@ def _get(url: str) -> bytes:
 
 @pytest.mark.slow
 def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp_path):
-    rank0().full_run()
+    played = rank0()
+    played.full_run()
     run_id = only_run(client).info.run_id
     port = _free_port()
     trainlab = Path(sys.executable).with_name("trainlab")
@@ -59,7 +60,7 @@ def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp
             time.sleep(1)
         run = json.loads(_get(f"{base}/ajax-api/2.0/mlflow/runs/get?run_id={run_id}"))["run"]
         params = {p["key"]: p["value"] for p in run["data"]["params"]}
-        assert params["train.lr"] == "0.001"
+        assert float(params["train.lr"]) == played.cfg.train.lr
         plan = json.loads(_get(f"{base}/get-artifact?path=plan.json&run_uuid={run_id}"))
         assert plan["num_params"] > 0
         listening = {
