@@ -110,6 +110,42 @@ def test_forwarded_env_has_tracking_and_endpoint_but_no_secrets(monkeypatch):
     assert "s3cr3t" not in env.values() and "t0ken" not in env.values()
 
 
+def test_a_submitted_job_carries_the_commit_and_dirty_flag_of_its_repo(tmp_path, monkeypatch):
+    """The staged working_dir has no .git: the job learns its code version from the
+    runtime env, so its MLflow run records the submitted commit, not "unknown"."""
+    import subprocess
+
+    from trainlab.jobs.submit import job_runtime_env
+
+    repo = tmp_path / "repo"
+    _write(repo / "trainers/pretrain.py")
+
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    git("init", "-q")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "first")
+    for var in ("TRAINLAB_GIT_COMMIT", "TRAINLAB_GIT_DIRTY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.chdir(tmp_path)  # the repo's version, not that of wherever we run
+    wd = tmp_path / "staged"
+    env = job_runtime_env(repo, wd)["env_vars"]
+    assert env["TRAINLAB_GIT_COMMIT"] == git("rev-parse", "HEAD")
+    assert env["TRAINLAB_GIT_DIRTY"] == "false"
+    (repo / "trainers/pretrain.py").write_text("changed")
+    env = job_runtime_env(repo, wd)["env_vars"]
+    assert env["TRAINLAB_GIT_COMMIT"] == git("rev-parse", "HEAD")
+    assert env["TRAINLAB_GIT_DIRTY"] == "true"
+    from trainlab.track import git_info
+
+    monkeypatch.setenv("TRAINLAB_GIT_COMMIT", env["TRAINLAB_GIT_COMMIT"])
+    monkeypatch.setenv("TRAINLAB_GIT_DIRTY", env["TRAINLAB_GIT_DIRTY"])
+    assert git_info(wd) == {"commit": git("rev-parse", "HEAD"), "dirty": "true"}  # as the job
+
+
 def test_driver_reserves_nothing_and_stays_on_the_head():
     opts = renv.entrypoint_options()
     assert opts["entrypoint_num_cpus"] == 0 and opts["entrypoint_num_gpus"] == 0

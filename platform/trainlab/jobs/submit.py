@@ -128,6 +128,17 @@ def stage_working_dir(prep: Prepared, dest: Path) -> str:
     return rel
 
 
+def job_runtime_env(repo: Path, working_dir: Path, *, ship_library: bool = True) -> dict[str, Any]:
+    """The runtime env of a job from `repo` staged at `working_dir`: the library, the
+    forwarded settings, and the repo's git commit and dirty flag (the staged copy has
+    no .git, so the job could not tell which code it runs and its MLflow run would
+    record the commit as "unknown")."""
+    from trainlab.track import git_env
+
+    env = renv.forwarded_env(git_env(repo))
+    return renv.build_runtime_env(working_dir, ship_library=ship_library, env_vars=env)
+
+
 def train_entrypoint(
     config_rel: str, *, run_dir: str | None = None, smoke: bool = False, retries: int = 0
 ) -> str:
@@ -311,8 +322,7 @@ def submit(
     with tempfile.TemporaryDirectory(prefix="trainlab-submit-") as tmp:
         wd = Path(tmp) / "working_dir"
         config_rel = stage_working_dir(prep, wd)
-        env = renv.forwarded_env()
-        runtime_env = renv.build_runtime_env(wd, ship_library=ship_library, env_vars=env)
+        runtime_env = job_runtime_env(repo, wd, ship_library=ship_library)
         client = jobclient.connect(url)
         sub = Submitter(prep, client, url, runtime_env, config_rel, say)
         say(
