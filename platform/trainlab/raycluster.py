@@ -15,6 +15,30 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# Ray Train V2's placement-group cleaner asks the state API (served by the
+# dashboard) every second whether the controller lives. The embedded cluster has
+# no dashboard and dies with its driver, placement groups included, so the
+# cleaner has nothing to do there and its "state API unavailable" warning is noise.
+_EMBEDDED_NOISE = {
+    "ray.train.v2._internal.execution.controller.placement_group_cleaner":
+        "Failed to query Ray Train Controller actor state",
+}
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
+def quiet_embedded_worker_logs() -> None:
+    """worker_process_setup_hook of the embedded cluster (see _EMBEDDED_NOISE)."""
+    for logger_name, prefix in _EMBEDDED_NOISE.items():
+        logging.getLogger(logger_name).addFilter(_DropMessages(prefix))
+
 
 def local_num_cpus(requested: int | None = None) -> int:
     return requested or max(8, 2 * (os.cpu_count() or 1))
@@ -37,12 +61,16 @@ def ensure_ray(num_cpus: int | None = None, address: str | None = None,
             "log_to_driver": True,
             "configure_logging": True,
         }
-        if runtime_env:
-            kwargs["runtime_env"] = runtime_env
         if address:
+            if runtime_env:
+                kwargs["runtime_env"] = runtime_env
             log.info("connecting to Ray at %s", address)
             ray.init(address=address, **kwargs)
         else:
+            kwargs["runtime_env"] = {
+                "worker_process_setup_hook": "trainlab.raycluster.quiet_embedded_worker_logs",
+                **(runtime_env or {}),
+            }
             ray.init(
                 address="local",
                 num_cpus=local_num_cpus(num_cpus),
