@@ -49,9 +49,10 @@ def main() -> int:
             say(f"error: {line}")
         return 2
     run_dir = Path(summary["run_dir"])
+    val = summary["val_loss"]
     say(f"done in {time.time() - t0:.0f} s: status {summary['status']}, step "
-        f"{summary['final_step']}, loss {summary['final_loss']:.3f}, val loss "
-        f"{summary['val_loss']}, {summary['tokens_seen']:,} tokens, "
+        f"{summary['final_step']}, loss {summary['final_loss']:.3f}, best val loss "
+        f"{'-' if val is None else f'{val:.3f}'}, {summary['tokens_seen']:,} tokens, "
         f"{summary['restarts']} restart(s)")
     say(f"run directory:  {run_dir}")
     say(f"checkpoints:    {run_dir / 'checkpoints'} (last {summary['last_checkpoint']})")
