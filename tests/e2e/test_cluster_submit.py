@@ -49,15 +49,41 @@ def trainlab_home(tmp_path_factory):
         os.environ["TRAINLAB_HOME"] = saved
 
 
-@pytest.fixture(scope="module")
-def cluster(trainlab_home):
-    from trainlab.jobs.localcluster import cluster_down, cluster_up, group_members
+def _trainlab(*args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "trainlab"), *args], capture_output=True, text=True, timeout=timeout, **kwargs
+    )
 
-    state = cluster_up(num_cpus=3, worker_nodes=2, worker_cpus=3)
+
+@pytest.fixture(scope="module")
+def cluster(trainlab_home, ray_cluster):
+    """Started and stopped with `trainlab cluster up/down`, while another Ray instance
+    (the session's) runs on this machine, as on a shared box: nothing of ours may
+    mistake it for our cluster."""
+    import shutil
+
+    from trainlab.jobs.localcluster import ClusterState, group_members
+
+    up = _trainlab(
+        "cluster",
+        "up",
+        "--num-cpus=3",
+        "--worker-nodes=2",
+        "--worker-cpus=3",
+        "--json",
+        timeout=900,
+    )
+    assert up.returncode == 0, up.stderr[-3000:]
+    state = ClusterState.from_json(json.loads(up.stdout.strip().splitlines()[-1]))
+    status = _trainlab("cluster", "status")  # what `up` prints without --json
+    assert state.dashboard_url in status.stdout
+    assert "submit trainers/recipes/tiny.yaml --follow" in status.stdout
     yield state
-    stopped = cluster_down(remove_temp_dirs=True)
-    assert stopped is not None
-    assert not any(group_members(n.pgid) for n in stopped.nodes), "processes left behind"
+    down = _trainlab("cluster", "down")
+    assert down.returncode == 0 and "stopped the local cluster" in down.stdout, down.stderr
+    assert not any(group_members(n.pgid) for n in state.nodes), "processes left behind"
+    for node in state.nodes:
+        shutil.rmtree(node.temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +189,14 @@ def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(cluster, dataset
     assert (summary["status"], summary["final_step"]) == ("completed", 4)
     run = _mlflow_run(runs, result["job_id"])
     assert run.info.status == "FINISHED" and "loss" in run.data.metrics
+    # The job ran from a copy without .git; the submission told it its version (a
+    # commit of this repo: HEAD then, or an ancestor of HEAD if others committed since).
+    commit = run.data.tags["git_commit"]
+    is_ours = subprocess.run(["git", "merge-base", "--is-ancestor", commit, "HEAD"], cwd=REPO)
+    assert commit != "unknown" and is_ours.returncode == 0, commit
     assert len(_worker_nodes(cluster, result["job_id"])) == 2
+    # Ray Train's placement-group cleaner looked up its own cluster, not the other one.
+    assert "Found multiple active Ray instances" not in proc.stderr
     listed = subprocess.run(
         [str(BIN / "trainlab"), "jobs", "--json", "--address", cluster.dashboard_url],
         env=env,
@@ -217,9 +250,8 @@ def test_losing_the_worker_node_mid_run_resumes_from_its_checkpoint(cluster, dat
     restarts the group on the nodes left (the idle third node stands in, as an
     autoscaler's replacement would) and the run resumes from that checkpoint."""
     from trainlab.jobs import client as jobclient
-    from trainlab.jobs import runtime_env as renv
     from trainlab.jobs.localcluster import kill_raylet, node_id
-    from trainlab.jobs.submit import Submitter, prepare, stage_working_dir
+    from trainlab.jobs.submit import Submitter, job_runtime_env, prepare, stage_working_dir
 
     runs = tmp_path / "runs"
     prep = prepare(
@@ -230,7 +262,7 @@ def test_losing_the_worker_node_mid_run_resumes_from_its_checkpoint(cluster, dat
     wd = tmp_path / "wd"
     config_rel = stage_working_dir(prep, wd)
     client = _client(cluster)
-    runtime_env = renv.build_runtime_env(wd, env_vars=renv.forwarded_env())
+    runtime_env = job_runtime_env(REPO, wd)
     sub = Submitter(prep, client, cluster.dashboard_url, runtime_env, config_rel, print)
     job_id = sub.train(retries=0)
     checkpoints = Path(prep.run_dir) / "checkpoints"

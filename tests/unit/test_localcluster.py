@@ -63,3 +63,23 @@ def test_a_recorded_cluster_with_a_dead_head_is_not_running(tmp_path, monkeypatc
     assert stopped.head.pgid == pgid and lc.group_members(pgid) == []
     assert not lc.state_path().exists() and not (tmp_path / "ray").exists()
     assert lc.read_state() is None and lc.cluster_down() is None
+
+
+def test_the_commands_we_suggest_run_from_where_the_user_is(repo, monkeypatch):
+    """`cluster up` and `submit` print next steps; copied as printed, they must run,
+    with this environment on PATH (`trainlab ...`) or not (`.venv/bin/trainlab ...`)."""
+    import os
+    import shlex
+    from pathlib import Path
+
+    venv_bin = str(Path(sys.executable).parent)
+    others = [d for d in os.environ["PATH"].split(os.pathsep) if d != venv_bin]
+    monkeypatch.chdir(repo)
+    for path in (os.pathsep.join(others), os.pathsep.join([venv_bin, *others])):
+        monkeypatch.setenv("PATH", path)
+        cmd = lc.trainlab_command()
+        assert (cmd == "trainlab") == (path.split(os.pathsep)[0] == venv_bin), cmd
+        ran = subprocess.run(
+            [*shlex.split(cmd), "cluster", "--help"], capture_output=True, text=True, timeout=60
+        )
+        assert ran.returncode == 0 and "Start or stop a local Ray cluster" in ran.stdout

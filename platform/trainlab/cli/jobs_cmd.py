@@ -187,7 +187,7 @@ def up(
     """Start a local Ray head node from this environment; print where it is."""
     from trainlab.jobs.localcluster import cluster_up, how_to_submit
 
-    _err("starting the Ray head on 127.0.0.1 (token auth on) ...")
+    _err("starting the Ray head on 127.0.0.1 (token auth on); this takes 10-30 s ...")
     state = cluster_up(
         num_cpus=num_cpus,
         worker_nodes=worker_nodes,

@@ -157,6 +157,15 @@ def stop_group(pgid: int, grace_s: float = 5.0) -> None:
             time.sleep(0.2)
 
 
+def _node_env(gcs_address: str) -> dict[str, str]:
+    """Environment of one node of the cluster at `gcs_address`. RAY_ADDRESS names that
+    cluster to every process the node starts: Ray's own helpers that look the cluster
+    up (the job supervisor, Ray Train's placement-group cleaner through the state API)
+    would otherwise guess among every Ray instance on this machine, and fail, or pick
+    another engineer's cluster, when there is more than one."""
+    return _ray_env({**SINGLE_MACHINE_ENV, "RAY_ADDRESS": gcs_address})
+
+
 def _ray_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ)
     # The job's `python` is the first on the head's PATH: make it this environment's.
@@ -227,7 +236,7 @@ def start_head(
         f"--temp-dir={temp_dir}",
         *_agent_port_flags(),
     ]
-    pgid = _launch(cmd, log, _ray_env(SINGLE_MACHINE_ENV))
+    pgid = _launch(cmd, log, _node_env(f"{HOST}:{gcs_port}"))
     _wait_ready(pgid, log, "the Ray head", timeout_s)
     return NodeProc("head", pgid, str(log), num_cpus, str(temp_dir))
 
@@ -254,7 +263,7 @@ def start_worker(
     ]
     if resources:
         cmd.append(f"--resources={json.dumps(resources)}")
-    pgid = _launch(cmd, log, _ray_env(SINGLE_MACHINE_ENV))
+    pgid = _launch(cmd, log, _node_env(gcs_address))
     _wait_ready(pgid, log, "a Ray worker node", timeout_s)
     return NodeProc("worker", pgid, str(log), num_cpus, str(temp_dir))
 
@@ -411,17 +420,42 @@ def kill_raylet(node: NodeProc) -> int:
     return pid
 
 
+def trainlab_command(program: str = "trainlab") -> str:
+    """How to run this environment's `program` (trainlab, ray) from the current
+    directory, for the commands we suggest: the bare name when the shell finds this
+    one on PATH, else its path (`.venv/bin/trainlab` from the repository root)."""
+    exe = Path(sys.executable).parent / program
+    found = shutil.which(program)
+    if found and Path(found).resolve() == exe.resolve():
+        return program
+    try:
+        return str(exe.relative_to(Path.cwd()))
+    except ValueError:
+        return str(exe)
+
+
+DEMO_DATA = Path("data/demo/prepared/manifest.json")  # what the tiny recipe reads
+
+
 def how_to_submit(state: ClusterState) -> list[str]:
     """The lines `cluster up` prints: where it is and what to run next."""
+    tl = trainlab_command()
     workers = f" + {len(state.workers)} worker node(s)" if state.workers else ""
-    return [
+    lines = [
         f"Ray cluster up{workers}: head {state.gcs_address}, "
         f"dashboard and Jobs API {state.dashboard_url} (token auth on)",
-        "  submit:  trainlab submit trainers/recipes/tiny.yaml --follow",
-        f"  or:      RAY_AUTH_MODE=token RAY_API_SERVER_ADDRESS={state.dashboard_url} "
-        "ray job submit --working-dir . --runtime-env cluster/runtime_env.yaml -- "
-        "python trainers/pretrain.py trainers/recipes/tiny.yaml "
-        "--set data.path=$PWD/data/demo/prepared --set train.runs_root=$PWD/runs",
-        "  jobs:    trainlab jobs",
-        "  stop:    trainlab cluster down",
+        "trainlab's commands find this cluster by themselves. Next:",
+    ]
+    if not DEMO_DATA.is_file():
+        lines.append(
+            f"  prepare: {DEMO_DATA.parent} is missing here; build it first "
+            '(`make demo`, or the two commands under "Preparing data" in README.md)'
+        )
+    return [
+        *lines,
+        f"  submit:  {tl} submit trainers/recipes/tiny.yaml --follow",
+        f"  jobs:    {tl} jobs",
+        f"  records: {tl} runs   |   {tl} compare",
+        f"  stop:    {tl} cluster down",
+        "  (Ray's own `ray job submit` to this cluster: see cluster/README.md)",
     ]

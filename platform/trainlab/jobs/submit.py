@@ -336,11 +336,46 @@ def submit(
         job_id = sub.train(retries)
         result = Submission(job_id=job_id, address=url, run_dir=prep.run_dir)
         say(f"submitted job {job_id} to {url}; run directory {prep.run_dir}")
-        if not follow:
-            say(f"follow it: trainlab jobs --address {url}  |  stop it: trainlab stop {job_id}")
-            return result
-        job_id, info = sub.follow(job_id, retries, write_logs)
-        result.job_id, result.status = job_id, _status(info)
-        result.exit_code = exit_code_of(info)
-        say(f"job {job_id} {result.status}")
+        if follow:
+            job_id, info = sub.follow(job_id, retries, write_logs)
+            result.job_id, result.status = job_id, _status(info)
+            result.exit_code = exit_code_of(info)
+            say(f"job {job_id} {result.status}")
+        for line in next_steps(result, prep):
+            say(line)
         return result
+
+
+def next_steps(result: Submission, prep: Prepared) -> list[str]:
+    """What to run next, as commands that work from here: watch or stop a job not
+    followed; look at the record of one that ran."""
+    from trainlab.jobs.localcluster import trainlab_command
+
+    tl = trainlab_command()
+    at = "" if _default_address() == result.address else f" --address {result.address}"
+    runs_root = prep.cfg.train.runs_root
+    at_runs = "" if Path(runs_root) == prep.repo / "runs" else f" --runs-root {runs_root}"
+    experiment = prep.cfg.tracking.experiment or prep.name
+    record = f"{tl} runs{at_runs}   |   {tl} compare{at_runs} --experiment {experiment}"
+    if result.status is None:
+        ray = trainlab_command("ray")
+        return [
+            f"  status:  {tl} jobs{at}",
+            f"  logs:    RAY_AUTH_MODE=token {ray} job logs --follow "
+            f"--address {result.address} {result.job_id}",
+            f"  stop:    {tl} stop {result.job_id}{at}",
+            f"  record:  {record}",
+        ]
+    if result.status == "SUCCEEDED":
+        return [f"  record:  {record}", f"  run:     {result.run_dir}"]
+    return [
+        f"  run:     {result.run_dir} (logs/, failures in logs/failures.jsonl)",
+        f"  jobs:    {tl} jobs{at}",
+    ]
+
+
+def _default_address() -> str | None:
+    try:
+        return jobclient.resolve_address(None)
+    except UserError:
+        return None
