@@ -40,6 +40,7 @@ class DataSpec:
     # Epochs each source needs for total_steps (checked against the cap).
     epochs_needed: tuple[float, ...]
     all_sources: tuple[str, ...] = ()  # every source in the manifest (validation may use any)
+    ray_data_metrics: bool = False  # push Ray Data's dataset metrics (not part of the stream)
 
     @property
     def tokens_per_step(self) -> int:
@@ -122,6 +123,7 @@ def prepare_run_data(cfg: Any, check_checksums: bool = True) -> DataSpec:
         allow_fingerprint_change=d.allow_fingerprint_change,
         epochs_needed=tuple(round(float(needed[n]), 6) for n in names),
         all_sources=tuple(manifest.sources),
+        ray_data_metrics=d.ray_data_metrics,
     )
 
 

@@ -21,6 +21,7 @@ import math
 import os
 import resource
 import signal
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -220,6 +221,7 @@ class Trainer:
         # Tokens and seconds of every log window but an attempt's first (which holds
         # the pipeline's warm-up): the run's steady-state throughput.
         self.steady_tokens, self.steady_seconds, self.windows_logged = 0, 0.0, 0
+        self.window_rates: list[float] = []  # tokens/s of each log window after the first
         self._build(t.seed)
 
     # ----------------------------------------------------------------- setup
@@ -513,6 +515,7 @@ class Trainer:
         if self.windows_logged:
             self.steady_tokens += self.tokens_per_step * self.window.steps
             self.steady_seconds += time.perf_counter() - self.window.started
+            self.window_rates.append(metrics["tokens_per_s"])
         self.windows_logged += 1
         if self.env.is_main:
             self.callbacks.on_step_end(self.step, metrics)
@@ -684,6 +687,10 @@ class Trainer:
             "wall_seconds": round(time.time() - self.job.started_at, 3),
             "tokens_per_s": (
                 self.steady_tokens / self.steady_seconds if self.steady_seconds else None
+            ),
+            # Robust to a few windows slowed by something else on the machine.
+            "tokens_per_s_median": (
+                statistics.median(self.window_rates) if self.window_rates else None
             ),
             "val_losses": dict(self.last_val),
             "run_dir": self.job.run_dir,
