@@ -4,15 +4,11 @@ real S3-compatible server (moto's) on 127.0.0.1."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
 from trainlab.errors import UserError
+from trainlab.jobs.localcluster import free_port
 from trainlab.storage import check_writable, resolve_storage
 
 
@@ -43,53 +39,6 @@ def test_read_only_storage_is_a_user_error(tmp_path):
 def test_unsupported_locations_are_refused(bad):
     with pytest.raises(UserError):
         resolve_storage(bad)
-
-
-def _free_port() -> int:
-    from trainlab.jobs.localcluster import free_port
-
-    return free_port()
-
-
-@pytest.fixture(scope="module")
-def s3_server():
-    """moto's S3-compatible server as a real HTTP server on 127.0.0.1."""
-    port = _free_port()
-    exe = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen(
-        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto_server did not start") from None
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    import boto3
-
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
-    for var in ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    s3 = boto3.client("s3", region_name="us-east-1", endpoint_url=s3_server)
-    bucket = f"ckpt-{time.monotonic_ns()}"
-    s3.create_bucket(Bucket=bucket)
-    return s3, bucket
 
 
 def test_s3_storage_round_trips_through_the_endpoint(s3_env, s3_server):
@@ -125,5 +74,5 @@ def test_s3_problems_name_the_location(s3_env):
 
 def test_an_explicit_endpoint_wins_over_the_environment(s3_env, s3_server, monkeypatch):
     s3, bucket = s3_env
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     check_writable(resolve_storage(f"s3://{bucket}/p", endpoint_url=s3_server))

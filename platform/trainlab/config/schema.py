@@ -178,8 +178,10 @@ class ResourceConfig(Section):
     local_num_cpus: int | None = Field(None, ge=1, le=4096)
     # `trainlab submit`: resubmit a job that failed for infrastructure reasons.
     job_retries: int = Field(0, ge=0, le=100)
-    # Checkpoint storage every node reaches (multi-node runs): a shared-filesystem path
-    # or s3://bucket/prefix (endpoint from AWS_ENDPOINT_URL); null = train.runs_root.
+    # Durable checkpoint storage: a path or s3://bucket/prefix (endpoint from
+    # AWS_ENDPOINT_URL). Rank 0 copies every valid checkpoint retention keeps to
+    # {storage}/{date}/{name}/checkpoints/; resuming a named run (--run-dir, --resume,
+    # job retries) restores from there what the run directory lacks. null = none.
     storage: str | None = Field(None, min_length=1, max_length=1024)
 
 

@@ -130,8 +130,12 @@ class CheckpointInfo:
 def read_info(path: Path) -> CheckpointInfo | None:
     """The checkpoint at `path`, or None when it has no readable metadata."""
     step = parse_step(path.name)
-    if step is None:
-        return None
+    return None if step is None else read_info_at(path, step)
+
+
+def read_info_at(path: Path, step: int) -> CheckpointInfo | None:
+    """The checkpoint of `step` in directory `path` (any name), or None when its
+    metadata is missing, unreadable or of another step."""
     try:
         meta = json.loads((path / META_FILE).read_text())
     except (OSError, ValueError):
@@ -234,7 +238,7 @@ def clean_staging(root: Path) -> None:
     before any rank writes)."""
     if root.is_dir():
         for child in root.iterdir():
-            if child.name.startswith(STAGING_PREFIX):
+            if child.name.startswith((STAGING_PREFIX, ".pull-")):
                 shutil.rmtree(child, ignore_errors=True)
 
 
@@ -323,8 +327,12 @@ class CheckpointWriter:
         keep_last: int,
         keep_best: int,
         async_save: bool,
+        mirror: Any = None,
     ):
+        """`mirror`: a `trainlab.train.mirror.CheckpointMirror` (rank 0), which gets
+        a copy of what retention keeps after every commit."""
         self.root, self.rank, self.world_size = root, rank, world_size
+        self.mirror = mirror
         self.keep_last, self.keep_best, self.async_save = keep_last, keep_best, async_save
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -354,6 +362,8 @@ class CheckpointWriter:
                 wait_for_ranks(staging, self.world_size)
                 info = commit(staging, self.root / dir_name(step), meta, validator)
                 prune(self.root, self.keep_last, self.keep_best)
+                if self.mirror is not None:
+                    self.mirror.safe_sync(self.root, self.keep_last, self.keep_best)
                 self._results.put(info)
 
         if not self.async_save:

@@ -123,6 +123,21 @@ def check_resumable(run_dir: Path, cfg: ExperimentConfig, chash: str, fingerprin
         )
 
 
+def restore_from_storage(cfg: ExperimentConfig, run_dir: Path) -> list[int]:
+    """Resuming a named run whose run directory lacks the newest checkpoint copied
+    to `resource.storage` (a new cluster, a lost disk): download it first."""
+    from trainlab.train.mirror import CheckpointMirror
+
+    mirror = CheckpointMirror.for_run(cfg.resource.storage, run_dir)
+    try:
+        return mirror.pull(run_dir / "checkpoints", require_valid=cfg.train.checkpoint.validate)
+    except OSError as e:
+        raise UserError(
+            f"resource.storage = {cfg.resource.storage!r}: cannot read the "
+            f"checkpoint copies at {mirror.uri()}: {e}"
+        ) from None
+
+
 def forwarded_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
 
@@ -172,6 +187,8 @@ def run(
     data = prepare_data(cfg)
     chash = config_hash(cfg)
     path = rundir.choose_run_dir(cfg, run_dir, resume and not smoke, base_dir)
+    if cfg.resource.storage and (resume or run_dir is not None) and not smoke:
+        restore_from_storage(cfg, path)
     check_resumable(path, cfg, chash, data.fingerprint)
     rundir.write_run_files(path, cfg, plan_json)
     _driver_log(path)

@@ -202,8 +202,19 @@ class Trainer:
         self.report = report  # ray.train.report in a Ray worker (a barrier: every rank calls it)
         t, c = self.cfg.train, self.cfg.train.checkpoint
         self.fmt = "dcp" if self.cfg.parallel.strategy == "fsdp" and env.distributed else "torch"
+        mirror = None
+        if self.cfg.resource.storage and env.rank == 0:
+            from trainlab.train.mirror import CheckpointMirror
+
+            mirror = CheckpointMirror.for_run(self.cfg.resource.storage, job.run_path)
         self.writer = ck.CheckpointWriter(
-            job.checkpoint_root, env.rank, env.world_size, c.keep_last, c.keep_best, c.async_save
+            job.checkpoint_root,
+            env.rank,
+            env.world_size,
+            c.keep_last,
+            c.keep_best,
+            c.async_save,
+            mirror=mirror,
         )
         self.tokens_per_step = self.cfg.global_batch_size * self.cfg.data.seq_len
         self.flops_per_token = float(job.plan.get("flops_per_token") or 0.0)
