@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.unit.track.conftest import only_run
+from tests.unit.track.conftest import FakeRank0, only_run, tiny_config
 
 STARTUP_TIMEOUT_S = 180  # the server imports a lot; 2 busy cores can be slow
 
@@ -33,7 +33,9 @@ def _get(url: str) -> bytes:
 
 
 @pytest.mark.slow
-def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp_path):
+def test_ui_serves_the_runs_store_on_loopback_only(
+    rank0, client, runs_root, tmp_path, monkeypatch
+):
     played = rank0()
     played.full_run()
     run_id = only_run(client).info.run_id
@@ -63,6 +65,24 @@ def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp
         assert float(params["train.lr"]) == played.cfg.train.lr
         plan = json.loads(_get(f"{base}/get-artifact?path=plan.json&run_uuid={run_id}"))
         assert plan["num_params"] > 0
+        # A run recorded through the server (MLFLOW_TRACKING_URI set, as with a
+        # tracking server on a cluster): its own runs root gets no store of its own,
+        # the record lands in the server's, read back over HTTP.
+        from mlflow import MlflowClient
+
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", base)
+        elsewhere = tmp_path / "elsewhere"
+        FakeRank0(tiny_config(elsewhere, "name=served"), elsewhere).full_run()
+        assert not (elsewhere / "mlflow.db").exists()
+        remote = MlflowClient(base)
+        experiments = [e.experiment_id for e in remote.search_experiments()]
+        (found,) = remote.search_runs(experiments, "attributes.run_name = 'served'")
+        steps = [m.step for m in remote.get_metric_history(found.info.run_id, "loss")]
+        assert steps and steps == sorted(set(steps))
+        assert found.data.tags["config_hash"] and found.info.status == "FINISHED"
+        artifacts = {a.path for a in remote.list_artifacts(found.info.run_id)}
+        assert {"run_summary.json", "plan.json"} <= artifacts, artifacts
+        assert {r.info.run_name for r in client.search_runs(experiments)} >= {"served"}
         listening = {
             c.laddr
             for p in [
