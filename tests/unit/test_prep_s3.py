@@ -4,12 +4,6 @@ S3 filesystem, against a real S3-compatible server (moto's) on 127.0.0.1."""
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 
 import pytest
 
@@ -19,45 +13,10 @@ from trainlab.errors import UserError
 TEXT = "A document stored in a bucket, long enough to be kept by the cleaner. "
 
 
-@pytest.fixture(scope="module")
-def s3_url():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = Path(sys.executable).parent / "moto_server"
-    proc = subprocess.Popen(
-        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            break
-        except OSError:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise RuntimeError("moto_server did not start") from None
-            time.sleep(0.2)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=10)
-
-
 @pytest.fixture
-def bucket(s3_url, monkeypatch) -> str:
-    import boto3
-
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_url)
-    for var in ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE"):
-        monkeypatch.delenv(var, raising=False)
-    s3 = boto3.client("s3", region_name="us-east-1", endpoint_url=s3_url)
-    name = f"corpus-{time.monotonic_ns()}"
-    s3.create_bucket(Bucket=name)
+def bucket(s3_env) -> str:
+    """A bucket on the moto server (tests/unit/conftest.py) holding a few sources."""
+    s3, name = s3_env
     objects = {
         "raw/b.txt": TEXT + "b",
         "raw/a.txt": TEXT + "a",

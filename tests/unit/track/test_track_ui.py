@@ -33,9 +33,7 @@ def _get(url: str) -> bytes:
 
 
 @pytest.mark.slow
-def test_ui_serves_the_runs_store_on_loopback_only(
-    rank0, client, runs_root, tmp_path, monkeypatch
-):
+def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp_path, monkeypatch):
     played = rank0()
     played.full_run()
     run_id = only_run(client).info.run_id
