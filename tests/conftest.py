@@ -5,6 +5,10 @@ costs 5-9 s), through the `ray_cluster` fixture."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,3 +37,54 @@ def ray_cluster():
 @pytest.fixture
 def repo() -> Path:
     return REPO
+
+
+# --------------------------------------------------------------------------- S3
+# A real S3-compatible server (moto's) on 127.0.0.1, for storage and prep tests.
+
+
+def _free_port() -> int:
+    from trainlab.jobs.localcluster import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """moto's S3-compatible server as a real HTTP server on 127.0.0.1."""
+    port = _free_port()
+    exe = Path(sys.executable).parent / "moto_server"
+    proc = subprocess.Popen(
+        [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("moto_server did not start") from None
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    import boto3
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(var, raising=False)
+    s3 = boto3.client("s3", region_name="us-east-1", endpoint_url=s3_server)
+    bucket = f"ckpt-{time.monotonic_ns()}"
+    s3.create_bucket(Bucket=bucket)
+    return s3, bucket

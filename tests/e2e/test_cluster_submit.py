@@ -4,7 +4,8 @@ auth), started and stopped by trainlab's own `cluster up/down` code, and
 training jobs submitted to it:
 
 - `trainlab submit --follow --json`: SUCCEEDED, the two training workers on two
-  different nodes, the run recorded in MLflow under the job's id;
+  different nodes, the run recorded in MLflow under the job's id, its
+  checkpoints copied to `resource.storage` on a local S3-compatible server;
 - plain `ray job submit --working-dir . -- python trainers/pretrain.py ...`:
   SUCCEEDED and recorded;
 - the raylet of a node hosting a training worker killed mid-run: the run
@@ -56,7 +57,32 @@ def _trainlab(*args: str, timeout: float = 120, **kwargs) -> subprocess.Complete
 
 
 @pytest.fixture(scope="module")
-def cluster(trainlab_home, ray_cluster):
+def s3_bucket(s3_server):
+    """A bucket on the local S3-compatible server; its endpoint and (test)
+    credentials in the environment the cluster's nodes start from, as an
+    instance role or the nodes' own environment would provide them."""
+    import boto3
+
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": s3_server,
+    }
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    s3 = boto3.client("s3", region_name="us-east-1", endpoint_url=s3_server)
+    bucket = f"e2e-{time.monotonic_ns()}"
+    s3.create_bucket(Bucket=bucket)
+    yield s3, bucket
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+@pytest.fixture(scope="module")
+def cluster(trainlab_home, ray_cluster, s3_bucket):
     """Started and stopped with `trainlab cluster up/down`, while another Ray instance
     (the session's) runs on this machine, as on a shared box: nothing of ours may
     mistake it for our cluster."""
@@ -159,7 +185,10 @@ def _summary(run_dir: str | Path) -> dict:
     return json.loads((Path(run_dir) / "run_summary.json").read_text())
 
 
-def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(cluster, dataset, tmp_path):
+def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(
+    cluster, dataset, tmp_path, s3_bucket
+):
+    s3, bucket = s3_bucket
     runs = tmp_path / "runs"
     # No RAY_AUTH_MODE: trainlab finds the token and sends it itself.
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
@@ -169,6 +198,8 @@ def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(cluster, dataset
             "submit",
             "trainers/recipes/tiny.yaml",
             *_sets(overrides(dataset, runs, steps=4, every=2)),
+            "--set",
+            f"resource.storage=s3://{bucket}/runs",
             "--address",
             cluster.dashboard_url,
             "--follow",
@@ -187,6 +218,10 @@ def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(cluster, dataset
     assert result["run_dir"].startswith(str(runs))
     summary = _summary(result["run_dir"])
     assert (summary["status"], summary["final_step"]) == ("completed", 4)
+    # Rank 0, on whichever node, copied the final checkpoint to the bucket.
+    run_key = "/".join(Path(result["run_dir"]).parts[-2:])
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket)["Contents"]}
+    assert f"runs/{run_key}/checkpoints/step-00000004/checkpoint.json" in keys, keys
     run = _mlflow_run(runs, result["job_id"])
     assert run.info.status == "FINISHED" and "loss" in run.data.metrics
     # The job ran from a copy without .git; the submission told it its version (a
