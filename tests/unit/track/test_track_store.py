@@ -50,3 +50,33 @@ def test_run_key_and_metric_names():
     assert run_key("/a/b/run") != run_key("/a/b/run2")
     assert metric_name("share/code-v2.x") == "share/code-v2.x"
     assert metric_name("share/c++") == "share/c__"
+
+
+def _open_store_at_once(uri: str, barrier, results) -> None:
+    from trainlab.track.store import client_for, get_or_create_experiment
+
+    barrier.wait()
+    try:
+        client = client_for(uri)
+        get_or_create_experiment(client, "tiny", None)
+        results.put("ok")
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        results.put(f"{type(e).__name__}: {e}"[:300])
+
+
+def test_runs_starting_at_once_on_a_fresh_runs_root_share_one_store(tmp_path):
+    """Tune trials (or two `trainlab train`) opening a new embedded store together."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    uri = f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}"
+    barrier, results = ctx.Barrier(3), ctx.Queue()
+    procs = [
+        ctx.Process(target=_open_store_at_once, args=(uri, barrier, results)) for _ in range(3)
+    ]
+    for p in procs:
+        p.start()
+    outcomes = [results.get(timeout=120) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+    assert outcomes == ["ok"] * 3, outcomes
