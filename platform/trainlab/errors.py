@@ -8,6 +8,12 @@ exits with code 2. Anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 
+def first_line(e: BaseException) -> str:
+    """An exception's first line of text, or its type's name when it has none."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 class UserError(Exception):
     """Bad input from the user; exit code 2, no traceback."""
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from trainlab.errors import UserError
+from trainlab.errors import UserError, first_line
 
 ENDPOINT_ENV_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 REGION_ENV_VARS = ("AWS_REGION", "AWS_DEFAULT_REGION")
@@ -159,7 +159,7 @@ def check_writable(storage: Storage) -> None:
         fs.delete_file(probe)
     except (OSError, ValueError) as e:  # pyarrow raises OSError subclasses
         where = f" (endpoint {storage.endpoint_url})" if storage.endpoint_url else ""
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_line(e)
         raise UserError(f"storage {storage.uri}{where} is not writable: {first}") from None
     if back != payload:
         raise UserError(f"storage {storage.uri}: a probe file read back differently")

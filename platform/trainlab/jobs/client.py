@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainlab.errors import UserError
+from trainlab.errors import UserError, first_line
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
@@ -139,7 +139,7 @@ def _first_line(e: BaseException) -> str:
             "the cluster requires a token: set RAY_AUTH_TOKEN or put it in "
             "~/.ray/auth_token (`ray get-auth-token` on the head node prints it)"
         )
-    return text.splitlines()[0] if text else type(e).__name__
+    return first_line(e)
 
 
 # --------------------------------------------------------------------------- jobs

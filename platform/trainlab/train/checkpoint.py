@@ -38,14 +38,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from trainlab.train.mirror import CheckpointMirror
 
 META_FILE = "checkpoint.json"
 FORMAT_VERSION = 1
 PREFIX = "step-"
 STAGING_PREFIX = ".tmp-"
+PULL_PREFIX = ".pull-"  # a checkpoint copy being downloaded (trainlab.train.mirror)
 DONE_PREFIX = ".done-rank"
 
 log = logging.getLogger(__name__)
@@ -238,7 +242,7 @@ def clean_staging(root: Path) -> None:
     before any rank writes)."""
     if root.is_dir():
         for child in root.iterdir():
-            if child.name.startswith((STAGING_PREFIX, ".pull-")):
+            if child.name.startswith((STAGING_PREFIX, PULL_PREFIX)):
                 shutil.rmtree(child, ignore_errors=True)
 
 
@@ -327,7 +331,7 @@ class CheckpointWriter:
         keep_last: int,
         keep_best: int,
         async_save: bool,
-        mirror: Any = None,
+        mirror: CheckpointMirror | None = None,
     ):
         """`mirror`: a `trainlab.train.mirror.CheckpointMirror` (rank 0), which gets
         a copy of what retention keeps after every commit."""

@@ -27,11 +27,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from trainlab.errors import first_line
 from trainlab.train import checkpoint as ck
 
 log = logging.getLogger(__name__)
-
-PULL_PREFIX = ".pull-"
 
 
 class CheckpointMirror:
@@ -112,9 +111,10 @@ class CheckpointMirror:
         try:
             pushed = self.sync(local_root, keep_last, keep_best)
         except Exception as e:  # noqa: BLE001 - an outage must not stop training
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             log.warning(
-                "copying checkpoints to %s failed (retried next time): %s", self.uri(), first
+                "copying checkpoints to %s failed (retried next time): %s",
+                self.uri(),
+                first_line(e),
             )
             return
         for step in pushed:
@@ -128,16 +128,14 @@ class CheckpointMirror:
         restored."""
         have = ck.find_resume(local_root, require_valid=require_valid)
         newer = [s for s in self.steps() if have is None or s > have.step]
-        restored = []
         for step in reversed(newer):
             if self._download(step, local_root, require_valid):
-                restored.append(step)
-                break
-        return restored
+                return [step]
+        return []
 
     def _download(self, step: int, local_root: Path, require_valid: bool) -> bool:
         src = f"{self.root}/{ck.dir_name(step)}"
-        staging = local_root / f"{PULL_PREFIX}{ck.dir_name(step)}"
+        staging = local_root / f"{ck.PULL_PREFIX}{ck.dir_name(step)}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         try:
