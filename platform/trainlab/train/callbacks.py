@@ -55,6 +55,11 @@ class Callback:
     def on_run_end(self, summary: dict[str, Any]) -> None:
         """The run ended (completed, failed or stopped); `summary` is run_summary.json."""
 
+    def on_run_abandoned(self, run_dir: str, summary: dict[str, Any]) -> None:
+        """Called by the driver, on a fresh instance that saw no other hook, when the
+        run ended without its workers reaching `on_run_end` (Ray Train gave up):
+        close whatever an earlier instance opened for `run_dir`."""
+
 
 class CallbackList(Callback):
     """Fan a hook out to several callbacks; one failing callback never kills a run."""
@@ -87,6 +92,9 @@ class CallbackList(Callback):
 
     def on_run_end(self, summary: dict[str, Any]) -> None:
         self._each("on_run_end", summary)
+
+    def on_run_abandoned(self, run_dir: str, summary: dict[str, Any]) -> None:
+        self._each("on_run_abandoned", run_dir, summary)
 
     @property
     def stop_requested(self) -> bool:  # type: ignore[override]
