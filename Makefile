@@ -33,13 +33,13 @@ test-fast: setup
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
 
 lint: setup
-	$(VENV)/bin/ruff check platform tests data_prep trainers cluster
+	$(VENV)/bin/ruff check platform devtools tests data_prep trainers cluster
 
 demo: setup
-	$(PY) -m trainlab.demo
+	$(PY) -m devtools.demo
 
 bench: setup
-	$(PY) -m trainlab.bench
+	$(PY) -m devtools.bench
 
 clean:
 	rm -rf $(VENV) runs data/demo bench-results.json

@@ -1,12 +1,17 @@
 """Build the demo corpus: `python data_prep/build_demo_corpus.py [--out DIR] [--max-mb N]`.
 
-The logic is trainlab.data.prep.demo_corpus; see there for what goes in.
+The logic is devtools/demo_corpus.py; see there for what goes in.
 """
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
-from trainlab.data.prep.demo_corpus import DEMO_RAW, build_demo_corpus
+# devtools/ sits at the repository root, beside this script's folder.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from devtools.demo_corpus import DEMO_RAW, build_demo_corpus  # noqa: E402
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

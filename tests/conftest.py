@@ -23,7 +23,7 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 @pytest.fixture(scope="session")
 def ray_cluster():
     """The session's local Ray cluster (8 logical CPUs on a 2-core machine; see
-    ARCHITECTURE.md on why fewer deadlocks Ray Train + Ray Data)."""
+    docs/ray-resources.md on why fewer deadlocks Ray Train + Ray Data)."""
     import ray
 
     from trainlab.raycluster import ensure_ray

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
+from devtools.datasets import small_dataset
 from trainlab.config import ExperimentConfig, config_hash
 from trainlab.data import WorkerLoader, prepare_run_data
-from trainlab.data.testing import small_dataset
 from trainlab.plan import plan, resolve_layout
 from trainlab.train.job import TrainJob
 
@@ -80,14 +80,14 @@ def make_job(cfg: ExperimentConfig, run_dir: Path) -> TrainJob:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     return TrainJob(
-        cfg=cfg.model_dump(mode="json"),
+        cfg=cfg,
         plan=plan(cfg).to_json(),
         run_dir=str(run_dir),
         config_hash=config_hash(cfg),
         dataset_fingerprint=spec.fingerprint,
         manifest_path=str(Path(spec.path) / "manifest.json"),
         data_spec=spec,
-        sources=list(spec.sources),
+        sources=tuple(spec.sources),
         session="test",
         started_at=time.time(),
     )

@@ -4,7 +4,8 @@ The embedded cluster advertises more logical CPUs than the machine has cores
 (max(8, 2 x cores)): on a 2-core box a `num_cpus=2` cluster deadlocks as soon
 as two 1-CPU training workers and a Ray Data pipeline share it (the data
 operators never get a CPU). Work that runs beside training caps its own
-resources instead of relying on the count (see trainlab.data).
+resources instead of relying on the count (see trainlab.data and
+docs/ray-resources.md).
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ log = logging.getLogger(__name__)
 # no dashboard and dies with its driver, placement groups included, so the
 # cleaner has nothing to do there and its "state API unavailable" warning is noise.
 _EMBEDDED_NOISE = {
-    "ray.train.v2._internal.execution.controller.placement_group_cleaner":
-        "Failed to query Ray Train Controller actor state",
+    "ray.train.v2._internal.execution.controller.placement_group_cleaner": "Failed to query Ray Train Controller actor state",
 }
 
 
@@ -44,8 +44,11 @@ def local_num_cpus(requested: int | None = None) -> int:
     return requested or max(8, 2 * (os.cpu_count() or 1))
 
 
-def ensure_ray(num_cpus: int | None = None, address: str | None = None,
-               runtime_env: dict[str, Any] | None = None) -> dict[str, Any]:
+def ensure_ray(
+    num_cpus: int | None = None,
+    address: str | None = None,
+    runtime_env: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Connect once per process; return `ray.cluster_resources()`.
 
     `address` (or RAY_ADDRESS) connects to an existing cluster. Otherwise a new

@@ -163,10 +163,3 @@ def check_writable(storage: Storage) -> None:
         raise UserError(f"storage {storage.uri}{where} is not writable: {first}") from None
     if back != payload:
         raise UserError(f"storage {storage.uri}: a probe file read back differently")
-
-
-def storage_for(cfg: Any, repo_root: str | Path) -> Storage:
-    """The storage of a config's runs: `resource.storage` when set, else `train.runs_root`
-    (relative paths are relative to `repo_root`)."""
-    location = getattr(cfg.resource, "storage", None) or cfg.train.runs_root
-    return resolve_storage(location, base_dir=repo_root)

@@ -114,7 +114,7 @@ def cluster(trainlab_home, ray_cluster, s3_bucket):
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    from trainlab.data.testing import write_stdlib_dataset
+    from devtools.datasets import write_stdlib_dataset
 
     root = tmp_path_factory.mktemp("prepared")
     write_stdlib_dataset(root, code_docs=60, prose_docs=200, vocab_size=2048)
@@ -161,7 +161,7 @@ def _mlflow_run(runs: Path, job_id: str):
 
 def _worker_nodes(cluster, job_id: str) -> set[str]:
     """Node ids of the job's Ray Train workers, from the cluster's state API."""
-    from trainlab.jobs.client import auth_headers
+    from trainlab.jobs.auth import auth_headers
 
     ray_job_id = _client(cluster).get_job_info(job_id).job_id
     query = urllib.parse.urlencode(

@@ -20,8 +20,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.slow]
 def demo_prepared(ray_cluster: Any) -> Path:
     """data/demo/prepared, built (corpus + prep) if this checkout has none yet;
     prep says "up to date" and does nothing when it is current."""
+    from devtools.demo_corpus import build_demo_corpus
     from trainlab.data.prep import run_prep
-    from trainlab.data.prep.demo_corpus import build_demo_corpus
 
     build_demo_corpus(REPO / "data/demo/raw")
     out = REPO / "data/demo/prepared"

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
+from devtools.datasets import small_dataset
 from trainlab.config import ExperimentConfig
 from trainlab.data import DataSpec, WorkerLoader, prepare_run_data
-from trainlab.data.testing import small_dataset
 
 pytestmark = pytest.mark.ray
 

@@ -62,27 +62,11 @@ class LazyGroup(click.Group):
         if target is None:
             return None
         module_name, attr = target.split(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if e.name != module_name:
-                raise
-            return _not_yet_available(cmd_name)
-        return getattr(module, attr)
+        return getattr(importlib.import_module(module_name), attr)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with formatter.section("Commands"):
             formatter.write_dl([(name, HELP.get(name, "")) for name in COMMANDS])
-
-
-def _not_yet_available(name: str) -> click.Command:
-    @click.command(name=name, context_settings={"ignore_unknown_options": True})
-    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-    def cmd(args: tuple[str, ...]) -> int:
-        click.echo(f"trainlab {name}: not yet available in this version", err=True)
-        return 1
-
-    return cmd
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from trainlab.config.rules import Problem, check_rules, resolve_parallel_defaults
 from trainlab.config.schema import SECTIONS, ExperimentConfig
-from trainlab.errors import ConfigError
+from trainlab.errors import ConfigError, field_errors, read_yaml
 
 EXTENDS_KEY = "extends"
 # What an experiment is and why: each file says it for itself, never inherited.
@@ -30,19 +30,7 @@ NOT_INHERITED = ("name", "purpose", "expectation")
 
 
 def _read_yaml_mapping(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read ({e.__class__.__name__}: {e})") from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(f"{where}: invalid YAML ({problem})") from None
+    data = read_yaml(path, ConfigError)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -141,21 +129,19 @@ def _field_names(loc: tuple[Any, ...]) -> list[str]:
 
 def _problems_from(err: ValidationError, prefix: tuple[Any, ...] = ()) -> list[Problem]:
     problems = []
-    for e in err.errors():
-        loc = (*prefix, *e["loc"])
-        path = ".".join(str(p) for p in loc) or "(top level)"
-        if e["type"] == "extra_forbidden":
+    for e in field_errors(err, prefix):
+        loc = e.loc
+        if e.kind == "extra_forbidden":
             known = _field_names(loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
             hint = f"; did you mean {'.'.join(map(str, (*loc[:-1], close[0])))!r}?" if close else ""
-            problems.append(Problem(path, e["input"], f"unknown key{hint}"))
-        elif e["type"] == "missing":
-            problems.append(Problem(path, None, "required"))
-        elif e["type"] == "value_error" and not e["loc"]:
+            problems.append(Problem(e.where, e.value, f"unknown key{hint}"))
+        elif e.kind == "missing":
+            problems.append(Problem(e.where, None, "required"))
+        elif e.kind == "value_error" and len(loc) == len(prefix):
             continue  # a cross-field ValueError: reported by check_rules instead
         else:
-            msg = e["msg"].removeprefix("Value error, ")
-            problems.append(Problem(path, e["input"], msg[:1].lower() + msg[1:]))
+            problems.append(Problem(e.where, e.value, e.rule))
     return problems
 
 
@@ -209,7 +195,11 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 # Fields that describe the record or the run's operation, not what is trained:
 # changing them does not change the experiment's identity.
 _NOT_IDENTITY = {
-    "name": None, "purpose": None, "expectation": None, "owner": None, "tracking": None,
+    "name": None,
+    "purpose": None,
+    "expectation": None,
+    "owner": None,
+    "tracking": None,
     "train": {"chaos", "checkpoint", "max_failures", "runs_root", "log_interval"},
     "resource": {"job_retries", "local_num_cpus", "cpu_memory_gb", "peak_tflops"},
 }

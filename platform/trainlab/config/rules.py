@@ -66,12 +66,9 @@ def resolve_parallel_defaults(parallel: Any, resource: Any) -> None:
 def _heads_divide_hidden(cfg: dict[str, Any]) -> Iterator[Problem]:
     m = cfg["model"]
     if m["hidden_size"] % m["num_heads"]:
-        yield Problem("model.num_heads", m["num_heads"],
-                      f"must divide model.hidden_size ({m['hidden_size']})")
-    elif m["arch"] == "llama" and (m["hidden_size"] // m["num_heads"]) % 2:
-        yield Problem("model.num_heads", m["num_heads"],
-                      f"head dim hidden_size/num_heads = {m['hidden_size'] // m['num_heads']} "
-                      "must be even for RoPE (arch llama)")
+        yield Problem(
+            "model.num_heads", m["num_heads"], f"must divide model.hidden_size ({m['hidden_size']})"
+        )
 
 
 @rule("model")
@@ -80,10 +77,17 @@ def _kv_heads(cfg: dict[str, Any]) -> Iterator[Problem]:
     kv = m["num_kv_heads"] or m["num_heads"]
     if m["num_heads"] % kv:
         yield Problem("model.num_kv_heads", kv, f"must divide model.num_heads ({m['num_heads']})")
-    if m["arch"] == "gpt2" and kv != m["num_heads"]:
-        yield Problem("model.num_kv_heads", kv,
-                      f"arch gpt2 has no grouped-query attention; must equal model.num_heads "
-                      f"({m['num_heads']})")
+
+
+@rule("model")
+def _arch_checks(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """What only the architecture knows (e.g. RoPE needs an even head dim, gpt2 has
+    no grouped-query attention): asked of its file in trainlab.models.archs."""
+    from trainlab.models.registry import find_arch
+
+    arch = find_arch(cfg["model"]["arch"])
+    if arch is not None:  # an unknown name is the schema's error
+        yield from arch.check(cfg["model"])
 
 
 # --------------------------------------------------------------------------- data/train
@@ -92,16 +96,22 @@ def _kv_heads(cfg: dict[str, Any]) -> Iterator[Problem]:
 @rule("model", "data")
 def _seq_len_fits(cfg: dict[str, Any]) -> Iterator[Problem]:
     if cfg["data"]["seq_len"] > cfg["model"]["max_seq_len"]:
-        yield Problem("data.seq_len", cfg["data"]["seq_len"],
-                      f"must be <= model.max_seq_len ({cfg['model']['max_seq_len']})")
+        yield Problem(
+            "data.seq_len",
+            cfg["data"]["seq_len"],
+            f"must be <= model.max_seq_len ({cfg['model']['max_seq_len']})",
+        )
 
 
 @rule("train")
 def _warmup_before_end(cfg: dict[str, Any]) -> Iterator[Problem]:
     t = cfg["train"]
     if t["warmup_steps"] >= t["total_steps"]:
-        yield Problem("train.warmup_steps", t["warmup_steps"],
-                      f"must be < train.total_steps ({t['total_steps']})")
+        yield Problem(
+            "train.warmup_steps",
+            t["warmup_steps"],
+            f"must be < train.total_steps ({t['total_steps']})",
+        )
 
 
 @rule("train")
@@ -109,15 +119,19 @@ def _chaos_within_run(cfg: dict[str, Any]) -> Iterator[Problem]:
     t = cfg["train"]
     for k in t["chaos"]["kill_at_steps"]:
         if k >= t["total_steps"]:
-            yield Problem("train.chaos.kill_at_steps", k,
-                          f"must be < train.total_steps ({t['total_steps']})")
+            yield Problem(
+                "train.chaos.kill_at_steps", k, f"must be < train.total_steps ({t['total_steps']})"
+            )
 
 
 @rule("train", "resource")
 def _precision_device(cfg: dict[str, Any]) -> Iterator[Problem]:
     if cfg["train"]["precision"] == "fp16" and not cfg["resource"]["use_gpu"]:
-        yield Problem("train.precision", "fp16",
-                      "fp16 needs a GPU (resource.use_gpu: true); use bf16 or fp32 on CPU")
+        yield Problem(
+            "train.precision",
+            "fp16",
+            "fp16 needs a GPU (resource.use_gpu: true); use bf16 or fp32 on CPU",
+        )
 
 
 @rule("train", "resource")
@@ -136,17 +150,22 @@ def _world_size(cfg: dict[str, Any]) -> Iterator[Problem]:
     tp, pp, dp = p["tp"], p["pp"], p["dp"]
     if None not in (tp, pp, dp):
         if tp * pp * dp != n:
-            yield Problem("parallel", f"tp={tp} pp={pp} dp={dp}",
-                          f"tp*pp*dp = {tp * pp * dp} must equal resource.num_workers ({n})")
+            yield Problem(
+                "parallel",
+                f"tp={tp} pp={pp} dp={dp}",
+                f"tp*pp*dp = {tp * pp * dp} must equal resource.num_workers ({n})",
+            )
     else:
         given = [v for v in (tp, pp, dp) if v is not None]
         prod = 1
         for v in given:
             prod *= v
         if n % prod:
-            yield Problem("parallel", {k: p[k] for k in ("tp", "pp", "dp") if p[k] is not None},
-                          f"the product of the given sizes ({prod}) must divide "
-                          f"resource.num_workers ({n})")
+            yield Problem(
+                "parallel",
+                {k: p[k] for k in ("tp", "pp", "dp") if p[k] is not None},
+                f"the product of the given sizes ({prod}) must divide resource.num_workers ({n})",
+            )
 
 
 @rule("parallel", "model")
@@ -172,9 +191,12 @@ def _tp_divides_heads(cfg: dict[str, Any]) -> Iterator[Problem]:
 def _tp_within_node(cfg: dict[str, Any]) -> Iterator[Problem]:
     tp, r = cfg["parallel"]["tp"], cfg["resource"]
     if tp is not None and r["use_gpu"] and tp > r["gpus_per_node"]:
-        yield Problem("parallel.tp", tp,
-                      f"tensor parallelism stays within a node: must be <= "
-                      f"resource.gpus_per_node ({r['gpus_per_node']})")
+        yield Problem(
+            "parallel.tp",
+            tp,
+            f"tensor parallelism stays within a node: must be <= "
+            f"resource.gpus_per_node ({r['gpus_per_node']})",
+        )
 
 
 @rule("parallel")
@@ -184,12 +206,18 @@ def _zero_matches_strategy(cfg: dict[str, Any]) -> Iterator[Problem]:
     if z is None:
         return
     if p["strategy"] == "ddp" and z not in (0, 1):
-        yield Problem("parallel.zero_stage", z,
-                      "strategy ddp runs ZeRO stage 0 or 1; stages 2-3 need strategy fsdp")
+        yield Problem(
+            "parallel.zero_stage",
+            z,
+            "strategy ddp runs ZeRO stage 0 or 1; stages 2-3 need strategy fsdp",
+        )
     if p["strategy"] == "fsdp" and z not in (2, 3):
-        yield Problem("parallel.zero_stage", z,
-                      "strategy fsdp shards gradients (stage 2) or everything (stage 3); "
-                      "stages 0-1 need strategy ddp")
+        yield Problem(
+            "parallel.zero_stage",
+            z,
+            "strategy fsdp shards gradients (stage 2) or everything (stage 3); "
+            "stages 0-1 need strategy ddp",
+        )
 
 
 @rule("parallel")
@@ -209,9 +237,15 @@ def _storage_form(cfg: dict[str, Any]) -> Iterator[Problem]:
         return
     scheme, _, rest = storage.partition("://")
     if scheme not in ("s3", "file"):
-        yield Problem("resource.storage", storage,
-                      "must be a filesystem path every node sees or s3://bucket/prefix")
+        yield Problem(
+            "resource.storage",
+            storage,
+            "must be a filesystem path every node sees or s3://bucket/prefix",
+        )
     elif scheme == "s3" and (not rest.split("/")[0] or "?" in rest):
-        yield Problem("resource.storage", storage,
-                      "expected s3://bucket/prefix (endpoint via AWS_ENDPOINT_URL, "
-                      "credentials via AWS_* variables, never in the URI)")
+        yield Problem(
+            "resource.storage",
+            storage,
+            "expected s3://bucket/prefix (endpoint via AWS_ENDPOINT_URL, "
+            "credentials via AWS_* variables, never in the URI)",
+        )

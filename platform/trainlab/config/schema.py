@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PosInt = Annotated[int, Field(ge=1)]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
@@ -28,16 +28,20 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    """A decoder-only LM. `gpt2`: learned positions, LayerNorm, GELU MLP, biases.
-    `llama`: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no biases."""
+    """A decoder-only LM. `arch` names an architecture of trainlab.models.registry
+    (one file each in trainlab/models/archs/), e.g. `gpt2`: learned positions,
+    LayerNorm, GELU MLP, biases; `llama`: RoPE, RMSNorm, SwiGLU MLP, grouped-query
+    attention, no biases; `llama_qknorm`: llama with per-head q/k RMSNorm."""
 
-    arch: Literal["gpt2", "llama"] = "llama"
+    # Architecture, by name (see trainlab.models.registry; `trainlab.models.archs`).
+    arch: str = "llama"
     hidden_size: int = Field(256, ge=8, le=65536)
     num_layers: int = Field(4, ge=1, le=1024)
     num_heads: int = Field(4, ge=1, le=1024)
     # Key/value heads for grouped-query attention; null means num_heads (plain MHA).
     num_kv_heads: int | None = Field(None, ge=1, le=1024)
-    # MLP width; null means 4*hidden (gpt2) or 8/3*hidden rounded up to 256 (llama).
+    # MLP width; null means the architecture's default: 4*hidden (gpt2) or
+    # 8/3*hidden rounded up to 256 (llama).
     ffn_hidden_size: int | None = Field(None, ge=1, le=1_048_576)
     vocab_size: int = Field(8192, ge=2, le=4_194_304)
     max_seq_len: int = Field(1024, ge=1, le=1_048_576)
@@ -49,15 +53,23 @@ class ModelConfig(Section):
     init_std: float = Field(0.02, gt=0, le=1.0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
 
+    @field_validator("arch")
+    @classmethod
+    def _known_arch(cls, name: str) -> str:
+        from trainlab.models.registry import find_arch, unknown_arch_message
+
+        if find_arch(name) is None:
+            raise ValueError(unknown_arch_message())
+        return name
+
     @model_validator(mode="after")
     def _fill_defaults(self) -> ModelConfig:
+        from trainlab.models.registry import get_arch
+
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size is None:
-            if self.arch == "gpt2":
-                self.ffn_hidden_size = 4 * self.hidden_size
-            else:
-                self.ffn_hidden_size = 256 * -(-(8 * self.hidden_size // 3) // 256)
+            self.ffn_hidden_size = get_arch(self.arch).default_ffn_hidden_size(self)
         return self
 
     @property
@@ -174,7 +186,7 @@ class ResourceConfig(Section):
     # Peak dense TFLOP/s of one device at the training precision, for MFU; null = unknown.
     peak_tflops: float | None = Field(None, gt=0, le=100_000)
     # Logical CPUs of the embedded local Ray cluster; null = max(8, 2*cores) so that
-    # training workers and Ray Data never starve each other (see ARCHITECTURE.md).
+    # training workers and Ray Data never starve each other (see docs/ray-resources.md).
     local_num_cpus: int | None = Field(None, ge=1, le=4096)
     # `trainlab submit`: resubmit a job that failed for infrastructure reasons.
     job_retries: int = Field(0, ge=0, le=100)

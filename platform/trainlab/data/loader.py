@@ -12,7 +12,7 @@ packing only.
 Resources are capped per pipeline: tasks ask for `data.loader_cpus /
 world_size` CPUs and the dataset's resource limit is the same, so the data side
 never takes the CPUs the training workers hold (the 2-core deadlock in
-ARCHITECTURE.md) and never grows beyond its budget.
+docs/ray-resources.md) and never grows beyond its budget.
 
 With Ray Data, `iter_from` starts the pipeline at once and keeps a few steps
 ready in a background thread, so setup overlaps the model's and training
@@ -197,12 +197,12 @@ def _no_ray_data_metric_pushes() -> None:
     pushes and the actor's handling of them took ~9% of training throughput
     (window medians 7.3-7.8k vs 8.4-8.9k tokens/s without). Ray has no switch for
     it, so the two senders of `_StatsManager` become no-ops; Ray Data's own
-    bookkeeping (backpressure, `Dataset.stats()`) is untouched. If a Ray release
-    renames them, nothing is patched and the loader works as before."""
-    try:
-        from ray.data._internal.stats import _StatsManager
-    except ImportError:  # pragma: no cover - a Ray release without it
-        return
+    bookkeeping (backpressure, `Dataset.stats()`) is untouched. Ray is pinned
+    (pyproject.toml), and that release has `_StatsManager`; an upgrade that moves
+    it fails here rather than silently losing the patch, and one that renames the
+    two senders leaves them unpatched (the loader works as before)."""
+    from ray.data._internal.stats import _StatsManager
+
     for name in ("update_execution_metrics", "update_iteration_metrics"):
         if hasattr(_StatsManager, name):
             setattr(_StatsManager, name, staticmethod(_drop_metrics))
@@ -220,10 +220,8 @@ def _unblock(block: dict[str, np.ndarray]) -> Iterator[tuple[int, Batch, dict]]:
 def _resolve_backend(backend: Backend) -> Literal["ray_data", "local"]:
     if backend != "auto":
         return backend
-    try:
-        import ray
-    except ImportError:  # pragma: no cover - ray is a dependency
-        return "local"
+    import ray
+
     return "ray_data" if ray.is_initialized() else "local"
 
 

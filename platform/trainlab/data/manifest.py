@@ -7,7 +7,6 @@ shard's sha256. A problem is a `UserError` naming the file and what is wrong.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.errors import UserError
+from trainlab.fileutil import sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -147,14 +147,6 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         token_dtype=dtype,
         sources=sources,
     )
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_shards(manifest: Manifest, checksums: bool = True) -> None:

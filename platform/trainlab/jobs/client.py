@@ -1,13 +1,12 @@
-"""Talking to a cluster's job server: address, token, list, stop, follow.
+"""Talking to a cluster's job server: address, list, stop, follow.
 
 The address of the Jobs API (the dashboard, e.g. http://127.0.0.1:8265) comes
 from, in order: `--address`, `RAY_API_SERVER_ADDRESS`, `RAY_ADDRESS` when it is
 an http(s) URL, and the cluster started by `trainlab cluster up`.
 
-Ray 2.60 clusters require a token. We send it ourselves as a bearer header,
-looked up the way Ray does (`RAY_AUTH_TOKEN`, then the file at
-`RAY_AUTH_TOKEN_PATH`, then `~/.ray/auth_token`), so the client works without
-the caller having to export `RAY_AUTH_MODE=token`.
+Ray 2.60 clusters require a token. We send it ourselves as a bearer header
+(`trainlab.jobs.auth`), so the client works without the caller having to
+export `RAY_AUTH_MODE=token`.
 """
 
 from __future__ import annotations
@@ -18,55 +17,13 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from trainlab.errors import UserError, first_line
+from trainlab.jobs.auth import auth_headers
+from trainlab.jobs.localcluster import read_state
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-
-
-# --------------------------------------------------------------------------- token
-
-
-def default_token_path() -> Path:
-    return Path.home() / ".ray" / "auth_token"
-
-
-def auth_token() -> str | None:
-    """The token the way Ray finds it; None when there is none."""
-    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
-        return os.environ["RAY_AUTH_TOKEN"].strip()
-    path_var = os.environ.get("RAY_AUTH_TOKEN_PATH")
-    path = Path(path_var).expanduser() if path_var else default_token_path()
-    try:
-        token = path.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        if path_var:
-            raise UserError(f"RAY_AUTH_TOKEN_PATH={path_var}: file not found") from None
-        return None
-    return token or None
-
-
-def ensure_token() -> Path | None:
-    """Make sure a token exists for a cluster we start: keep an existing one (other
-    clusters on this machine use it), else write a new one readable by us only.
-    Returns the file written, or None when a token already existed."""
-    if auth_token():
-        return None
-    import secrets
-
-    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or default_token_path()).expanduser()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_hex(32))
-    return path
-
-
-def auth_headers() -> dict[str, str]:
-    token = auth_token()
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 # --------------------------------------------------------------------------- address
@@ -80,8 +37,6 @@ def resolve_address(address: str | None = None) -> str:
         env = os.environ.get("RAY_ADDRESS", "")
         address = env if env.startswith(("http://", "https://")) else None
     if not address:
-        from trainlab.jobs.localcluster import read_state
-
         state = read_state()
         address = state.dashboard_url if state else None
     if not address:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.errors import UserError
+from trainlab.jobs.auth import ensure_token
 
 HOST = "127.0.0.1"
 DEFAULT_GCS_PORT = 6390
@@ -280,7 +281,6 @@ def cluster_up(
     timeout_s: float = 300.0,
 ) -> ClusterState:
     """Start the head (and `worker_nodes` more raylets); record and return the state."""
-    from trainlab.jobs.client import ensure_token
     from trainlab.raycluster import local_num_cpus
 
     if read_state() is not None:

@@ -98,6 +98,10 @@ class MonitorCallback(Callback):
             except Exception:  # noqa: BLE001 - closing a sink must not fail the run's end
                 log.exception("closing alert sink %s failed", type(sink).__name__)
 
+    def on_run_abandoned(self, run_dir: str, summary: dict[str, Any]) -> None:
+        """Nothing to close: sinks live in the process that ran the steps, and this
+        (fresh) instance opened none."""
+
     # ---------------------------------------------------------------- signals
 
     def signals(self, step: int, metrics: dict[str, float], now: float) -> dict[str, float]:

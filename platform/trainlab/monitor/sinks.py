@@ -1,19 +1,20 @@
 """Where alerts go: the run log, the MLflow run, and a webhook.
 
 A sink never raises into training: a failed delivery is logged and dropped.
-The webhook posts from a background thread, so a slow or dead endpoint never
-stalls a training step; `close()` waits (bounded) for posts still queued.
+The webhook posts from a one-worker `concurrent.futures.ThreadPoolExecutor`
+(in order), so a slow or dead endpoint never stalls a training step; `close()`
+waits (bounded) for posts still queued and drops, with a warning, what is left.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import queue
-import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -94,20 +95,23 @@ class WebhookSink:
         self.url = url
         self.timeout = timeout
         self.delivered = 0
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="trainlab-webhook", daemon=True)
-        self._thread.start()
+        self._posts: list[Future[None]] = []  # not yet known to be done
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainlab-webhook")
 
     def send(self, alert: Alert) -> None:
-        self._queue.put(alert.to_json())
+        self._posts = [f for f in self._posts if not f.done()]
+        self._posts.append(self._executor.submit(self._post, alert.to_json()))
 
-    def close(self) -> None:
-        self._queue.put(None)
-        self._thread.join(CLOSE_TIMEOUT_S)
-
-    def _run(self) -> None:
-        while (payload := self._queue.get()) is not None:
-            self._post(payload)
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Wait up to `timeout` for the posts still queued; drop the rest (a post in
+        flight finishes in the background, within its own timeouts)."""
+        _, pending = wait_futures(self._posts, timeout)
+        self._posts = []
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if pending:
+            log.warning(
+                "alert webhook: %d alert post(s) still pending at close, dropped", len(pending)
+            )
 
     def _post(self, payload: dict[str, Any]) -> None:
         body = json.dumps(payload).encode()
@@ -134,3 +138,12 @@ class WebhookSink:
                     )
                     return
                 time.sleep(0.5 * attempt)
+            except Exception as e:  # noqa: BLE001 - e.g. a malformed HTTP reply: not retried
+                log.warning(
+                    "alert webhook: %s at step %s not delivered (%s: %s)",
+                    payload["rule"],
+                    payload["step"],
+                    type(e).__name__,
+                    e,
+                )
+                return

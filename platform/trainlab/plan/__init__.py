@@ -11,7 +11,15 @@ from trainlab.plan.model_math import (
 from trainlab.plan.planner import Layout, Plan, plan, require_fit, resolve_layout
 
 __all__ = [
-    "Layout", "ParamCount", "Plan", "activation_bytes", "activation_bytes_per_layer",
-    "count_params", "flops_per_token", "model_state_bytes", "plan", "require_fit",
+    "Layout",
+    "ParamCount",
+    "Plan",
+    "activation_bytes",
+    "activation_bytes_per_layer",
+    "count_params",
+    "flops_per_token",
+    "model_state_bytes",
+    "plan",
+    "require_fit",
     "resolve_layout",
 ]

@@ -6,9 +6,19 @@ source so it can be checked against the paper.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 from trainlab.config.schema import ModelConfig
+from trainlab.models.registry import ParamCount, get_arch
+
+__all__ = [
+    "GiB",
+    "ParamCount",
+    "activation_bytes",
+    "activation_bytes_per_layer",
+    "count_params",
+    "flops_per_token",
+    "model_state_bytes",
+    "state_bytes_per_param",
+]
 
 GiB = 1024**3
 
@@ -16,49 +26,14 @@ GiB = 1024**3
 # --------------------------------------------------------------------------- parameters
 
 
-@dataclass(frozen=True)
-class ParamCount:
-    embedding: int  # token embedding table
-    position: int  # learned position table (gpt2 only)
-    per_layer: int  # one transformer block
-    layers: int  # all blocks
-    final_norm: int
-    head: int  # output projection when untied (0 when tied to the embedding)
-    total: int
-
-    @property
-    def non_embedding(self) -> int:
-        """Parameters outside the lookup tables (blocks, final norm, untied head)."""
-        return self.total - self.embedding - self.position
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
-
-
 def count_params(m: ModelConfig) -> ParamCount:
-    """Exact parameter count of the model trainlab builds from `m`.
+    """Exact parameter count of the model trainlab builds from `m`, as its
+    architecture (trainlab.models.archs) counts it.
 
     GPT-2 small (h=768, L=12, V=50257, T=1024, tied) gives 124,439,808;
     Llama-2-7B (h=4096, L=32, a=32, f=11008, V=32000, untied) gives 6,738,415,616.
     """
-    h, f, V = m.hidden_size, m.ffn_hidden_size, m.vocab_size
-    kv_dim = (m.num_kv_heads or m.num_heads) * (h // m.num_heads)
-    if m.arch == "gpt2":
-        norm = 2 * h  # LayerNorm weight + bias
-        attn = (h * (h + 2 * kv_dim) + (h + 2 * kv_dim)) + (h * h + h)  # qkv + out, with biases
-        mlp = (h * f + f) + (f * h + h)  # fc + proj, with biases
-        position = m.max_seq_len * h
-    else:
-        norm = h  # RMSNorm weight only
-        attn = h * h + 2 * h * kv_dim + h * h  # q, k, v, o; no biases
-        mlp = 3 * h * f  # gate, up, down (SwiGLU)
-        position = 0
-    per_layer = attn + mlp + 2 * norm
-    embedding = V * h
-    head = 0 if m.tie_embeddings else V * h
-    layers = per_layer * m.num_layers
-    total = embedding + position + layers + norm + head
-    return ParamCount(embedding, position, per_layer, layers, norm, head, total)
+    return get_arch(m.arch).count_params(m)
 
 
 # --------------------------------------------------------------------------- model states
@@ -74,8 +49,9 @@ def state_bytes_per_param(precision: str) -> tuple[int, int, int]:
     return (4, 4, 8) if precision == "fp32" else (2, 2, 12)
 
 
-def model_state_bytes(num_params: int, precision: str, zero_stage: int, dp: int,
-                      model_parallel: int = 1) -> dict[str, float]:
+def model_state_bytes(
+    num_params: int, precision: str, zero_stage: int, dp: int, model_parallel: int = 1
+) -> dict[str, float]:
     """Bytes of weights, grads and optimizer state on one device.
 
     Tensor and pipeline parallelism split the parameters over `model_parallel`
@@ -95,9 +71,15 @@ def model_state_bytes(num_params: int, precision: str, zero_stage: int, dp: int,
 # --------------------------------------------------------------------------- activations
 
 
-def activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none",
-                               precision: str = "bf16") -> float:
+def activation_bytes_per_layer(
+    m: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    precision: str = "bf16",
+) -> float:
     """Activation memory of one transformer block for one micro batch, in bytes.
 
     Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
@@ -108,7 +90,8 @@ def activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, t
         selective recompute:       the 5*a*s/h term (attention scores) is recomputed
         full recompute:            2*s*b*h (only the block input is kept; /t with SP)
     The constants 34 = 11 (attention) + 19 (MLP) + 4 (two norms) hold for GPT-2
-    blocks; for other shapes they are re-derived term by term the same way:
+    blocks; for other shapes they are re-derived term by term the same way, with
+    the terms the architecture states (trainlab.models.registry.Architecture):
     attention 7 + 4*g with g = kv_heads/heads (K and V shrink under GQA), MLP
     3 + 4*f/h (GELU) or 3 + 8*f/h (SwiGLU: gate, its activation, up, product).
     Of these, 10 (norm inputs, attention and MLP inputs, two dropout masks) are
@@ -117,8 +100,9 @@ def activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, t
     s, b, h, a = seq_len, micro_batch, m.hidden_size, m.num_heads
     g = (m.num_kv_heads or a) / a
     f_over_h = m.ffn_hidden_size / h
-    attention = 7 + 4 * g
-    mlp = 3 + (4 if m.arch == "gpt2" else 8) * f_over_h
+    arch = get_arch(m.arch)
+    attention = arch.attention_activation_terms(g)
+    mlp = 3 + arch.mlp_activation_factor * f_over_h
     linear_terms = attention + mlp + 4  # 34 for a GPT-2 block
     replicated = 10.0
     scores = 5 * a * s / h
@@ -135,9 +119,16 @@ def activation_bytes_per_layer(m: ModelConfig, seq_len: int, micro_batch: int, t
     return per_layer * (2 if precision == "fp32" else 1)
 
 
-def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1, pp: int = 1,
-                     sequence_parallel: bool = False, recompute: str = "none",
-                     precision: str = "bf16") -> float:
+def activation_bytes(
+    m: ModelConfig,
+    seq_len: int,
+    micro_batch: int,
+    tp: int = 1,
+    pp: int = 1,
+    sequence_parallel: bool = False,
+    recompute: str = "none",
+    precision: str = "bf16",
+) -> float:
     """Activation memory on the busiest device for one micro batch, in bytes.
 
     Layers: with 1F1B pipelining the first stage holds pp micro batches of its
@@ -146,8 +137,9 @@ def activation_bytes(m: ModelConfig, seq_len: int, micro_batch: int, tp: int = 1
     (Korthikanti: 4*s*b*h/t*(1 + v/h): final-norm and head inputs, and fp32
     logits for the loss), counted on the same device as a conservative bound.
     """
-    per_layer = activation_bytes_per_layer(m, seq_len, micro_batch, tp, sequence_parallel,
-                                           recompute, precision)
+    per_layer = activation_bytes_per_layer(
+        m, seq_len, micro_batch, tp, sequence_parallel, recompute, precision
+    )
     s, b, h, v = seq_len, micro_batch, m.hidden_size, m.vocab_size
     embedding = s * b * h * pp / tp
     output = 4 * s * b * h / tp * (1 + v / h)

@@ -95,7 +95,8 @@ def device_memory_bytes(cfg: ExperimentConfig) -> tuple[float, str]:
     total = host_memory_bytes()
     return total / r.num_workers, (
         f"CPU workers share this host's {total / GiB:.1f} GiB: "
-        f"{total / r.num_workers / GiB:.1f} GiB each (set resource.cpu_memory_gb to override)")
+        f"{total / r.num_workers / GiB:.1f} GiB each (set resource.cpu_memory_gb to override)"
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -138,8 +139,15 @@ def _memory(cfg: ExperimentConfig, lay: Layout, micro_batch: int) -> dict[str, f
     n = count_params(m).total
     mem = model_state_bytes(n, t.precision, lay.zero_stage, lay.dp, lay.tp * lay.pp)
     mem["activations"] = activation_bytes(
-        m, cfg.data.seq_len, micro_batch, lay.tp, lay.pp,
-        p.sequence_parallel and lay.tp > 1, p.activation_checkpointing, t.precision)
+        m,
+        cfg.data.seq_len,
+        micro_batch,
+        lay.tp,
+        lay.pp,
+        p.sequence_parallel and lay.tp > 1,
+        p.activation_checkpointing,
+        t.precision,
+    )
     mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
     return mem
 
@@ -183,14 +191,18 @@ def plan(cfg: ExperimentConfig) -> Plan:
         p = cfg.parallel
         chosen = Layout(p.tp or 1, p.pp or 1, p.dp or r.num_workers, p.zero_stage or 0)
         fits = _memory(cfg, chosen, mb)["total"] <= usable
-        notes.append(f"layout as configured: strategy {p.strategy}, tp={chosen.tp} pp={chosen.pp} "
-                     f"dp={chosen.dp} zero_stage={chosen.zero_stage}")
+        notes.append(
+            f"layout as configured: strategy {p.strategy}, tp={chosen.tp} pp={chosen.pp} "
+            f"dp={chosen.dp} zero_stage={chosen.zero_stage}"
+        )
 
     mem = _memory(cfg, chosen, mb)
     mb_max = _max_micro_batch(cfg, chosen, usable)
     if not fits:
-        notes.append(f"does not fit: {mem['total'] / GiB:.2f} GiB per device > usable "
-                     f"{usable / GiB:.2f} GiB of {dev_mem / GiB:.2f} GiB device memory")
+        notes.append(
+            f"does not fit: {mem['total'] / GiB:.2f} GiB per device > usable "
+            f"{usable / GiB:.2f} GiB of {dev_mem / GiB:.2f} GiB device memory"
+        )
     elif mb_max < mb:  # pragma: no cover - fits implies mb <= mb_max
         notes.append(f"micro batch {mb} exceeds the largest that fits ({mb_max})")
     if chosen.tp > 1 or chosen.pp > 1:
@@ -201,8 +213,12 @@ def plan(cfg: ExperimentConfig) -> Plan:
         params_breakdown=pc.as_dict(),
         world_size=r.num_workers,
         strategy=chosen.strategy,
-        parallel={"tp": chosen.tp, "pp": chosen.pp, "dp": chosen.dp,
-                  "zero_stage": chosen.zero_stage},
+        parallel={
+            "tp": chosen.tp,
+            "pp": chosen.pp,
+            "dp": chosen.dp,
+            "zero_stage": chosen.zero_stage,
+        },
         memory_per_device_bytes=mem,
         device_memory_bytes=dev_mem,
         usable_memory_bytes=usable,
@@ -222,8 +238,10 @@ def _why(lay: Layout, skipped: int, fits: bool) -> str:
         return f"nothing fits; the smallest footprint is {what}"
     if skipped == 0:
         return f"chose {what}: the least-communicating layout already fits"
-    return (f"chose {what}: {skipped} layout(s) that communicate less do not fit "
-            "(preference: ZeRO sharding over dp, then tp within a node, then pp)")
+    return (
+        f"chose {what}: {skipped} layout(s) that communicate less do not fit "
+        "(preference: ZeRO sharding over dp, then tp within a node, then pp)"
+    )
 
 
 def require_fit(p: Plan) -> None:

@@ -42,7 +42,8 @@ def close_run(
     cfg: Any, run_dir: str, summary: dict[str, Any], runs_root: str | None = None
 ) -> str | None:
     """Driver side: end the MLflow run of a training run that failed for good
-    (its workers could not); see `trainlab.track.mlflow_cb.close_run`."""
+    (its workers could not). The same as calling `on_run_abandoned(run_dir,
+    summary)` on fresh `default_callbacks(cfg)`; see `trainlab.track.mlflow_cb.close_run`."""
     from trainlab.track.mlflow_cb import close_run as _close_run
 
     return _close_run(cfg, run_dir, summary, runs_root)

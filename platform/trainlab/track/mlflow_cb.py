@@ -6,7 +6,7 @@ group continues the same MLflow run. Steps redone after restoring a
 checkpoint are not logged again: each metric keeps a high-water mark of its
 logged steps (seeded from the store on resume), so every metric's steps stay
 strictly increasing and the first-logged value of a step is the one kept.
-Metric points go to the store from a background thread (trainlab.track.writer);
+Metric points go to the store from a background worker (trainlab.track.writer);
 everything else (params, tags, artifacts) is written synchronously.
 """
 
@@ -313,6 +313,14 @@ class MlflowCallback(Callback):
             self.set_tags(tags)
             self._client.set_terminated(self.run_id, _MLFLOW_STATUS.get(status, "FAILED"))
 
+    def on_run_abandoned(self, run_dir: str, summary: dict[str, Any]) -> None:
+        """The driver's close of a run whose workers never reached `on_run_end`
+        (Ray Train gave up): attach to the MLflow run of `run_dir`, if there is
+        one, and end it as `on_run_end` would (run_summary.json, alert log,
+        curves, status tag and MLflow status). Nothing happens without a run."""
+        if self.attach(run_dir):
+            self.on_run_end(summary)
+
     def attach(self, run_dir: str) -> bool:
         """Connect to the existing MLflow run of `run_dir` without creating one
         (for closing a run from the driver); False when there is none."""
@@ -444,7 +452,5 @@ def close_run(
     alert log, curves, status tag and MLflow status. Returns the run id, or None
     when that training run has no MLflow run."""
     tracker = MlflowCallback(cfg, runs_root=runs_root)
-    if not tracker.attach(run_dir):
-        return None
-    tracker.on_run_end(summary)
+    tracker.on_run_abandoned(run_dir, summary)
     return tracker.run_id

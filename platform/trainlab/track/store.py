@@ -9,9 +9,7 @@ Everything here imports mlflow lazily: config commands never pay for it.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -52,31 +50,21 @@ def embedded_db_path(uri: str) -> Path | None:
 def client_for(uri: str) -> MlflowClient:
     """An MLflow client on `uri`; creates the embedded store's folder if needed.
 
-    A new embedded store is created under an exclusive lock (`mlflow.db.lock`):
-    runs starting at once on a fresh runs root (Tune trials, two `trainlab train`)
-    would otherwise race MLflow's table creation ("table ... already exists")."""
+    A new embedded store is created under an exclusive file lock (`mlflow.db.lock`,
+    `filelock.FileLock`): runs starting at once on a fresh runs root (Tune trials,
+    two `trainlab train`) would otherwise race MLflow's table creation ("table ...
+    already exists")."""
+    from filelock import FileLock
     from mlflow import MlflowClient
 
     db = embedded_db_path(uri)
     if db is None:
         return MlflowClient(tracking_uri=uri)
     db.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(db.with_name(db.name + ".lock")):
+    with FileLock(db.with_name(db.name + ".lock")):
         client = MlflowClient(tracking_uri=uri)
         client.search_experiments(max_results=1)  # creates or migrates the tables
     return client
-
-
-@contextlib.contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    import fcntl
-
-    with open(lock_path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def get_or_create_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:

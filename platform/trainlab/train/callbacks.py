@@ -103,3 +103,18 @@ class CallbackList(Callback):
     @property
     def stop_reason(self) -> str:  # type: ignore[override]
         return "; ".join(cb.stop_reason for cb in self.callbacks if cb.stop_requested)
+
+
+def build_callbacks(factories: tuple[str, ...] | list[str], cfg: Any) -> CallbackList:
+    """The callbacks of a run from import paths of factories ("package.module:function",
+    each `function(cfg) -> list[Callback]`), in order. The training layer knows no
+    callback by name: whoever launches the run says which (trainlab.train.run)."""
+    import importlib
+
+    out: list[Callback] = []
+    for path in factories:
+        module, _, name = path.partition(":")
+        if not module or not name:
+            raise ValueError(f"callback factory {path!r}: expected 'package.module:function'")
+        out.extend(getattr(importlib.import_module(module), name)(cfg))
+    return CallbackList(out)

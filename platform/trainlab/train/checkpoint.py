@@ -27,23 +27,20 @@ valid AND whose files still match their checksums, warning about each one skippe
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import queue
 import shutil
-import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from trainlab.train.mirror import CheckpointMirror
+from trainlab.fileutil import sha256_file
 
 META_FILE = "checkpoint.json"
 FORMAT_VERSION = 1
@@ -93,14 +90,6 @@ def _fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _payload_files(directory: Path) -> list[Path]:
@@ -199,6 +188,24 @@ def find_resume(root: Path, require_valid: bool = True) -> CheckpointInfo | None
             continue
         return info
     return None
+
+
+def foreign_config(info: CheckpointInfo, config_hash: str) -> str | None:
+    """What makes checkpoint `info` not this experiment's, or None. (Whether its
+    dataset may differ is the data stream's rule: trainlab.data.check_resume.)"""
+    theirs = info.meta.get("config_hash")
+    if theirs != config_hash:
+        return (
+            f"{info.path}: trained with config hash {theirs}, this config is {config_hash}; "
+            "start a new run instead of resuming"
+        )
+    return None
+
+
+def data_state(info: CheckpointInfo) -> dict[str, Any]:
+    """The data position recorded in a checkpoint's metadata, in the form the data
+    stream checks on resume (trainlab.data.check_resume)."""
+    return {"step": info.step, "fingerprint": info.meta.get("dataset_fingerprint")}
 
 
 def best(infos: list[CheckpointInfo]) -> CheckpointInfo | None:
@@ -319,9 +326,9 @@ def wait_for_ranks(staging: Path, world_size: int, timeout_s: float = 3600.0) ->
 
 
 class CheckpointWriter:
-    """Runs the write + commit protocol for one rank, inline or in a background
-    thread (`async_save`). At most one checkpoint is in flight per rank; results of
-    rank 0's commits are collected with `completed()` on the main thread."""
+    """Runs the write + commit protocol for one rank, inline or on a one-thread
+    executor (`async_save`). At most one checkpoint is in flight per rank; rank 0's
+    commits are collected with `completed()` on the main thread."""
 
     def __init__(
         self,
@@ -331,16 +338,16 @@ class CheckpointWriter:
         keep_last: int,
         keep_best: int,
         async_save: bool,
-        mirror: CheckpointMirror | None = None,
+        after_commit: Callable[[], None] | None = None,
     ):
-        """`mirror`: a `trainlab.train.mirror.CheckpointMirror` (rank 0), which gets
-        a copy of what retention keeps after every commit."""
+        """`after_commit`: called on rank 0 after each commit and pruning (e.g. the
+        copy to resource.storage, trainlab.train.mirror)."""
         self.root, self.rank, self.world_size = root, rank, world_size
-        self.mirror = mirror
-        self.keep_last, self.keep_best, self.async_save = keep_last, keep_best, async_save
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._results: queue.Queue[CheckpointInfo] = queue.Queue()
+        self.after_commit = after_commit
+        self.keep_last, self.keep_best = keep_last, keep_best
+        self._executor = ThreadPoolExecutor(1, "checkpoint") if async_save else None
+        self._future: Future[CheckpointInfo | None] | None = None
+        self._done: list[CheckpointInfo] = []
 
     def staging_dir(self, step: int) -> Path:
         path = self.root / f"{STAGING_PREFIX}{dir_name(step)}"
@@ -359,45 +366,41 @@ class CheckpointWriter:
         self.wait()
         staging = self.staging_dir(step)
 
-        def work() -> None:
+        def work() -> CheckpointInfo | None:
             write_files(staging)
             write_done_marker(staging, self.rank)
-            if self.rank == 0:
-                wait_for_ranks(staging, self.world_size)
-                info = commit(staging, self.root / dir_name(step), meta, validator)
-                prune(self.root, self.keep_last, self.keep_best)
-                if self.mirror is not None:
-                    self.mirror.safe_sync(self.root, self.keep_last, self.keep_best)
-                self._results.put(info)
+            if self.rank != 0:
+                return None
+            wait_for_ranks(staging, self.world_size)
+            info = commit(staging, self.root / dir_name(step), meta, validator)
+            prune(self.root, self.keep_last, self.keep_best)
+            if self.after_commit is not None:
+                self.after_commit()
+            return info
 
-        if not self.async_save:
-            work()
-            return
+        if self._executor is None:
+            self._collect(work())
+        else:
+            self._future = self._executor.submit(work)
 
-        def guarded() -> None:
-            try:
-                work()
-            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
-                self._error = e
-
-        self._thread = threading.Thread(target=guarded, name=f"checkpoint-{step}", daemon=True)
-        self._thread.start()
+    def _collect(self, info: CheckpointInfo | None) -> None:
+        if info is not None:
+            self._done.append(info)
 
     def wait(self) -> None:
         """Block until this rank's checkpoint in flight is written (and, on rank 0,
         committed); re-raise its error."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            err, self._error = self._error, None
-            raise RuntimeError(f"writing a checkpoint failed: {err}") from err
+        future, self._future = self._future, None
+        if future is None:
+            return
+        try:
+            self._collect(future.result())
+        except Exception as e:
+            raise RuntimeError(f"writing a checkpoint failed: {e}") from e
 
     def completed(self) -> list[CheckpointInfo]:
         """Checkpoints committed since the last call (rank 0)."""
-        out = []
-        while True:
-            try:
-                out.append(self._results.get_nowait())
-            except queue.Empty:
-                return out
+        if self._future is not None and self._future.done():
+            self.wait()
+        out, self._done = self._done, []
+        return out

@@ -1,24 +1,22 @@
 """Recording failures of Ray Train workers (agents) for the failure summary.
 
 Failures of training processes are recorded by their agents
-(trainlab.train.supervisor). When an agent itself dies (its node is lost, the
+(trainlab.train.agent). When an agent itself dies (its node is lost, the
 actor is killed), Ray Train's controller calls `FailureRecorder.after_exception`
 before restarting the group; each such failure becomes lines of
 `logs/failures.jsonl` (one per rank, one event) with the step of the newest
-attempt record, the rank and the error.
+logged step (logs/progress.json), the rank and the error.
 """
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
-from pathlib import Path
 from typing import Any
 
 from ray.train import UserCallback
 
-from trainlab.train.summary import last_logged_step
+from trainlab.train.records import Failure, RunRecords
 
 
 def one_line(error: BaseException) -> str:
@@ -41,23 +39,21 @@ class FailureRecorder(UserCallback):
         self.run_dir, self.session = run_dir, session
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
-        logs = Path(self.run_dir) / "logs"
-        step = last_logged_step(logs)
+        records = RunRecords(self.run_dir)
+        step = records.last_logged_step()
         event = f"ray-{uuid.uuid4().hex[:8]}"
         now = time.time()
-        with open(logs / "failures.jsonl", "a") as f:
-            for rank, error in sorted(worker_exceptions.items()):
-                f.write(
-                    json.dumps(
-                        {
-                            "session": self.session,
-                            "event": event,
-                            "time": now,
-                            "rank": rank,
-                            "step": step,
-                            "kind": "lost",
-                            "error": f"Ray Train worker lost: {one_line(error)}",
-                        }
-                    )
-                    + "\n"
+        records.add_failures(
+            *(
+                Failure(
+                    self.session,
+                    event,
+                    rank,
+                    step,
+                    f"Ray Train worker lost: {one_line(error)}",
+                    "lost",
+                    time=now,
                 )
+                for rank, error in sorted(worker_exceptions.items())
+            )
+        )

@@ -1,24 +1,33 @@
-"""What the driver hands every training worker: small, picklable, no torch."""
+"""What the driver hands every training worker: small, picklable, no torch.
+
+The config arrives here validated and with its layout resolved, once: workers
+read `job.cfg` as the typed `ExperimentConfig` and never validate it again.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainlab.config import ExperimentConfig
 
-@dataclass
+
+@dataclass(frozen=True)
 class TrainJob:
-    cfg: dict[str, Any]  # ExperimentConfig.model_dump(mode="json"), layout resolved
+    cfg: ExperimentConfig  # layout resolved (parallel.strategy in ddp/fsdp)
     plan: dict[str, Any]  # Plan.to_json()
     run_dir: str  # absolute
     config_hash: str
     dataset_fingerprint: str
     manifest_path: str  # absolute
     data_spec: Any  # trainlab.data.DataSpec
-    sources: list[str]  # source names, in manifest order
+    sources: tuple[str, ...]  # source names, in manifest order
     session: str  # one `trainlab train` invocation; attempts of it share this id
     started_at: float  # driver's time.time() at launch, for wall_seconds
+    # Import paths ("module:function") of callback factories, each `f(cfg) -> list`
+    # of trainlab.train.callbacks.Callback; rank 0 builds them in its worker.
+    callbacks: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # forwarded to workers (MLFLOW_*, ...)
     torch_threads: int = 1
     ray_job_id: str | None = None
@@ -34,12 +43,3 @@ class TrainJob:
     @property
     def logs_dir(self) -> Path:
         return self.run_path / "logs"
-
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["data_spec"] = self.data_spec  # keep the object (asdict would flatten a dataclass)
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainJob:
-        return cls(**d)

@@ -11,6 +11,10 @@ A worker failure restarts the whole group (`FailureConfig(max_failures)`),
 which resumes from the newest valid checkpoint. When the retries are used up,
 `run` writes run_summary.json with status "failed" and the list of failures
 (step, rank, error) and raises `TrainingFailed`.
+
+Side effects (the experiment record, alerts) come as callbacks named by import
+path (`callbacks=`, default `DEFAULT_CALLBACKS`): the training layer imports
+none of them itself.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from trainlab.plan import plan, require_fit, resolve_layout
 from trainlab.train import checkpoint as ck
 from trainlab.train import rundir
 from trainlab.train.job import TrainJob
-from trainlab.train.summary import failed_summary, read_attempts, write_summary
+from trainlab.train.records import RunRecords, failed_summary
 
 log = logging.getLogger("trainlab.train")
 
@@ -43,6 +47,8 @@ HEALTH_CHECK_INTERVAL_S = "0.5"
 SMOKE_STEPS = 6
 SMOKE_KILL_AT = 4
 SMOKE_CHECKPOINT_EVERY = 3
+# The experiment record (MLflow) and monitoring: callback factories by import path.
+DEFAULT_CALLBACKS = ("trainlab.track:default_callbacks",)
 
 
 class TrainingFailed(Exception):
@@ -104,23 +110,18 @@ def prepare_data(cfg: ExperimentConfig) -> DataInfo:
     return DataInfo(spec, spec.fingerprint, str(manifest), list(spec.sources))
 
 
-def check_resumable(run_dir: Path, cfg: ExperimentConfig, chash: str, fingerprint: str) -> None:
+def check_resumable(run_dir: Path, cfg: ExperimentConfig, chash: str, data: DataInfo) -> None:
     """A checkpoint in run_dir must be of this experiment and (unless allowed) dataset."""
+    from trainlab.data import check_resume
+
     rundir.check_same_experiment(run_dir, cfg)
     info = ck.find_resume(run_dir / "checkpoints", require_valid=cfg.train.checkpoint.validate)
     if info is None:
         return
-    if info.meta.get("config_hash") != chash:
-        raise UserError(
-            f"{info.path}: trained with config hash {info.meta.get('config_hash')}, "
-            f"this config is {chash}; start a new run instead of resuming"
-        )
-    theirs = info.meta.get("dataset_fingerprint")
-    if theirs != fingerprint and not cfg.data.allow_fingerprint_change:
-        raise UserError(
-            f"{info.path}: trained on dataset {theirs}, {cfg.data.path} is now "
-            f"{fingerprint}; set data.allow_fingerprint_change: true to resume anyway"
-        )
+    problem = ck.foreign_config(info, chash)
+    if problem:
+        raise UserError(problem)
+    check_resume(data.spec, ck.data_state(info))
 
 
 def restore_from_storage(cfg: ExperimentConfig, run_dir: Path) -> list[int]:
@@ -172,11 +173,13 @@ def run(
     resume: bool = False,
     smoke: bool = False,
     base_dir: Path | None = None,
+    callbacks: tuple[str, ...] = DEFAULT_CALLBACKS,
 ) -> dict[str, Any]:
     """Train `cfg` on Ray Train; return the run summary (run_summary.json).
 
     `base_dir` is what a relative train.runs_root is relative to (default: the
-    current directory). Raises UserError before anything starts for what the user
+    current directory); `callbacks` are import paths ("module:function") of
+    factories `function(cfg) -> list[Callback]` run on rank 0. Raises UserError before anything starts for what the user
     must fix, and TrainingFailed when the run fails after `train.max_failures`
     restarts.
     """
@@ -189,20 +192,21 @@ def run(
     path = rundir.choose_run_dir(cfg, run_dir, resume and not smoke, base_dir)
     if cfg.resource.storage and (resume or run_dir is not None) and not smoke:
         restore_from_storage(cfg, path)
-    check_resumable(path, cfg, chash, data.fingerprint)
+    check_resumable(path, cfg, chash, data)
     rundir.write_run_files(path, cfg, plan_json)
     _driver_log(path)
     job = TrainJob(
-        cfg=cfg.model_dump(mode="json"),
+        cfg=cfg,
         plan=plan_json,
         run_dir=str(path),
         config_hash=chash,
         dataset_fingerprint=data.fingerprint,
         manifest_path=data.manifest_path,
         data_spec=data.spec,
-        sources=data.sources,
+        sources=tuple(data.sources),
         session=uuid.uuid4().hex[:12],
         started_at=started,
+        callbacks=tuple(callbacks),
         env=forwarded_env(),
         torch_threads=max(1, int(cfg.resource.cpus_per_worker)),
         ray_job_id=ray_job_id(),
@@ -236,7 +240,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     per_worker = {"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})}
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config=job.to_dict(),
+        train_loop_config={"job": job},
         scaling_config=ray.train.ScalingConfig(
             num_workers=r.num_workers, use_gpu=r.use_gpu, resources_per_worker=per_worker
         ),
@@ -263,25 +267,25 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
             f"(train.max_failures = {cfg.train.max_failures}): "
             f"{one_line(e)}",
         )
-        write_summary(job.run_path, summary)
-        _close_record(cfg, job, summary)
+        RunRecords(job.run_dir).write_summary(summary)
+        _abandon(job, summary)
         raise TrainingFailed(summary) from None
-    summary = json.loads((job.run_path / "run_summary.json").read_text())
+    summary = RunRecords(job.run_dir).read_summary()
+    if summary is None:
+        raise RuntimeError(f"{job.run_dir}: the run ended without writing run_summary.json")
     if summary.get("status") == "failed":  # the agents ran out of restarts
         raise TrainingFailed(summary)
     return summary
 
 
-def _close_record(cfg: ExperimentConfig, job: TrainJob, summary: dict[str, Any]) -> None:
-    """End the run's experiment record as failed (its workers could not)."""
+def _abandon(job: TrainJob, summary: dict[str, Any]) -> None:
+    """End the run's records kept by callbacks (its workers could not)."""
+    from trainlab.train.callbacks import build_callbacks
+
     try:
-        from trainlab.track import close_run
-    except ImportError:
-        return
-    try:
-        close_run(cfg, job.run_dir, summary)
+        build_callbacks(job.callbacks, job.cfg).on_run_abandoned(job.run_dir, summary)
     except Exception:  # noqa: BLE001 - a tracking outage must not hide the failure summary
-        log.exception("could not close the experiment record of %s", job.run_dir)
+        log.exception("could not close the records of %s", job.run_dir)
 
 
 def _check_cluster(cfg: ExperimentConfig) -> None:
@@ -305,7 +309,8 @@ def _check_cluster(cfg: ExperimentConfig) -> None:
 def _check_smoke(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     """The rehearsal passed when a worker was killed, the group resumed from the
     validated checkpoint before the kill, and the run completed."""
-    resumed_from = [a["start_step"] for a in read_attempts(run_dir)][1:]
+    records = RunRecords(run_dir)
+    resumed_from = [a["start_step"] for a in records.attempts()][1:]
     checks = {
         "completed": summary.get("status") == "completed",
         "checkpoint_saved_and_validated": bool(ck.committed(run_dir / "checkpoints"))
@@ -317,7 +322,7 @@ def _check_smoke(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     if not all(checks.values()):
         failed = ", ".join(k for k, ok in checks.items() if not ok)
         summary.update(status="failed", error=f"smoke rehearsal failed: {failed}")
-        write_summary(run_dir, summary)
+        records.write_summary(summary)
         raise TrainingFailed(summary)
-    write_summary(run_dir, summary)
+    records.write_summary(summary)
     return summary

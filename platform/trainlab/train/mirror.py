@@ -108,6 +108,7 @@ class CheckpointMirror:
         return pushed
 
     def safe_sync(self, local_root: Path, keep_last: int, keep_best: int) -> None:
+        """`sync`, logging instead of raising: an outage never stops training."""
         try:
             pushed = self.sync(local_root, keep_last, keep_best)
         except Exception as e:  # noqa: BLE001 - an outage must not stop training

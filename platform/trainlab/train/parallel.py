@@ -26,7 +26,6 @@ from torch import nn
 
 from trainlab.config.schema import ExperimentConfig, TrainConfig
 from trainlab.errors import UserError
-from trainlab.models.transformer import Block, TransformerLM
 from trainlab.train.distributed import DistEnv
 
 
@@ -52,7 +51,8 @@ def check_executable(cfg: ExperimentConfig) -> None:
         )
 
 
-def apply_activation_checkpointing(model: TransformerLM, mode: str) -> None:
+def apply_activation_checkpointing(model: nn.Module, mode: str) -> None:
+    """Recompute blocks (the elements of `model.layers`) in backward."""
     if mode == "none":
         return
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -68,11 +68,11 @@ def apply_activation_checkpointing(model: TransformerLM, mode: str) -> None:
         checkpoint_wrapper_fn=partial(
             checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
         ),
-        check_fn=lambda m: isinstance(m, Block) and id(m) in chosen,
+        check_fn=lambda m: id(m) in chosen,
     )
 
 
-def apply_parallelism(model: TransformerLM, cfg: ExperimentConfig, env: DistEnv) -> nn.Module:
+def apply_parallelism(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> nn.Module:
     """Wrap `model` (already on env.device) for the configured strategy."""
     apply_activation_checkpointing(model, cfg.parallel.activation_checkpointing)
     if not env.distributed:
@@ -91,9 +91,9 @@ def apply_parallelism(model: TransformerLM, cfg: ExperimentConfig, env: DistEnv)
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def unwrap(model: nn.Module) -> TransformerLM:
-    """The TransformerLM inside DDP (FSDP2 shards in place and needs no unwrapping)."""
-    return model.module if hasattr(model, "module") else model  # type: ignore[return-value]
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside DDP (FSDP2 shards in place and needs no unwrapping)."""
+    return model.module if hasattr(model, "module") else model
 
 
 def uses_zero1(cfg: ExperimentConfig, env: DistEnv) -> bool:

@@ -1,80 +1,74 @@
-"""The function every Ray Train worker runs: logging, threads, device, the data
-stream and the callbacks for this rank, then the `Trainer`."""
+"""The function every Ray Train worker runs: environment, priority, logging,
+device, the data stream and (on rank 0) the callbacks, then the `Agent` that
+runs this rank's training processes (trainlab.train.agent)."""
 
 from __future__ import annotations
 
-import logging
 import os
-import sys
-from pathlib import Path
+import uuid
 from typing import Any
 
+from trainlab.train.agent import Agent, free_port, start_fork_server
+from trainlab.train.callbacks import build_callbacks
 from trainlab.train.job import TrainJob
-
-LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
-
-
-def setup_logging(logs_dir: Path, rank: int) -> None:
-    """logs/rank{r}.log gets every trainlab line with a timestamp and the rank;
-    rank 0's also go to stderr (forwarded to the driver by Ray). trainlab's logger
-    does not propagate, so Ray's own handlers do not print every rank's lines."""
-    logs_dir.mkdir(parents=True, exist_ok=True)
-    logger = logging.getLogger("trainlab")
-    for h in list(logger.handlers):
-        logger.removeHandler(h)
-    file_handler = logging.FileHandler(logs_dir / f"rank{rank}.log")
-    file_handler.setFormatter(logging.Formatter(LOG_FORMAT.format(rank=rank)))
-    logger.addHandler(file_handler)
-    if rank == 0:
-        console = logging.StreamHandler(sys.stderr)
-        console.setFormatter(logging.Formatter("[trainlab] %(message)s"))
-        logger.addHandler(console)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
+from trainlab.train.logs import normal_priority, setup_logging
 
 
-def make_callbacks(cfg: Any) -> Any:
-    """MLflow + monitoring callbacks from trainlab.track when it provides them."""
-    from trainlab.train.callbacks import CallbackList
+class RayRendezvous:
+    """The agents' collectives over Ray Train (`ray.train.collective`): rank 0 picks
+    the training processes' address and a free port and broadcasts them."""
 
-    try:
-        from trainlab.track import default_callbacks
-    except ImportError:
-        return CallbackList([])
-    return CallbackList(default_callbacks(cfg))
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def rendezvous(self, attempt: int, group: str | None) -> tuple[str, int, str]:
+        from ray.train.collective import broadcast_from_rank_zero
+
+        offer = None
+        if self.rank == 0:
+            import ray.util
+
+            offer = (ray.util.get_node_ip_address(), free_port(), group or uuid.uuid4().hex[:8])
+        return broadcast_from_rank_zero(offer)
+
+    def barrier(self) -> None:
+        from ray.train.collective import barrier
+
+        barrier()
 
 
 def train_loop_per_worker(config: dict[str, Any]) -> None:
-    """Ray Train's per-worker entry point (`TorchTrainer(train_loop_per_worker=...)`):
-    this worker becomes the agent of its rank and supervises training processes
-    (see trainlab.train.supervisor)."""
+    """Ray Train's per-worker entry point (`TorchTrainer(train_loop_per_worker=...,
+    train_loop_config={"job": job})`): this worker becomes the agent of its rank."""
     import ray.train
     import torch
 
-    from trainlab.train.supervisor import Agent, normal_priority, start_fork_server
-
-    job = TrainJob.from_dict(config)
+    job: TrainJob = config["job"]
     os.environ.update(job.env)
     # The agent answers the training process's requests for data: same priority
     # (Ray starts workers at nice 15), and the fork server's children inherit it.
     normal_priority()
-    start_fork_server(bool(job.cfg["train"]["deterministic"]))  # imports overlap what follows
+    mp_context = start_fork_server(job.cfg.train.deterministic)  # imports overlap what follows
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     setup_logging(job.logs_dir, rank)
     device = "cpu"
-    if torch.cuda.is_available() and job.cfg["resource"]["use_gpu"]:
+    if torch.cuda.is_available() and job.cfg.resource.use_gpu:
         import ray.train.torch
 
         device = str(ray.train.torch.get_device())
     from trainlab.data import WorkerLoader
 
     loader = WorkerLoader(job.data_spec, rank, world)
-    callbacks = make_callbacks(_config(job)) if rank == 0 else None
-    Agent(job, rank, world, ctx.get_local_rank(), device, loader, callbacks).run()
-
-
-def _config(job: TrainJob) -> Any:
-    from trainlab.config import ExperimentConfig
-
-    return ExperimentConfig.model_validate(job.cfg)
+    callbacks = build_callbacks(job.callbacks, job.cfg) if rank == 0 else None
+    Agent(
+        job,
+        rank,
+        world,
+        ctx.get_local_rank(),
+        device,
+        loader,
+        callbacks,
+        rendezvous=RayRendezvous(rank),
+        mp_context=mp_context,
+    ).run()

@@ -14,6 +14,7 @@ from tests.unit.track.conftest import artifact_text, only_run
 from trainlab.config import flatten, load_config
 from trainlab.track import close_run, default_callbacks
 from trainlab.track.gitinfo import git_info
+from trainlab.train.callbacks import CallbackList
 
 
 def _steps(client, run_id, key):
@@ -168,6 +169,37 @@ def test_stopped_and_failed_runs_get_their_mlflow_status(rank0, client):
     failed = client.get_run(run_id)
     assert failed.info.status == "FAILED" and failed.data.tags["status"] == "failed"
     assert close_run(other.cfg, str(other.run_dir.parent / "never-ran"), {}) is None
+
+
+def test_an_abandoned_run_is_ended_by_fresh_default_callbacks(rank0, client, caplog):
+    """Ray Train gave up: the workers never reached on_run_end, so the driver
+    calls on_run_abandoned on a fresh callback list from the same factory."""
+    r0 = rank0()
+    r0.start()
+    r0.steps(1, 25)
+    r0.callbacks.callbacks[0].flush()  # the dead workers' points had landed
+    failed = {
+        "name": "tiny",
+        "status": "failed",
+        "error": "gave up after Ray Train worker failures",
+    }
+    fresh = CallbackList(default_callbacks(r0.cfg))
+    fresh.on_run_abandoned(str(r0.run_dir), failed)
+    assert ".on_run_abandoned failed" not in caplog.text  # no callback raised
+    run = only_run(client)  # the training run's MLflow run, no new one
+    run_id = run.info.run_id
+    assert run.info.status == "FAILED" and run.info.end_time is not None
+    assert run.data.tags["status"] == "failed"
+    assert json.loads(artifact_text(client, run_id, "run_summary.json")) == failed
+    assert {"alerts.jsonl", "loss_curve.png", "mix_shares.png"} <= _artifacts(client, run_id)
+    assert _steps(client, run_id, "loss") == [5, 10, 15, 20, 25]
+    assert fresh.callbacks[1].sinks == []  # the monitor ignores the hook
+    # A run directory that never got an MLflow run: nothing created, nothing raised.
+    CallbackList(default_callbacks(r0.cfg)).on_run_abandoned(
+        str(r0.run_dir.parent / "never-ran"), failed
+    )
+    assert only_run(client).info.run_id == run_id
+    assert ".on_run_abandoned failed" not in caplog.text
 
 
 def test_callbacks_pickle_before_start_and_log_nothing_until_then(rank0):

@@ -7,7 +7,8 @@ Parquet shards + manifest.json (docs/contracts.md, contract 2), on Ray Data.
 Modules: `spec` (the sources YAML), `paths` (listing files, local or s3/gs),
 `readers` (records of one file), `cleaning`, `tokenizer`, `units` (per-unit
 stages), `executors` (Ray Data or in-process), `shards` (dedup, accounting,
-shard writing), `manifest`, `pipeline` (`run_prep`), `demo_corpus`.
+shard writing), `manifest`, `pipeline` (`run_prep`). The demo corpus builder is
+devtools/demo_corpus.py, outside the package.
 """
 
 from trainlab.data.prep.cleaning import REASONS

@@ -56,7 +56,7 @@ class LocalExecutor:
 class RayPlan:
     """CPUs the stage may hold: one actor per real core, and never every logical CPU
     of the cluster, so other operators (and a training run beside it) are not
-    starved (see ARCHITECTURE.md). Ray Data fuses the read/clean map into the actors,
+    starved (see docs/ray-resources.md). Ray Data fuses the read/clean map into the actors,
     so each actor reads, cleans, hashes and tokenizes its unit in one process."""
 
     stage_actors: int

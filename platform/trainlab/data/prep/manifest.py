@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.data.prep.shards import SourceAccount, atomic_write_bytes
-from trainlab.data.prep.tokenizer import TokenizerInfo, sha256_bytes
+from trainlab.data.prep.tokenizer import TokenizerInfo
+from trainlab.fileutil import sha256_file
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -81,7 +82,7 @@ def current_manifest(out_dir: Path, input_signature: str) -> dict | None:
         return None
     for rel, digest in files:
         try:
-            if sha256_bytes((out_dir / rel).read_bytes()) != digest:
+            if sha256_file(out_dir / rel) != digest:
                 return None
         except OSError:
             return None

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from trainlab.data.prep.cleaning import REASONS
-from trainlab.data.prep.tokenizer import sha256_bytes
+from trainlab.fileutil import sha256_file
 
 MAX_EXAMPLES = 5
 SHARD_COLUMNS = ("doc_id", "source", "tokens", "n_tokens")
@@ -69,7 +69,7 @@ def write_shard(path: Path, table: pa.Table) -> str:
     # One chunk per column, so page boundaries (and so the bytes) never depend on
     # how the rows were batched on their way here.
     pq.write_table(table.combine_chunks(), tmp, compression="zstd")
-    digest = sha256_bytes(tmp.read_bytes())
+    digest = sha256_file(tmp)
     os.replace(tmp, path)
     return digest
 

@@ -24,10 +24,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from trainlab.errors import UserError
+from trainlab.errors import UserError, field_errors, read_yaml
 
 SOURCE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
 DEFAULT_EOS_TOKEN = "<|endoftext|>"
@@ -127,20 +126,18 @@ class SourcesFile(_Strict):
 
 
 def _first_message(err: ValidationError) -> str:
-    return err.errors()[0]["msg"].removeprefix("Value error, ")
+    return field_errors(err)[0].message
 
 
 def _format_errors(path: Path, err: ValidationError) -> list[str]:
     lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(top level)"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown key"
-        shown = "" if e["type"] in ("missing", "extra_forbidden") else f" = {e['input']!r}"
-        if e["type"] == "missing":
-            msg = "required"
-        lines.append(f"{path}: {where}{shown}: {msg[:1].lower()}{msg[1:]}")
+    for e in field_errors(err):
+        if e.kind == "extra_forbidden":
+            lines.append(f"{path}: {e.where}: unknown key")
+        elif e.kind == "missing":
+            lines.append(f"{path}: {e.where}: required")
+        else:
+            lines.append(f"{path}: {e.where} = {e.value!r}: {e.rule}")
     return lines
 
 
@@ -149,17 +146,7 @@ def load_sources_file(path: str | Path) -> SourcesFile:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: sources file not found")
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path}: not UTF-8 text ({e.reason})") from None
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise UserError(f"{where}: invalid YAML ({problem})") from None
-    except OSError as e:
-        raise UserError(f"{path}: cannot read ({e.strerror or e})") from None
+    data = read_yaml(path)
     if not isinstance(data, dict):
         raise UserError(f"{path}: top level must be a mapping with a `sources:` list")
     try:

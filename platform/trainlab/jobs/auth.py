@@ -1,0 +1,54 @@
+"""The token of a Ray cluster's Jobs API, found the way Ray finds it.
+
+Ray 2.60 clusters require a token: `RAY_AUTH_TOKEN`, else the file at
+`RAY_AUTH_TOKEN_PATH`, else `~/.ray/auth_token`. The job client
+(`trainlab.jobs.client`) sends it as a bearer header; a cluster started here
+(`trainlab.jobs.localcluster`) makes sure one exists first.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from trainlab.errors import UserError
+
+
+def default_token_path() -> Path:
+    return Path.home() / ".ray" / "auth_token"
+
+
+def auth_token() -> str | None:
+    """The token the way Ray finds it; None when there is none."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    path_var = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    path = Path(path_var).expanduser() if path_var else default_token_path()
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        if path_var:
+            raise UserError(f"RAY_AUTH_TOKEN_PATH={path_var}: file not found") from None
+        return None
+    return token or None
+
+
+def ensure_token() -> Path | None:
+    """Make sure a token exists for a cluster we start: keep an existing one (other
+    clusters on this machine use it), else write a new one readable by us only.
+    Returns the file written, or None when a token already existed."""
+    if auth_token():
+        return None
+    import secrets
+
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or default_token_path()).expanduser()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def auth_headers() -> dict[str, str]:
+    token = auth_token()
+    return {"Authorization": f"Bearer {token}"} if token else {}

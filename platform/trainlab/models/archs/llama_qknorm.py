@@ -1,0 +1,39 @@
+"""`llama_qknorm`: Llama with QK-norm, an RMSNorm over head_dim applied to the
+queries and keys of each head before RoPE (as in OLMo-2 and Qwen3; one weight
+vector of head_dim shared by all heads for q, one for k, in every layer).
+It bounds the attention logits, which keeps higher learning rates stable."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainlab.models.archs.llama import Llama
+from trainlab.models.registry import ParamCount, register_arch
+
+if TYPE_CHECKING:
+    from trainlab.config.schema import ModelConfig
+    from trainlab.models.layers import NormFactory
+
+
+@register_arch("llama_qknorm")
+class LlamaQKNorm(Llama):
+    summary = "Llama with RMSNorm on per-head queries and keys before RoPE"
+
+    def attention_activation_terms(self, kv_ratio: float) -> float:
+        # The q/k norms keep their 16-bit inputs: 2 + 2*g more bytes per s*b*h.
+        return super().attention_activation_terms(kv_ratio) + 2 + 2 * kv_ratio
+
+    def count_params(self, m: ModelConfig) -> ParamCount:
+        base = super().count_params(m)
+        qk_norms = 2 * m.head_dim  # q_norm and k_norm weights of one block
+        return ParamCount.of(
+            m,
+            per_layer=base.per_layer + qk_norms,
+            final_norm=base.final_norm,
+            position=base.position,
+        )
+
+    def qk_norm(self, m: ModelConfig) -> NormFactory | None:
+        from trainlab.models.layers import RMSNorm
+
+        return lambda head_dim: RMSNorm(head_dim, m.norm_eps)

@@ -1,0 +1,422 @@
+"""Fast restarts: each Ray Train worker is the agent of a training process.
+
+Why: when a worker dies, Ray Train tears the whole worker group down and
+builds a new one: new actor processes that import torch and Ray Train again,
+a new process group, the data pipeline and the experiment record set up
+again. On a 2-core machine that is 15-30 s per failure. Here the Ray Train
+worker ("agent") stays up and runs the compute in a child process forked from
+a warm fork server (torch already imported). When a training process dies,
+every agent stops its own, they agree on a new rendezvous and fork new ones,
+which resume from the newest valid checkpoint: a restart costs a process-group
+setup and a checkpoint load.
+
+What lives where:
+
+- agent (this module; one per rank): the data stream (`trainlab.data.WorkerLoader`,
+  Ray Data included), the callbacks on rank 0 (MLflow survives restarts), the
+  failure records and the failure budget.
+- training process (trainlab.train.child): model, optimizer, process group,
+  checkpoints; it asks its agent for batches and forwards callback hooks over a
+  pipe (trainlab.train.protocol).
+
+The agent knows nothing of Ray: the worker (trainlab.train.worker) hands it a
+`Rendezvous` over Ray Train's collectives; tests hand it `LocalRendezvous`, a
+fake child target and a multiprocessing context of their own.
+
+An agent that dies (node lost, actor killed) is still handled by Ray Train:
+`FailureConfig(max_failures)` restarts the group, which resumes the same way
+(trainlab.train.failures). Both kinds of failure count against
+`train.max_failures` (logs/failures.jsonl).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any, Protocol
+
+from trainlab.train.callbacks import Callback
+from trainlab.train.job import TrainJob
+from trainlab.train.protocol import (
+    PREFETCH_STEPS,
+    ChildArgs,
+    Done,
+    Failed,
+    Hook,
+    IterFrom,
+    LoaderState,
+    LoadLoaderState,
+    NextStep,
+    Reply,
+    Request,
+    Shares,
+    StopRequest,
+    Validation,
+)
+from trainlab.train.records import Failure, RunRecords, failed_summary
+
+log = logging.getLogger("trainlab.train")
+
+POLL_S = 0.05
+
+# Modules the fork server imports once, so that a training process starts warm.
+PRELOAD = ("trainlab.train.trainer", "trainlab.train.child")
+
+# Collective errors that only say a peer went away: the cause is the peer's failure.
+PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "Socket Timeout",
+    "NCCL communicator was aborted",
+)
+
+
+def error_kind(message: str) -> str:
+    """`peer` when a training process failed because another one died, else `error`."""
+    return "peer" if any(s in message for s in PEER_LOST) else "error"
+
+
+# --------------------------------------------------------------------------- rendezvous
+
+
+class Rendezvous(Protocol):
+    """How the agents of a run agree on each attempt (collectives between agents)."""
+
+    def rendezvous(self, attempt: int, group: str | None) -> tuple[str, int, str]:
+        """(address, port, group) of the attempt's process group, the same on every
+        rank: rank 0 picks them. `group` is the previous attempt's (None at first)."""
+        ...
+
+    def barrier(self) -> None:
+        """Return when every agent got here (each one's training process has ended)."""
+        ...
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class LocalRendezvous:
+    """One agent alone (world size 1): no collectives. For tests and single-process runs."""
+
+    def __init__(self, addr: str = "127.0.0.1", group: str | None = None):
+        self.addr, self.group = addr, group
+
+    def rendezvous(self, attempt: int, group: str | None) -> tuple[str, int, str]:
+        return self.addr, free_port(), group or self.group or uuid.uuid4().hex[:8]
+
+    def barrier(self) -> None:
+        pass
+
+
+# --------------------------------------------------------------------------- fork server
+
+
+def start_fork_server(deterministic: bool) -> Any:
+    """The multiprocessing context whose fork server has torch and the training loop
+    imported; started now so that its imports overlap the agent's own setup."""
+    import multiprocessing.forkserver
+
+    ctx = mp.get_context("forkserver")
+    preload = list(PRELOAD)
+    if deterministic:
+        preload.append("torch._inductor.config")  # torch.use_deterministic_algorithms needs it
+    ctx.set_forkserver_preload(preload)
+    multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
+# --------------------------------------------------------------------------- data
+
+
+class Feeder:
+    """Prefetches the stream's steps so the training process never waits on the
+    agent's data pipeline more than it must: PREFETCH_STEPS pulls are queued on one
+    thread (in order: one worker), each pull taking the next step of the stream."""
+
+    def __init__(self, loader: Any, step: int):
+        self._loader, self._start = loader, step
+        self._stream: Any = None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"feeder-{step}")
+        self._ahead: deque[Future] = deque(
+            self._pool.submit(self._pull) for _ in range(PREFETCH_STEPS)
+        )
+        self.ended = False
+
+    def _pull(self) -> Any:
+        if self._stream is None:  # in the pool's thread, like every step of the stream
+            self._stream = iter(self._loader.iter_from(self._start))
+        return next(self._stream, None)
+
+    def next(self) -> Any:
+        """The next (step, micro_batches), or None at the end of the stream (again and
+        again: the training process may ask ahead)."""
+        if self.ended:
+            return None
+        try:
+            item = self._ahead.popleft().result()
+        except BaseException as e:  # noqa: BLE001 - handed to the training process
+            self.ended = True
+            self.stop()
+            raise RuntimeError(f"data stream failed: {type(e).__name__}: {e}") from e
+        if item is None:
+            self.ended = True
+            self.stop()
+            return None
+        self._ahead.append(self._pool.submit(self._pull))
+        return item
+
+    def stop(self) -> None:
+        """No more pulls: queued ones are cancelled, a running one finishes alone."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+# --------------------------------------------------------------------------- the agent
+
+
+class Agent:
+    """Runs training processes for one rank until the run ends or the failure
+    budget is spent.
+
+    Rank 0's callbacks run in order on one thread of the agent (a single-worker
+    executor), so the training process never waits for tracking; a stop request
+    reaches the training process with the reply to a later hook (at most a log
+    interval later). `Done` drains them: the record is complete before the run
+    returns.
+    """
+
+    def __init__(
+        self,
+        job: TrainJob,
+        rank: int,
+        world_size: int,
+        local_rank: int,
+        device: str,
+        loader: Any,
+        callbacks: Callback | None,
+        *,
+        rendezvous: Rendezvous,
+        target: Callable[[ChildArgs, Any], None] | None = None,
+        mp_context: Any = None,
+    ):
+        self.job, self.rank, self.world = job, rank, world_size
+        self.local_rank, self.device = local_rank, device
+        self.loader, self.callbacks = loader, callbacks
+        self.rendezvous = rendezvous
+        if target is None:
+            from trainlab.train.child import main as target
+        self.target = target
+        self.ctx = mp_context or start_fork_server(job.cfg.train.deterministic)
+        self.records = RunRecords(job.run_dir)
+        self.feeder: Feeder | None = None
+        self._summary: dict[str, Any] | None = None
+        self._hooks = (
+            ThreadPoolExecutor(1, thread_name_prefix="trainlab-callbacks")
+            if callbacks is not None
+            else None
+        )
+        self._last_hook: Future | None = None
+        self._stop = StopRequest()
+
+    def failed_flag(self, group: str, attempt: int) -> Path:
+        """Exists once any rank's training process of this attempt failed."""
+        return self.job.logs_dir / f".failed-{group}-{attempt}"
+
+    # ------------------------------------------------------------- the loop
+
+    def run(self) -> dict[str, Any] | None:
+        """Attempts until one completes (rank 0 returns the summary of `on_run_end`)
+        or the failure budget is spent (rank 0 returns the failed summary)."""
+        group = None
+        attempt = 0
+        while True:
+            t0 = time.time()
+            addr, port, group = self.rendezvous.rendezvous(attempt, group)
+            started = time.time()
+            log.info("attempt %d: rendezvous %s:%d in %.2f s", attempt, addr, port, started - t0)
+            args = ChildArgs(
+                self.job, self.rank, self.world, self.local_rank, self.device, addr, port
+            )
+            flag = self.failed_flag(group, attempt)
+            summary = self._attempt(args, flag, f"{group}-{attempt}", started)
+            self.rendezvous.barrier()  # every agent's training process has ended
+            if not flag.exists():
+                return summary
+            spent = len(self.records.failure_events(self.job.session))
+            budget = self.job.cfg.train.max_failures
+            if spent > budget:
+                return self._give_up(spent, budget)
+            log.warning(
+                "restarting the training processes (failure %d of at most %d)", spent, budget
+            )
+            attempt += 1
+
+    def _attempt(
+        self, args: ChildArgs, failed_flag: Path, event: str, started: float
+    ) -> dict[str, Any] | None:
+        """One training process, served until it exits (or until another rank's
+        failed: then it is killed). Returns the run summary, or None after a failure
+        (recorded, and `failed_flag` set)."""
+        self._summary = None
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(
+            target=self.target, args=(args, child), daemon=False, name=f"trainlab-rank{self.rank}"
+        )
+        proc.start()
+        child.close()
+        done = reported = False
+        try:
+            while True:
+                if parent.poll(POLL_S):
+                    try:
+                        request = parent.recv()
+                    except (EOFError, OSError):
+                        request = None
+                    if request is not None:
+                        outcome = self._serve(parent, request, event)
+                        done = done or outcome == "done"
+                        reported = reported or outcome == "failed"
+                        continue
+                if not proc.is_alive():
+                    break
+                if failed_flag.exists():  # another rank's training process failed
+                    os.kill(proc.pid, signal.SIGKILL)
+                    break
+            proc.join()
+        finally:
+            parent.close()
+            if self.feeder is not None:
+                self.feeder.stop()
+                self.feeder = None
+        if proc.exitcode != 0 or not done:
+            if not reported:
+                self._record_death(proc.exitcode, event, started, failed_flag)
+            failed_flag.touch()
+            return None
+        return self._summary
+
+    def _record_death(
+        self, exitcode: int | None, event: str, started: float, failed_flag: Path
+    ) -> None:
+        """A training process that died without reporting: a chaos kill, a signal, a
+        kill after another rank failed (peer), or a non-zero exit."""
+        chaos = self.records.chaos_kill(self.rank, started)
+        if chaos is not None:
+            self._record(event, chaos["step"], chaos["error"], "chaos")
+            return
+        if exitcode is not None and exitcode < 0:
+            name = signal.Signals(-exitcode).name
+            error, kind = f"training process killed by signal {-exitcode} ({name})", "killed"
+        else:
+            error, kind = f"training process exited with code {exitcode}", "error"
+        if exitcode == -signal.SIGKILL and failed_flag.exists():
+            error, kind = "stopped after another rank failed", "peer"
+        # No step from a process that died without a word: the newest step rank 0
+        # logged (the death came after it, within one log interval).
+        step = self.records.last_logged_step()
+        if step is not None:
+            error = f"{error} (after step {step})"
+        self._record(event, step, error, kind)
+
+    def _record(self, event: str, step: int | None, error: str, kind: str) -> None:
+        self.records.add_failures(Failure(self.job.session, event, self.rank, step, error, kind))
+
+    # ------------------------------------------------------------- requests
+
+    def _serve(self, conn: Any, request: Request, event: str) -> str | None:
+        """Answer one request; returns "done" or "failed" for those two."""
+        outcome = None
+        try:
+            value, outcome = self._handle(request, event)
+            reply = Reply(value)
+        except Exception as e:  # noqa: BLE001 - the training process raises it
+            reply = Reply(error=f"{type(e).__name__}: {e}")
+        try:
+            conn.send(reply)
+        except (BrokenPipeError, EOFError, OSError):
+            pass  # the training process is gone; its exit code tells the rest
+        except Exception as e:  # noqa: BLE001 - e.g. a value that does not pickle
+            with contextlib.suppress(BrokenPipeError, EOFError, OSError):
+                conn.send(Reply(error=f"{type(e).__name__}: {e}"))
+        return outcome
+
+    def _handle(self, request: Request, event: str) -> tuple[Any, str | None]:
+        match request:
+            case NextStep():
+                if self.feeder is None:
+                    raise RuntimeError("NextStep before IterFrom")
+                return self.feeder.next(), None
+            case IterFrom(step):
+                if self.feeder is not None:
+                    self.feeder.stop()
+                self.feeder = Feeder(self.loader, step)
+                return None, None
+            case Validation(source, n):
+                return self.loader.validation_batches(source, n), None
+            case Shares(step):
+                return self.loader.delivered_shares(step), None
+            case LoaderState(step):
+                return self.loader.state_dict(step), None
+            case LoadLoaderState(state):
+                self.loader.load_state_dict(state)
+                return None, None
+            case Hook(name, args):
+                if name == "on_run_end":
+                    self._summary = args[0]
+                elif name == "on_step_end":
+                    self.records.write_progress(args[0])  # for failures that take us down
+                self._submit_hook(name, args)
+                return self._stop, None
+            case Failed(step, message):
+                error = f"rank {self.rank} failed at step {step}: {message}"
+                self._record(event, step, error, error_kind(message))
+                return None, "failed"
+            case Done():
+                self._drain_hooks()  # the record is complete before the run returns
+                return None, "done"
+        raise RuntimeError(f"unknown request {request!r}")
+
+    # ------------------------------------------------------------- rank 0's callbacks
+
+    def _submit_hook(self, name: str, args: tuple[Any, ...]) -> None:
+        if self._hooks is not None:
+            self._last_hook = self._hooks.submit(self._run_hook, name, args)
+
+    def _run_hook(self, name: str, args: tuple[Any, ...]) -> None:
+        try:
+            getattr(self.callbacks, name)(*args)
+            self._stop = StopRequest(
+                bool(self.callbacks.stop_requested), self.callbacks.stop_reason or ""
+            )
+        except Exception:  # noqa: BLE001 - tracking must not end training
+            log.exception("callback hook %s failed", name)
+
+    def _drain_hooks(self) -> None:
+        """Wait for every hook submitted so far (one worker: the last one ends last)."""
+        if self._last_hook is not None:
+            wait([self._last_hook])
+
+    def _give_up(self, spent: int, budget: int) -> dict[str, Any] | None:
+        """Out of failures: rank 0 writes the failed run summary and closes the record."""
+        if self.rank != 0:
+            return None
+        summary = failed_summary(
+            self.job, f"gave up after {spent} failure(s) (train.max_failures = {budget})"
+        )
+        self.records.write_summary(summary)
+        self._submit_hook("on_run_end", (summary,))
+        self._drain_hooks()
+        return summary

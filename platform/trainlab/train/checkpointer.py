@@ -1,0 +1,241 @@
+"""The training state in and out of checkpoints: the one component that knows
+both file formats (the disk protocol itself, commits, validation records and
+retention, is trainlab.train.checkpoint).
+
+A checkpoint of step s holds the parts of `TrainState`:
+
+    trainer.pt        rank 0: the header (step, format, identity, layout, latest
+                      evaluation), the data position and the grad scaler
+    rng-rank{r}.pt    every rank: its random generators
+    model.pt,         format "torch" (one process, DDP, ZeRO-1): full state
+    optimizer.pt      dicts, written by rank 0
+    state/            format "dcp" (FSDP): torch.distributed.checkpoint shards
+                      of {"model", "optimizer"} from every rank
+
+and checkpoint.json, whose fields start from the same header.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainlab.config.schema import ExperimentConfig, ModelConfig
+from trainlab.train import checkpoint as ck
+from trainlab.train.distributed import DistEnv
+from trainlab.train.job import TrainJob
+from trainlab.train.state import TrainState, cloned, fresh_cpu_model
+from trainlab.train.step import Batch, loss_sum_and_count, to_tensors
+
+log = logging.getLogger("trainlab.train")
+
+TRAINER_FILE = "trainer.pt"
+DCP_DIR = "state"
+
+
+def rng_file(rank: int) -> str:
+    return f"rng-rank{rank}.pt"
+
+
+class Checkpointer:
+    """Saves and restores one rank's `TrainState` (every rank calls every method
+    at the same steps: the formats use collectives)."""
+
+    def __init__(self, job: TrainJob, env: DistEnv, state: TrainState):
+        self.job, self.env, self.state = job, env, state
+        self.cfg: ExperimentConfig = job.cfg
+        c = self.cfg.train.checkpoint
+        self.format = "dcp" if state.model.sharded else "torch"
+        after_commit = None
+        if self.cfg.resource.storage and env.is_main:
+            from trainlab.train.mirror import CheckpointMirror
+
+            mirror = CheckpointMirror.for_run(self.cfg.resource.storage, job.run_path)
+            after_commit = partial(mirror.safe_sync, job.checkpoint_root, c.keep_last, c.keep_best)
+        self.writer = ck.CheckpointWriter(
+            job.checkpoint_root,
+            env.rank,
+            env.world_size,
+            c.keep_last,
+            c.keep_best,
+            c.async_save,
+            after_commit=after_commit,
+        )
+        self.validation_batch: Batch | None = None  # rank 0, set before the first save
+        self._async_group: Any = None
+
+    # ------------------------------------------------------------------ saving
+
+    def header(self) -> dict[str, Any]:
+        """What trainer.pt and checkpoint.json both say about the checkpoint."""
+        return {
+            **self.state.progress.state_dict(),
+            "format": self.format,
+            "config_hash": self.job.config_hash,
+            "dataset_fingerprint": self.job.dataset_fingerprint,
+            "world_size": self.env.world_size,
+            "strategy": self.cfg.parallel.strategy,
+        }
+
+    def save(self) -> None:
+        """Every rank writes its part of the checkpoint of the current step; rank 0
+        commits it (in the background with train.checkpoint.async_save)."""
+        step = self.state.progress.step
+        background = self.cfg.train.checkpoint.async_save  # training mutates live tensors
+        header = self.header()
+        scaler = self.state.model.scaler
+        trainer_state = {
+            **header,
+            "data": self.state.data.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
+        rng = self.state.rng.state_dict()
+        rank = self.env.rank
+        write_model = self._stage_model(step, background)
+
+        def write_files(staging: Path) -> None:
+            write_model(staging)
+            ck.save_file(rng, staging / rng_file(rank))
+            if rank == 0:
+                ck.save_file(trainer_state, staging / TRAINER_FILE)
+
+        validator = None
+        if self.env.is_main and self.cfg.train.checkpoint.validate:
+            validator = partial(
+                validate_checkpoint, m=self.cfg.model, fmt=self.format, batch=self.validation_batch
+            )
+        # Ranked by the fixed-batch loss of validation; without validation by the
+        # latest evaluation.
+        meta = {**header, "val_loss": None if validator else header["val_losses"].get("all")}
+        self.writer.submit(step, write_files, meta, validator)
+
+    def _stage_model(self, step: int, background: bool) -> Callable[[Path], None]:
+        """Take the model and optimizer state now; return what writes it."""
+        state = self.state.model.state_dict()
+        if self.format == "dcp":
+            import torch.distributed as dist
+            import torch.distributed.checkpoint as dcp
+
+            target = str(self.writer.staging_dir(step) / DCP_DIR)
+            if not background:
+                dcp.save(state, checkpoint_id=target)
+                return lambda staging: None
+            if self._async_group is None:  # async collectives get their own group
+                self._async_group = dist.new_group(backend="gloo")
+            future = dcp.async_save(state, checkpoint_id=target, process_group=self._async_group)
+            return lambda staging: future.result()
+        if not state:  # not rank 0
+            return lambda staging: None
+        if background:
+            state = cloned(state)
+
+        def write(staging: Path) -> None:
+            ck.save_file(state["model"], staging / "model.pt")
+            ck.save_file(state["optimizer"], staging / "optimizer.pt")
+
+        return write
+
+    def completed(self) -> list[ck.CheckpointInfo]:
+        """Checkpoints committed since the last call (rank 0)."""
+        return self.writer.completed()
+
+    def wait(self) -> None:
+        self.writer.wait()
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(self) -> ck.CheckpointInfo | None:
+        """Load the newest valid checkpoint into the state (rank 0 chooses, every
+        rank loads); None when there is none."""
+        t0 = time.perf_counter()
+        choice = None
+        if self.env.is_main:
+            ck.clean_staging(self.job.checkpoint_root)
+            info = ck.find_resume(
+                self.job.checkpoint_root, require_valid=self.cfg.train.checkpoint.validate
+            )
+            choice = str(info.path) if info else None
+        choice = self.env.broadcast_object(choice)
+        if choice is None:
+            return None
+        path = Path(choice)
+        self.load(path)
+        log.info(
+            "resumed from %s (step %d) in %.2f s",
+            path,
+            self.state.progress.step,
+            time.perf_counter() - t0,
+        )
+        return ck.read_info(path)
+
+    def load(self, path: Path) -> None:
+        trainer_state = ck.load_file(path / TRAINER_FILE)
+        info = ck.CheckpointInfo(path, int(trainer_state["step"]), trainer_state)
+        problem = ck.foreign_config(info, self.job.config_hash)
+        if problem:
+            raise RuntimeError(problem)
+        model = self.state.model
+        if trainer_state["format"] == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            state = model.state_dict()
+            dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+        else:
+            state = {
+                "model": ck.load_file(path / "model.pt"),
+                "optimizer": ck.load_file(path / "optimizer.pt"),
+            }
+        model.load_state_dict(state)
+        if model.scaler is not None and trainer_state.get("scaler"):
+            model.scaler.load_state_dict(trainer_state["scaler"])
+        self.state.data.load_state_dict(trainer_state["data"])
+        self.state.progress.load_state_dict(trainer_state)
+        rng = path / rng_file(self.env.rank)
+        if rng.exists():
+            self.state.rng.load_state_dict(ck.load_file(rng))
+        else:  # the world size changed: no saved stream for this rank
+            log.warning(
+                "checkpoint %s has no RNG state for rank %d; reseeding", path, self.env.rank
+            )
+            from trainlab.train.rng import seed_everything
+
+            step = self.state.progress.step
+            seed_everything(self.cfg.train.seed + 1 + self.env.rank + 7919 * step)
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def load_weights_on_cpu(path: Path, cfg: ExperimentConfig | ModelConfig, fmt: str) -> Any:
+    """A fresh CPU model (eval mode) holding the weights of checkpoint directory
+    `path`, whatever layout wrote it."""
+    model_cfg = cfg.model if isinstance(cfg, ExperimentConfig) else cfg
+    model = fresh_cpu_model(model_cfg)
+    if fmt == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        state = {"model": model.state_dict()}
+        dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=True)
+        model.load_state_dict(state["model"])
+    else:
+        model.load_state_dict(ck.load_file(path / "model.pt"))
+    return model.eval()
+
+
+def validate_checkpoint(path: Path, m: ModelConfig, fmt: str, batch: Batch) -> ck.Validation:
+    """Load into a fresh CPU model and run one forward on a fixed batch: valid when
+    it loads and the loss is finite."""
+    model = load_weights_on_cpu(path, m, fmt)
+    with torch.no_grad():
+        total, count = loss_sum_and_count(model, to_tensors(batch, torch.device("cpu")))
+    loss = (total / count.clamp(min=1)).item()
+    if not math.isfinite(loss):
+        return ck.Validation(ok=False, loss=None, error=f"validation loss is {loss}")
+    return ck.Validation(ok=True, loss=loss)

@@ -1,0 +1,219 @@
+"""The pipe protocol between a training process (the child) and its agent.
+
+The child sends one request at a time and waits for its `Reply`; the agent
+(trainlab.train.agent) serves them. Requests are frozen dataclasses, one per
+kind, so both sides agree on names and arguments at import time:
+
+    NextStep()               the next (step, micro_batches) of the stream, None at its end
+    IterFrom(step)           (re)start the stream at `step` (the agent prefetches it)
+    Validation(source, n)    n validation batches of `source`
+    Shares(step)             delivered token share per source after `step` steps
+    LoaderState(step)        the stream's state_dict (for a checkpoint)
+    LoadLoaderState(state)   restore the stream's state (after loading a checkpoint)
+    Hook(name, args)         a callback hook of rank 0; the reply carries a StopRequest
+    Failed(step, message)    the child failed (the agent records it; then it exits 1)
+    Done()                   the child completed (the agent drains rank 0's callbacks)
+
+The client side lives here too: `PipeClient` (one round trip at a time, from
+any thread), `PipeLoader` (the agent's data stream seen from the child, with a
+prefetch of PREFETCH_STEPS steps) and `PipeCallbacks` (rank 0's callbacks, run
+by the agent; a stop request comes back with each reply).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from trainlab.train.callbacks import Callback, RunContext
+
+if TYPE_CHECKING:
+    from trainlab.train.job import TrainJob
+
+PREFETCH_STEPS = 4
+
+
+# --------------------------------------------------------------------------- requests
+
+
+@dataclass(frozen=True)
+class NextStep:
+    pass
+
+
+@dataclass(frozen=True)
+class IterFrom:
+    step: int
+
+
+@dataclass(frozen=True)
+class Validation:
+    source: str
+    n: int
+
+
+@dataclass(frozen=True)
+class Shares:
+    step: int
+
+
+@dataclass(frozen=True)
+class LoaderState:
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class LoadLoaderState:
+    state: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Hook:
+    name: str  # a trainlab.train.callbacks.Callback hook
+    args: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class Failed:
+    step: int | None
+    message: str  # "ExceptionType: first line", at most 500 characters
+
+
+@dataclass(frozen=True)
+class Done:
+    pass
+
+
+Request = (
+    NextStep | IterFrom | Validation | Shares | LoaderState | LoadLoaderState | Hook | Failed | Done
+)
+
+
+# --------------------------------------------------------------------------- replies
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """Rank 0's callbacks' stop decision, as of the newest hook the agent ran."""
+
+    requested: bool = False
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The agent's answer: `value`, or `error` (the text the child raises)."""
+
+    value: Any = None
+    error: str | None = None
+
+
+# --------------------------------------------------------------------------- the child's start
+
+
+@dataclass(frozen=True)
+class ChildArgs:
+    """What an agent hands its training process (pickled through the fork server)."""
+
+    job: TrainJob
+    rank: int
+    world_size: int
+    local_rank: int
+    device: str
+    master_addr: str
+    master_port: int
+
+
+# --------------------------------------------------------------------------- client side
+
+
+class PipeClient:
+    """Round trips to the agent; a lock keeps one request in flight at a time."""
+
+    def __init__(self, conn: Any):
+        self.conn = conn
+        self.lock = threading.Lock()
+
+    def call(self, request: Request) -> Any:
+        with self.lock:
+            self.conn.send(request)
+            reply: Reply = self.conn.recv()
+        if reply.error is not None:
+            raise RuntimeError(reply.error)
+        return reply.value
+
+
+class PipeLoader:
+    """The agent's data stream, seen from the training process
+    (trainlab.train.loop.StreamLoader)."""
+
+    def __init__(self, client: PipeClient):
+        self.client = client
+
+    def iter_from(self, step: int) -> Iterator[Any]:
+        """Steps from `step`, requested PREFETCH_STEPS ahead (in order, by one fetch
+        thread) so that the round trip to the agent overlaps the current step's compute."""
+        self.client.call(IterFrom(step))
+        fetch = ThreadPoolExecutor(1, thread_name_prefix="trainlab-fetch")
+        try:
+            ahead = deque(fetch.submit(self.client.call, NextStep()) for _ in range(PREFETCH_STEPS))
+            while True:
+                item = ahead.popleft().result()  # re-raises a failed round trip here
+                if item is None:  # the end of the stream
+                    return
+                ahead.append(fetch.submit(self.client.call, NextStep()))
+                yield item
+        finally:
+            fetch.shutdown(wait=False, cancel_futures=True)
+
+    def validation_batches(self, source: str, n: int) -> list[dict]:
+        return self.client.call(Validation(source, n))
+
+    def delivered_shares(self, step: int) -> dict[str, float]:
+        return self.client.call(Shares(step))
+
+    def state_dict(self, step: int | None = None) -> dict[str, Any]:
+        return self.client.call(LoaderState(step))
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.client.call(LoadLoaderState(state))
+
+
+class PipeCallbacks(Callback):
+    """Rank 0's callbacks, run by the agent; a stop request comes back with each reply
+    (the agent runs hooks off its main thread, so a stop a hook asks for arrives with
+    the reply to a later hook)."""
+
+    def __init__(self, client: PipeClient):
+        self.client = client
+        self._stop = StopRequest()
+
+    def _hook(self, name: str, *args: Any) -> None:
+        self._stop = self.client.call(Hook(name, args))
+
+    def on_run_start(self, ctx: RunContext) -> None:
+        self._hook("on_run_start", ctx)
+
+    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
+        self._hook("on_step_end", step, metrics)
+
+    def on_eval(self, step: int, val_losses: dict[str, float]) -> None:
+        self._hook("on_eval", step, val_losses)
+
+    def on_checkpoint(self, step: int, path: str, valid: bool, val_loss: float | None) -> None:
+        self._hook("on_checkpoint", step, path, valid, val_loss)
+
+    def on_run_end(self, summary: dict[str, Any]) -> None:
+        self._hook("on_run_end", summary)
+
+    @property
+    def stop_requested(self) -> bool:  # type: ignore[override]
+        return self._stop.requested
+
+    @property
+    def stop_reason(self) -> str:  # type: ignore[override]
+        return self._stop.reason

@@ -1,0 +1,260 @@
+"""A run's records on disk, each with one writer and one reader here.
+
+    {run_dir}/run_summary.json      the run's outcome (`run_summary` builds it)
+    {run_dir}/logs/failures.jsonl   one line per failed rank and attempt
+    {run_dir}/logs/attempts.jsonl   each start of the training processes, and when
+                                    each attempt completed its first step
+    {run_dir}/logs/progress.json    rank 0's newest logged step
+
+Summary keys checked from outside (keep them): name, status, final_step,
+final_loss, val_loss, tokens_seen, restarts, weights_sha256, last_checkpoint,
+best_checkpoint, wall_seconds. `status` is "completed", "stopped" (a callback
+asked) or "failed" (then `error`, `failures` and `failure_cause`).
+
+JSON-lines files take small appends from several processes (O_APPEND writes of
+one line do not interleave); a torn or foreign line is skipped when read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from trainlab.fileutil import write_text_atomic
+
+SUMMARY = "run_summary.json"
+FAILURES = "failures.jsonl"
+ATTEMPTS = "attempts.jsonl"
+PROGRESS = "progress.json"
+
+# Kinds of failure: infrastructure (the process or worker was killed or lost; a
+# retry can succeed), code (an exception that would happen again), peer (a side
+# effect of another rank's failure).
+INFRASTRUCTURE_KINDS = frozenset({"killed", "chaos", "lost"})
+FAILURE_KINDS = frozenset({*INFRASTRUCTURE_KINDS, "error", "peer"})
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failed rank of one failed attempt (`event` groups the ranks of an attempt)."""
+
+    session: str
+    event: str
+    rank: int
+    step: int | None
+    error: str
+    kind: str
+    time: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAILURE_KINDS:
+            raise ValueError(f"failure kind {self.kind!r} not in {sorted(FAILURE_KINDS)}")
+
+
+def failure_cause(failures: list[dict[str, Any]]) -> str:
+    """ "infrastructure" when the last failure killed or lost a process, else "code"."""
+    if not failures:
+        return "code"
+    last_event = failures[-1].get("event")
+    kinds = {f.get("kind") for f in failures if f.get("event") == last_event}
+    return "infrastructure" if kinds & INFRASTRUCTURE_KINDS else "code"
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        with contextlib.suppress(ValueError):
+            rec = json.loads(line)
+            if isinstance(rec, dict):
+                out.append(rec)
+    return out
+
+
+def _append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
+    with open(path, "a") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+
+
+class RunRecords:
+    """The records of one run directory."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.logs = self.run_dir / "logs"
+
+    # ------------------------------------------------------------------ failures
+
+    def add_failures(self, *failures: Failure) -> None:
+        now = time.time()
+        _append_jsonl(
+            self.logs / FAILURES,
+            [{**asdict(f), "time": f.time or now} for f in failures],
+        )
+
+    def failures(self, session: str | None = None) -> list[dict[str, Any]]:
+        """Failure records (of one session when given), oldest first."""
+        records = _read_jsonl(self.logs / FAILURES)
+        return [r for r in records if session is None or r.get("session") == session]
+
+    def failure_events(self, session: str) -> set[str]:
+        """Distinct failures of a session (one per failed attempt, whatever the ranks)."""
+        return {r.get("event") or f"t{r.get('time')}" for r in self.failures(session)}
+
+    # ------------------------------------------------------------------ attempts
+
+    def attempt_started(self, session: str, start_step: int, world_size: int) -> None:
+        _append_jsonl(
+            self.logs / ATTEMPTS,
+            [
+                {
+                    "session": session,
+                    "start_step": start_step,
+                    "world_size": world_size,
+                    "time": time.time(),
+                }
+            ],
+        )
+
+    def first_step_done(self, session: str, step: int) -> None:
+        """When an attempt completed its first step (recovery time = this minus the
+        failure's time)."""
+        _append_jsonl(
+            self.logs / ATTEMPTS, [{"session": session, "first_step": step, "time": time.time()}]
+        )
+
+    def attempts(self) -> list[dict[str, Any]]:
+        """Every start of the training processes in this run directory."""
+        return [r for r in _read_jsonl(self.logs / ATTEMPTS) if "start_step" in r]
+
+    def first_steps(self) -> list[dict[str, Any]]:
+        """{"session", "first_step", "time"} of each attempt that completed a step."""
+        return [r for r in _read_jsonl(self.logs / ATTEMPTS) if "first_step" in r]
+
+    def restarts(self) -> int:
+        return max(0, len(self.attempts()) - 1)
+
+    # ------------------------------------------------------------------ progress
+
+    def write_progress(self, step: int) -> None:
+        """Rank 0's newest logged step, for failures that take the agent down too."""
+        write_text_atomic(self.logs / PROGRESS, json.dumps({"step": step, "time": time.time()}))
+
+    def last_logged_step(self) -> int | None:
+        try:
+            return int(json.loads((self.logs / PROGRESS).read_text())["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    # ------------------------------------------------------------------ chaos
+
+    def chaos_marker(self, step: int) -> Path:
+        return self.logs / f"chaos-step-{step:08d}.json"
+
+    def record_chaos_kill(self, step: int, rank: int) -> str:
+        """Written by a training process right before train.chaos kills it; returns
+        the error text the agent will record for it."""
+        error = f"chaos: train.chaos.kill_at_steps killed rank {rank} at step {step}"
+        record = {"step": step, "rank": rank, "time": time.time(), "error": error}
+        write_text_atomic(self.chaos_marker(step), json.dumps(record))
+        return error
+
+    def chaos_kill(self, rank: int, since: float) -> dict[str, Any] | None:
+        """The chaos kill of `rank`'s training process at or after time `since`, if any."""
+        for marker in sorted(self.logs.glob("chaos-step-*.json"), reverse=True):
+            try:
+                rec = json.loads(marker.read_text())
+            except (OSError, ValueError):
+                continue
+            if rec.get("rank") == rank and rec.get("time", 0) >= since:
+                return rec
+        return None
+
+    # ------------------------------------------------------------------ summary
+
+    def write_summary(self, summary: dict[str, Any]) -> Path:
+        path = self.run_dir / SUMMARY
+        write_text_atomic(path, json.dumps(summary, indent=2, default=str) + "\n")
+        return path
+
+    def read_summary(self) -> dict[str, Any] | None:
+        try:
+            return json.loads((self.run_dir / SUMMARY).read_text())
+        except (OSError, ValueError):
+            return None
+
+
+def run_summary(
+    job: Any,
+    status: str,
+    *,
+    step: int,
+    restarts: int,
+    last_checkpoint: Any = None,
+    best_checkpoint: Any = None,
+    final_loss: float | None = None,
+    val_losses: dict[str, float] | None = None,
+    weights_sha256: str | None = None,
+    start_step: int | None = None,
+    throughput: tuple[float | None, float | None] = (None, None),
+    stop_reason: str | None = None,
+    error: str | None = None,
+) -> dict[str, Any]:
+    """The run summary of `job` (a trainlab.train.job.TrainJob), built in one place
+    for every outcome. Checkpoints are `CheckpointInfo`s (or None)."""
+    failures = RunRecords(job.run_dir).failures(job.session)
+    val_losses = dict(val_losses or {})
+    val_loss = val_losses.get("all")
+    if status == "failed" and best_checkpoint is not None:
+        val_loss = best_checkpoint.val_loss  # the evaluation of what a retry resumes
+    summary: dict[str, Any] = {
+        "name": job.cfg.name,
+        "status": status,
+        "final_step": step,
+        "final_loss": final_loss,
+        "val_loss": val_loss,
+        "tokens_seen": step * job.cfg.tokens_per_step,
+        "restarts": restarts,
+        "weights_sha256": weights_sha256,
+        "last_checkpoint": str(last_checkpoint.path) if last_checkpoint else None,
+        "best_checkpoint": str(best_checkpoint.path) if best_checkpoint else None,
+        "wall_seconds": round(time.time() - job.started_at, 3),
+        "tokens_per_s": throughput[0],
+        "tokens_per_s_median": throughput[1],
+        "val_losses": val_losses,
+        "run_dir": job.run_dir,
+        "config_hash": job.config_hash,
+        "dataset_fingerprint": job.dataset_fingerprint,
+        "start_step": start_step,
+        "stop_reason": stop_reason,
+        "failures": failures,
+    }
+    if status == "failed":
+        summary["error"] = error
+        summary["failure_cause"] = failure_cause(failures)
+    return summary
+
+
+def failed_summary(job: Any, error: str) -> dict[str, Any]:
+    """The summary of a run that ran out of restarts: every failure with its step,
+    rank and error, and the checkpoint a later --run-dir/--resume would use."""
+    from trainlab.train import checkpoint as ck
+
+    newest = ck.find_resume(job.checkpoint_root, require_valid=job.cfg.train.checkpoint.validate)
+    return run_summary(
+        job,
+        "failed",
+        step=newest.step if newest else 0,
+        restarts=RunRecords(job.run_dir).restarts(),
+        last_checkpoint=newest,
+        best_checkpoint=ck.best(ck.committed(job.checkpoint_root)),
+        error=error,
+    )

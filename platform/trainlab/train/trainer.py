@@ -1,0 +1,284 @@
+"""The per-worker training loop: `fit`, one step, `evaluate`.
+
+One `Trainer` per training process: it builds the `TrainState`, restores the
+newest valid checkpoint through the `Checkpointer`, then runs steps from the
+data stream until `train.total_steps`, with evaluation, checkpoints, metrics and
+callbacks at their intervals. It runs the same in a Ray Train worker's training
+process and in a plain process (world size 1, no process group), which is how
+the unit tests drive it.
+
+Steps are counted as optimizer steps done: "step 20" is the state after 20
+updates, checkpoint step-00000020 holds it, and resuming from it asks the data
+stream for global step 20 (the 21st batch).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from trainlab.train import checkpoint as ck
+from trainlab.train.callbacks import Callback, CallbackList, RunContext
+from trainlab.train.checkpointer import Checkpointer
+from trainlab.train.distributed import DistEnv
+from trainlab.train.job import TrainJob
+from trainlab.train.metrics import Meter, progress_line
+from trainlab.train.records import RunRecords, run_summary
+from trainlab.train.state import (
+    DataPosition,
+    ModelState,
+    Progress,
+    TrainState,
+    state_dict_sha256,
+)
+from trainlab.train.step import (
+    Batch,
+    autocast_context,
+    fallback_batch,
+    loss_sum_and_count,
+    to_tensors,
+    train_step,
+)
+
+log = logging.getLogger("trainlab.train")
+
+
+class StreamLoader(Protocol):
+    """The worker side of the training stream (docs/contracts.md, section 3)."""
+
+    def iter_from(self, step: int) -> Iterator[tuple[int, list[Batch]]]: ...
+    def validation_batches(self, source: str, n: int) -> list[Batch]: ...
+    def delivered_shares(self, step: int) -> dict[str, float]: ...
+    def state_dict(self, step: int | None = None) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Trainer:
+    def __init__(
+        self,
+        job: TrainJob,
+        loader: StreamLoader,
+        env: DistEnv,
+        callbacks: Callback | None = None,
+        report: Callable[[dict[str, Any]], None] | None = None,
+    ):
+        self.job, self.cfg, self.loader, self.env = job, job.cfg, loader, env
+        self.callbacks = callbacks if env.is_main and callbacks is not None else CallbackList([])
+        self.report = report  # ray.train.report in a Ray worker (a barrier: every rank calls it)
+        self.records = RunRecords(job.run_dir)
+        progress = Progress()
+        self.state = TrainState(ModelState(self.cfg, env), progress, DataPosition(loader, progress))
+        self.checkpointer = Checkpointer(job, env, self.state)
+        self.meter = Meter(
+            self.cfg, env.world_size, env.device, float(job.plan.get("flops_per_token") or 0.0)
+        )
+        self.start_step = 0
+        self.restarts = 0
+        self.last_loss: float | None = None
+        self.last_checkpoint: ck.CheckpointInfo | None = None
+        self.checkpoints: list[ck.CheckpointInfo] = []
+        self.last_valid_at = time.time()
+        self.stop_reason = ""
+
+    @property
+    def step(self) -> int:
+        return self.state.progress.step
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.state.model.model
+
+    # ----------------------------------------------------------------- the loop
+
+    def fit(self) -> dict[str, Any] | None:
+        """Train to the end (or until a callback stops the run); rank 0 returns the
+        run summary and writes run_summary.json."""
+        if self.env.is_main:
+            self.checkpointer.validation_batch = self._validation_batch()
+            self.checkpoints = ck.committed(self.job.checkpoint_root)
+        self.last_checkpoint = self.checkpointer.restore()
+        start = self.start_step = self.step
+        self._announce_start(start)
+        t = self.cfg.train
+        stream = self.loader.iter_from(start)
+        self.meter.reset()
+        stopped = False
+        while self.step < t.total_steps and not stopped:
+            t0 = time.perf_counter()
+            got_step, micro_batches = next(stream)
+            if got_step != self.step:
+                raise RuntimeError(f"data stream gave step {got_step}, expected {self.step}")
+            t1 = time.perf_counter()
+            loss, grad_norm = self.train_step(micro_batches)
+            self.meter.record(data_wait=t1 - t0, step_time=time.perf_counter() - t0)
+            if self.step == start + 1 and self.env.is_main:
+                self.records.first_step_done(self.job.session, self.step)
+            self._maybe_chaos_kill()
+            last = self.step == t.total_steps
+            if self.step % t.log_interval == 0 or last:
+                stopped = self._log_step(loss, grad_norm)
+            if self.step % t.eval_interval == 0 or last:
+                self.state.progress.val_losses = self.evaluate()
+                if self.env.is_main and self.state.progress.val_losses:
+                    self.callbacks.on_eval(self.step, dict(self.state.progress.val_losses))
+            if self.step % t.checkpoint.every_steps == 0 or last or stopped:
+                self.checkpointer.save()
+            self._deliver_checkpoints()
+        self.checkpointer.wait()
+        self._deliver_checkpoints()
+        return self._finish("stopped" if stopped else "completed")
+
+    def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
+        """One optimizer step over this rank's micro batches; returns (local mean
+        loss over its labelled tokens, global gradient norm)."""
+        m = self.state.model
+        out = train_step(
+            m.model, m.optimizer, m.scaler, self.cfg, self.step, micro_batches, self.env.device
+        )
+        self.state.progress.step += 1
+        return out
+
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss per source on its held-out split, and "all" (token-weighted)."""
+        n, sources = self.cfg.train.eval_batches, self.job.sources
+        sums = torch.zeros(2 * len(sources), dtype=torch.float64, device=self.env.device)
+        model = self.model
+        model.eval()
+        with torch.no_grad(), autocast_context(self.cfg.train.precision, self.env.device):
+            for i, source in enumerate(sources):
+                for batch in self.loader.validation_batches(source, n):
+                    total, count = loss_sum_and_count(model, to_tensors(batch, self.env.device))
+                    sums[2 * i] += total.double()
+                    sums[2 * i + 1] += count.double()
+        model.train()
+        sums = self.env.all_reduce_sum(sums)
+        out = {
+            s: (sums[2 * i] / sums[2 * i + 1]).item()
+            for i, s in enumerate(sources)
+            if sums[2 * i + 1] > 0
+        }
+        if sums[1::2].sum() > 0:
+            out["all"] = (sums[0::2].sum() / sums[1::2].sum()).item()
+        return out
+
+    # ----------------------------------------------------------------- around the loop
+
+    def _validation_batch(self) -> Batch:
+        """The fixed batch checkpoint validation runs a forward on."""
+        for source in self.job.sources:
+            batches = self.loader.validation_batches(source, 1)
+            if batches:
+                return {k: v[:2] for k, v in batches[0].items()}
+        return fallback_batch(self.cfg.model, self.cfg.data.seq_len, self.cfg.train.seed)
+
+    def _announce_start(self, start: int) -> None:
+        if not self.env.is_main:
+            return
+        self.records.attempt_started(self.job.session, start, self.env.world_size)
+        self.restarts = self.records.restarts()
+        log.info(
+            "%s from step %d of %d (%d worker%s, %s, restarts so far: %d)",
+            "resuming" if start else "starting",
+            start,
+            self.cfg.train.total_steps,
+            self.env.world_size,
+            "s" if self.env.world_size > 1 else "",
+            self.cfg.parallel.strategy,
+            self.restarts,
+        )
+        self.callbacks.on_run_start(
+            RunContext(
+                cfg=self.cfg,
+                plan=self.job.plan,
+                run_dir=self.job.run_dir,
+                config_hash=self.job.config_hash,
+                dataset_fingerprint=self.job.dataset_fingerprint,
+                manifest_path=self.job.manifest_path,
+                start_step=start,
+                restarts=self.restarts,
+                ray_job_id=self.job.ray_job_id,
+            )
+        )
+
+    def _log_step(self, loss: float, grad_norm: float) -> bool:
+        """Metrics of the window since the last log, on rank 0; returns whether a
+        callback asked to stop (collectives: every rank calls this at the same steps)."""
+        agg = self.env.all_reduce_sum(
+            torch.tensor([loss], dtype=torch.float64, device=self.env.device)
+        )
+        self.last_loss = agg[0].item() / self.env.world_size
+        metrics = self.meter.window(
+            self.step, self.last_loss, grad_norm, time.time() - self.last_valid_at
+        )
+        for source, share in self.loader.delivered_shares(self.step).items():
+            metrics[f"share/{source}"] = float(share)
+        if self.env.is_main:
+            self.callbacks.on_step_end(self.step, metrics)
+            log.info(progress_line(self.step, self.cfg.train.total_steps, metrics))
+        if self.report is not None:
+            self.report({"step": self.step, **metrics})
+        self.meter.reset()
+        stop = bool(self.env.broadcast_object(self.env.is_main and self.callbacks.stop_requested))
+        if stop and self.env.is_main:
+            self.stop_reason = self.callbacks.stop_reason or "a callback requested a stop"
+        return stop
+
+    def _deliver_checkpoints(self) -> None:
+        for info in self.checkpointer.completed():
+            self.checkpoints = [c for c in self.checkpoints if c.step != info.step] + [info]
+            self.last_checkpoint = info
+            if info.valid:
+                self.last_valid_at = time.time()
+            log.info(
+                "checkpoint %s: %s%s",
+                info.path,
+                "valid" if info.valid else "NOT valid",
+                f" (val_loss {info.val_loss:.4f})" if info.val_loss is not None else "",
+            )
+            self.callbacks.on_checkpoint(info.step, str(info.path), info.valid, info.val_loss)
+
+    def _maybe_chaos_kill(self) -> None:
+        """train.chaos.kill_at_steps: hard-kill this training process the first time
+        step k is reached (right after optimizer step k, before its logs and checkpoint)."""
+        chaos = self.cfg.train.chaos
+        if self.step not in chaos.kill_at_steps or self.env.rank != chaos.kill_rank:
+            return
+        if self.records.chaos_marker(self.step).exists():
+            return
+        log.warning(self.records.record_chaos_kill(self.step, self.env.rank))
+        for handler in logging.getLogger("trainlab").handlers:
+            handler.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def weights_sha256(self) -> str | None:
+        """Hash of the full model state dict on rank 0 (a collective under FSDP)."""
+        weights = self.state.model.full_weights()
+        return state_dict_sha256(weights) if self.env.is_main else None
+
+    def _finish(self, status: str) -> dict[str, Any] | None:
+        digest = self.weights_sha256()
+        if not self.env.is_main:
+            return None
+        summary = run_summary(
+            self.job,
+            status,
+            step=self.step,
+            restarts=self.restarts,
+            last_checkpoint=self.last_checkpoint,
+            best_checkpoint=ck.best(self.checkpoints),
+            final_loss=self.last_loss,
+            val_losses=self.state.progress.val_losses,
+            weights_sha256=digest,
+            start_step=self.start_step,
+            throughput=self.meter.steady_throughput(),
+            stop_reason=self.stop_reason or None,
+        )
+        self.records.write_summary(summary)
+        self.callbacks.on_run_end(summary)
+        return summary

@@ -1,0 +1,99 @@
+"""`trainlab validate | show | plan` as a user runs them: exit codes, output, speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+from tests.conftest import RECIPES, REPO
+
+TINY = str(RECIPES / "tiny.yaml")
+BIG = str(RECIPES / "llama_1b.yaml")
+
+
+def trainlab(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainlab", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_validate_ok_prints_resolved_name():
+    out = trainlab("validate", TINY, "--set", "name=tiny_lr", "--set", "train.lr=1e-4")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok tiny_lr"
+
+
+def test_validate_errors_exit_2_one_line_each_no_traceback():
+    out = trainlab("validate", TINY, "--set", "model.num_heads=7", "--set", "train.lrr=1")
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) >= 2 and all(ln.startswith("error: ") for ln in lines)
+    assert "Traceback" not in out.stderr and out.stdout == ""
+    assert any("model.num_heads = 7: must divide model.hidden_size (128)" in ln for ln in lines)
+    assert any("did you mean 'train.lr'" in ln for ln in lines)
+
+
+def test_bad_flags_and_missing_file_exit_2():
+    assert trainlab("validate", "nope.yaml").returncode == 2
+    assert trainlab("validate", TINY, "--set", "novalue").returncode == 2
+    assert trainlab("validate").returncode == 2  # missing argument (click usage error)
+    assert trainlab("plan", TINY, "--frobnicate").returncode == 2
+
+
+def test_show_prints_resolved_yaml():
+    out = trainlab("show", TINY, "--set", "data.mix.code=0.7")
+    assert out.returncode == 0, out.stderr
+    cfg = yaml.safe_load(out.stdout)
+    assert "extends" not in cfg and cfg["name"] == "tiny"
+    assert cfg["data"]["mix"]["code"] == 0.7 and cfg["model"]["hidden_size"] == 128
+    assert cfg["parallel"]["dp"] == 2  # resolved, not left for later
+
+
+def test_plan_json_has_the_documented_keys():
+    out = trainlab("plan", BIG, "--json")
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout.strip().splitlines()[-1])
+    assert isinstance(p["num_params"], int) and p["num_params"] == 1_100_048_384
+    assert p["world_size"] == 8 and p["fits"] is True
+    assert set(p["parallel"]) == {"tp", "pp", "dp", "zero_stage"}
+    assert set(p["memory_per_device_bytes"]) == {
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "total",
+    }
+    assert p["flops_per_token"] > 6 * p["num_params"]
+    assert p["micro_batch_size_max"] >= 1 and p["notes"]
+
+
+def test_plan_table_and_not_fitting_exit_2():
+    out = trainlab("plan", TINY)
+    assert out.returncode == 0 and "GiB" in out.stdout and "parameters" in out.stdout
+    bad = trainlab("plan", BIG, "--set", "resource.gpu_memory_gb=2", "--json")
+    assert bad.returncode == 2
+    assert json.loads(bad.stdout)["fits"] is False
+    assert "does not fit" in bad.stderr and "GiB device memory" in bad.stderr
+
+
+def test_config_commands_import_neither_ray_nor_torch():
+    code = (
+        "import sys\n"
+        "from trainlab.cli import cli\n"
+        f"for args in (['validate', {TINY!r}], ['show', {TINY!r}], ['plan', {BIG!r}, '--json']):\n"
+        "    cli.main(args=args, standalone_mode=False)\n"
+        "heavy = sorted(m for m in ('ray', 'torch', 'mlflow', 'pyarrow') if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "HEAVY []"

@@ -1,0 +1,142 @@
+"""Everything the driver decides before Ray starts: run directories, resume
+checks, the smoke rehearsal's config, refused layouts, CLI errors (no Ray)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from tests.train_helpers import dataset_dir, tiny_config
+from trainlab.cli import cli
+from trainlab.config import config_hash
+from trainlab.errors import UserError
+from trainlab.train import launcher, rundir
+from trainlab.train.records import failure_cause
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return dataset_dir(tmp_path_factory)
+
+
+def test_new_run_dirs_are_dated_absolute_and_never_reused(dataset, tmp_path):
+    cfg = tiny_config(dataset)
+    day = dt.date(2026, 3, 1)
+    first = rundir.new_run_dir(cfg, tmp_path, day)
+    assert first == tmp_path / "runs" / "2026-03-01" / "unit" and first.is_absolute()
+    first.mkdir(parents=True)
+    second = rundir.new_run_dir(cfg, tmp_path, day)
+    assert second.name == "unit-2"
+    second.mkdir()
+    assert rundir.new_run_dir(cfg, tmp_path, day).name == "unit-3"
+
+
+def test_resume_picks_the_latest_run_of_the_name(dataset, tmp_path):
+    cfg = tiny_config(dataset)
+    with pytest.raises(UserError, match="no earlier run named 'unit'"):
+        rundir.choose_run_dir(cfg, resume=True, base_dir=tmp_path)
+    older = tmp_path / "runs/2026-01-01/unit"
+    newer = tmp_path / "runs/2026-01-02/unit-2"
+    other = tmp_path / "runs/2026-01-03/unitary"
+    for i, d in enumerate((older, newer, other)):
+        d.mkdir(parents=True)
+        (d / "config.yaml").write_text("x")
+        os.utime(d / "config.yaml", (1000 + i, 1000 + i))
+    assert rundir.choose_run_dir(cfg, resume=True, base_dir=tmp_path) == newer
+
+
+def test_run_dir_of_another_experiment_is_refused(dataset, tmp_path):
+    cfg = tiny_config(dataset)
+    rundir.write_run_files(tmp_path, cfg, {"plan": 1})
+    rundir.check_same_experiment(tmp_path, cfg)  # the same experiment: fine
+    changed = tiny_config(dataset, train={"lr": 1e-4})
+    with pytest.raises(UserError, match="holds a different experiment"):
+        rundir.check_same_experiment(tmp_path, changed)
+    # operational settings are not the experiment's identity
+    rundir.check_same_experiment(tmp_path, tiny_config(dataset, train={"max_failures": 9}))
+
+
+def test_checkpoint_of_another_dataset_is_refused_unless_allowed(dataset, tmp_path):
+    cfg = tiny_config(dataset)
+    ckpt = tmp_path / "checkpoints" / "step-00000004"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.pt").write_bytes(b"x")
+    from trainlab.fileutil import sha256_file
+
+    meta = {
+        "step": 4,
+        "valid": True,
+        "config_hash": config_hash(cfg),
+        "dataset_fingerprint": "old",
+        "files": {"trainer.pt": {"bytes": 1, "sha256": sha256_file(ckpt / "trainer.pt")}},
+    }
+    (ckpt / "checkpoint.json").write_text(json.dumps(meta))
+    with pytest.raises(UserError, match="allow_fingerprint_change"):
+        launcher.check_resumable(tmp_path, cfg, config_hash(cfg), launcher.prepare_data(cfg))
+    allowed = tiny_config(dataset, data={"allow_fingerprint_change": True})
+    launcher.check_resumable(tmp_path, allowed, config_hash(cfg), launcher.prepare_data(allowed))
+    with pytest.raises(UserError, match="config hash"):
+        launcher.check_resumable(tmp_path, cfg, "another-hash", launcher.prepare_data(cfg))
+
+
+def test_smoke_rehearses_a_kill_and_a_validated_resume(dataset):
+    cfg = tiny_config(
+        dataset, resource={"num_workers": 2}, train={"total_steps": 500, "max_failures": 0}
+    )
+    smoke = launcher.smoke_config(cfg)
+    t = smoke.train
+    assert smoke.name == "unit-smoke" and t.total_steps == launcher.SMOKE_STEPS
+    assert t.checkpoint.every_steps < t.chaos.kill_at_steps[0] < t.total_steps
+    assert t.checkpoint.validate and t.max_failures >= 1 and t.chaos.kill_rank == 1
+    assert smoke.model == cfg.model and smoke.data == cfg.data and smoke.parallel == cfg.parallel
+
+
+@pytest.mark.parametrize(
+    ("parallel", "message"),
+    [
+        ({"strategy": "ddp", "tp": 2}, "tensor and pipeline parallelism"),
+        ({"strategy": "fsdp", "pp": 2}, "tensor and pipeline parallelism"),
+    ],
+)
+def test_tp_and_pp_are_refused_at_launch(dataset, parallel, message):
+    cfg = tiny_config(dataset, resource={"num_workers": 2}, parallel=parallel)
+    with pytest.raises(UserError, match=message):
+        launcher.prepare_layout(cfg)
+
+
+def test_a_plan_that_does_not_fit_is_refused(dataset):
+    cfg = tiny_config(dataset, resource={"cpu_memory_gb": 0.001})
+    with pytest.raises(UserError, match="does not fit"):
+        launcher.prepare_layout(cfg)
+
+
+def test_unknown_attention_is_refused_before_launch(dataset):
+    with pytest.raises(UserError, match="unknown attention"):
+        launcher.prepare_layout(tiny_config(dataset, model={"attention": "flashy"}))
+
+
+def test_failure_cause_follows_the_last_failure():
+    crash = {"event": "a", "kind": "error"}
+    killed = [{"event": "b", "kind": "chaos"}, {"event": "b", "kind": "peer"}]
+    assert failure_cause([crash]) == "code"
+    assert failure_cause([crash, *killed]) == "infrastructure"
+    assert failure_cause([*killed, {"event": "c", "kind": "error"}]) == "code"
+
+
+def test_cli_bad_input_exits_2_before_anything_runs(dataset, tmp_path):
+    runner = CliRunner()
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(f"name: c\ndata: {{path: {tmp_path / 'nowhere'}}}\n")
+    res = runner.invoke(
+        cli, ["train", str(cfg), "--run-dir", str(tmp_path), "--resume"], standalone_mode=False
+    )
+    assert isinstance(res.exception, UserError) and "give one" in str(res.exception)
+    res = runner.invoke(cli, ["train", str(cfg), "--set", "train.lr=-1"], standalone_mode=False)
+    assert isinstance(res.exception, UserError) and "train.lr" in str(res.exception)
+    res = runner.invoke(cli, ["train", str(cfg)], standalone_mode=False)
+    assert isinstance(res.exception, UserError) and "nowhere" in str(res.exception)
+    assert not (tmp_path / "runs").exists()  # nothing half-written
