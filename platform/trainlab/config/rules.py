@@ -87,7 +87,8 @@ def _arch_checks(cfg: dict[str, Any]) -> Iterator[Problem]:
 
     arch = find_arch(cfg["model"]["arch"])
     if arch is not None:  # an unknown name is the schema's error
-        yield from arch.check(cfg["model"])
+        for issue in arch.check(cfg["model"]):
+            yield Problem(issue.path, issue.value, issue.rule)
 
 
 # --------------------------------------------------------------------------- data/train

@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainlab.config.schema import ModelConfig
 from trainlab.models.attention import AttentionMask, get_attention
+from trainlab.models.registry import ModelSpec
 
 # A norm over the last dimension, built from that dimension's size.
 NormFactory = Callable[[int], nn.Module]
@@ -98,7 +98,7 @@ class Attention(nn.Module):
       `q_norm` and `k_norm`, absent when None.
     """
 
-    def __init__(self, cfg: ModelConfig, *, bias: bool, qk_norm: NormFactory | None = None):
+    def __init__(self, cfg: ModelSpec, *, bias: bool, qk_norm: NormFactory | None = None):
         super().__init__()
         h = cfg.hidden_size
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
@@ -129,7 +129,7 @@ class Attention(nn.Module):
 
 
 class GeluMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, *, bias: bool = True):
+    def __init__(self, cfg: ModelSpec, *, bias: bool = True):
         super().__init__()
         self.fc = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=bias)
         self.proj = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=bias)
@@ -139,7 +139,7 @@ class GeluMLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelSpec):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
         self.up = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=False)
@@ -186,7 +186,7 @@ class TransformerLM(nn.Module):
 
     def __init__(
         self,
-        cfg: ModelConfig,
+        cfg: ModelSpec,
         *,
         block: Callable[[], nn.Module],
         norm: NormFactory,

@@ -12,7 +12,10 @@ needs, and `build()`, which composes the torch building blocks of
 `trainlab.models.layers`.
 
 Torch-free: this module and every module of `archs` import torch only inside
-`build()`, so `trainlab validate/show/plan` never load it.
+`build()`, so `trainlab validate/show/plan` never load it. Config-free too: the
+config layer asks this registry for names, defaults and checks, so nothing in
+trainlab.models imports trainlab.config (architectures read the model section
+through the `ModelSpec` protocol and report `ConfigIssue`s).
 """
 
 from __future__ import annotations
@@ -21,20 +24,50 @@ import importlib
 import pkgutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from trainlab.errors import UserError
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from trainlab.config.rules import Problem
-    from trainlab.config.schema import ModelConfig
-
 ARCHS_PACKAGE = "trainlab.models.archs"
 
 _REGISTRY: dict[str, Architecture] = {}
 _discovered = False
+
+
+class ModelSpec(Protocol):
+    """What an architecture reads of the config's model section
+    (trainlab.config.schema.ModelConfig; trainlab.models does not import the
+    config layer, which asks this registry for names, defaults and checks)."""
+
+    arch: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int | None
+    ffn_hidden_size: int | None
+    vocab_size: int
+    max_seq_len: int
+    tie_embeddings: bool
+    attention: str
+    norm_eps: float
+    rope_theta: float
+    init_std: float
+    dropout: float
+
+    @property
+    def head_dim(self) -> int: ...
+
+
+class ConfigIssue(NamedTuple):
+    """A problem an architecture finds in the model section; the config layer
+    reports it as `{path} = {value!r}: {rule}`."""
+
+    path: str
+    value: Any
+    rule: str
 
 
 @dataclass(frozen=True)
@@ -48,9 +81,7 @@ class ParamCount:
     total: int
 
     @classmethod
-    def of(
-        cls, m: ModelConfig, *, per_layer: int, final_norm: int, position: int = 0
-    ) -> ParamCount:
+    def of(cls, m: ModelSpec, *, per_layer: int, final_norm: int, position: int = 0) -> ParamCount:
         """The count of a decoder LM with `per_layer` parameters per block: adds the
         token embedding, the position table given, the final norm and, when
         untied, the output projection (vocab_size x hidden_size each)."""
@@ -91,20 +122,20 @@ class Architecture:
         7 + 4*g with g = kv_heads/heads (K and V shrink under GQA)."""
         return 7 + 4 * kv_ratio
 
-    def default_ffn_hidden_size(self, m: ModelConfig) -> int:
+    def default_ffn_hidden_size(self, m: ModelSpec) -> int:
         """The MLP width when `model.ffn_hidden_size` is null."""
         return 4 * m.hidden_size
 
-    def check(self, m: Mapping[str, Any]) -> Iterator[Problem]:
+    def check(self, m: Mapping[str, Any]) -> Iterator[ConfigIssue]:
         """Problems of the plain `model` section dict that only this architecture has
         (general rules, e.g. heads dividing hidden_size, are checked elsewhere)."""
         return iter(())
 
-    def count_params(self, m: ModelConfig) -> ParamCount:
+    def count_params(self, m: ModelSpec) -> ParamCount:
         """The exact parameter count of `build(m)`, without torch."""
         raise NotImplementedError
 
-    def build(self, m: ModelConfig) -> nn.Module:
+    def build(self, m: ModelSpec) -> nn.Module:
         """The initialized model; import torch inside. The module must have `.layers`
         (an nn.ModuleList of blocks), `.tok_embeddings`, `.output` and
         `forward(input_ids, position_ids=None, document_ids=None) -> [B, T, V]`."""
@@ -167,7 +198,7 @@ def get_arch(name: str) -> Architecture:
     return arch
 
 
-def build_model(m: ModelConfig) -> nn.Module:
+def build_model(m: ModelSpec) -> nn.Module:
     """The model described by the config's model section, initialized."""
     return get_arch(m.arch).build(m)
 
@@ -179,6 +210,8 @@ def num_parameters(model: nn.Module) -> int:
 
 __all__ = [
     "Architecture",
+    "ConfigIssue",
+    "ModelSpec",
     "ParamCount",
     "arch_names",
     "build_model",

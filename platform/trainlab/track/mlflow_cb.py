@@ -258,7 +258,7 @@ class MlflowCallback(Callback):
         if not _is_rank_zero():
             log.warning("MLflow callback called off rank 0; not logging from this worker")
             return
-        # The same callback sees every in-place restart (trainlab.train.supervisor):
+        # The same callback sees every in-place restart (trainlab.train.agent):
         # one system-metrics thread at a time.
         self._stop_system_metrics()
         self._close_writer()

@@ -15,8 +15,8 @@ so batches land out of order, nothing is coalesced and concurrent SQLite
 writers contend; its queue is shared by every client of the store in the
 process and shut down by any `set_terminated`; and waiting on its
 `RunOperations` has no timeout. Measured on a SQLite store, 200 puts of 10
-points: ~0.3 ms per put on the caller's thread and ~1.9 s until stored, against
-~0.05 ms and ~0.3 s here (synchronous `log_batch`: ~9 ms per put).
+points: 0.3-0.7 ms per put on the caller's thread and 1.8-2.5 s until stored,
+against ~0.05 ms and 0.3-0.55 s here (synchronous `log_batch`: 9-11 ms per put).
 """
 
 from __future__ import annotations

@@ -240,6 +240,13 @@ class Agent:
     def run(self) -> dict[str, Any] | None:
         """Attempts until one completes (rank 0 returns the summary of `on_run_end`)
         or the failure budget is spent (rank 0 returns the failed summary)."""
+        try:
+            return self._run()
+        finally:
+            if self._hooks is not None:
+                self._hooks.shutdown(wait=False)  # its thread ends once idle
+
+    def _run(self) -> dict[str, Any] | None:
         group = None
         attempt = 0
         while True:

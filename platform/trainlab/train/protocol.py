@@ -71,10 +71,18 @@ class LoadLoaderState:
     state: dict[str, Any]
 
 
+# The Callback hooks a training process forwards (on_run_abandoned is the driver's).
+HOOKS = frozenset({"on_run_start", "on_step_end", "on_eval", "on_checkpoint", "on_run_end"})
+
+
 @dataclass(frozen=True)
 class Hook:
-    name: str  # a trainlab.train.callbacks.Callback hook
+    name: str  # one of HOOKS
     args: tuple[Any, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.name not in HOOKS:
+            raise ValueError(f"hook {self.name!r} not in {sorted(HOOKS)}")
 
 
 @dataclass(frozen=True)
@@ -149,7 +157,7 @@ class PipeClient:
 
 class PipeLoader:
     """The agent's data stream, seen from the training process
-    (trainlab.train.loop.StreamLoader)."""
+    (trainlab.train.trainer.StreamLoader)."""
 
     def __init__(self, client: PipeClient):
         self.client = client

@@ -116,7 +116,7 @@ def test_the_models_package_keeps_its_public_names():
     assert "sdpa" in trainlab.models.available()
     with pytest.raises(AttributeError):
         trainlab.models.no_such_name  # noqa: B018
-    from trainlab.models.transformer import Block, TransformerLM  # compatibility re-export
+    from trainlab.models.layers import Block, TransformerLM
 
     assert build_model(small("gpt2")).layers[0].__class__ is Block
     assert isinstance(build_model(small("llama")), TransformerLM)

@@ -87,7 +87,7 @@ class FakeRank0:
     ) -> CallbackList:
         """A fresh process's callbacks (as after a worker-group restart), or with
         `in_place` the same callbacks started again (the agent survives restarts
-        of its training process, trainlab.train.supervisor)."""
+        of its training process, trainlab.train.agent)."""
         if not (in_place and self.callbacks is not None):
             if self.callbacks is not None:  # the old process "dies" once its writes landed
                 self.callbacks.callbacks[0].flush()

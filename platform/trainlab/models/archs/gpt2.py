@@ -6,13 +6,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from trainlab.models.registry import Architecture, ParamCount, register_arch
+from trainlab.models.registry import (
+    Architecture,
+    ConfigIssue,
+    ModelSpec,
+    ParamCount,
+    register_arch,
+)
 
 if TYPE_CHECKING:
     from torch import nn
-
-    from trainlab.config.rules import Problem
-    from trainlab.config.schema import ModelConfig
 
 
 @register_arch("gpt2")
@@ -21,22 +24,20 @@ class GPT2(Architecture):
     mlp_activation_factor = 4.0  # fc output and its GELU
     learned_positions = True
 
-    def default_ffn_hidden_size(self, m: ModelConfig) -> int:
+    def default_ffn_hidden_size(self, m: ModelSpec) -> int:
         return 4 * m.hidden_size
 
-    def check(self, m: Mapping[str, Any]) -> Iterator[Problem]:
-        from trainlab.config.rules import Problem
-
+    def check(self, m: Mapping[str, Any]) -> Iterator[ConfigIssue]:
         kv = m["num_kv_heads"] or m["num_heads"]
         if kv != m["num_heads"]:
-            yield Problem(
+            yield ConfigIssue(
                 "model.num_kv_heads",
                 kv,
                 f"arch gpt2 has no grouped-query attention; must equal model.num_heads "
                 f"({m['num_heads']})",
             )
 
-    def count_params(self, m: ModelConfig) -> ParamCount:
+    def count_params(self, m: ModelSpec) -> ParamCount:
         """GPT-2 small (h=768, L=12, V=50257, T=1024, tied) gives 124,439,808."""
         h, f = m.hidden_size, m.ffn_hidden_size
         kv_dim = (m.num_kv_heads or m.num_heads) * (h // m.num_heads)
@@ -47,7 +48,7 @@ class GPT2(Architecture):
             m, per_layer=attn + mlp + 2 * norm, final_norm=norm, position=m.max_seq_len * h
         )
 
-    def build(self, m: ModelConfig) -> nn.Module:
+    def build(self, m: ModelSpec) -> nn.Module:
         from torch import nn
 
         from trainlab.models.layers import Attention, Block, GeluMLP, TransformerLM

@@ -6,13 +6,17 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from trainlab.models.registry import Architecture, ParamCount, register_arch
+from trainlab.models.registry import (
+    Architecture,
+    ConfigIssue,
+    ModelSpec,
+    ParamCount,
+    register_arch,
+)
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from trainlab.config.rules import Problem
-    from trainlab.config.schema import ModelConfig
     from trainlab.models.layers import NormFactory
 
 
@@ -22,28 +26,26 @@ class Llama(Architecture):
     mlp_activation_factor = 8.0  # gate, its activation, up, product
     learned_positions = False
 
-    def default_ffn_hidden_size(self, m: ModelConfig) -> int:
+    def default_ffn_hidden_size(self, m: ModelSpec) -> int:
         """8/3 * hidden rounded up to a multiple of 256 (4096 -> 11008, Llama-2-7B)."""
         return 256 * -(-(8 * m.hidden_size // 3) // 256)
 
-    def check(self, m: Mapping[str, Any]) -> Iterator[Problem]:
-        from trainlab.config.rules import Problem
-
+    def check(self, m: Mapping[str, Any]) -> Iterator[ConfigIssue]:
         h, a = m["hidden_size"], m["num_heads"]
         if h % a == 0 and (h // a) % 2:  # (heads not dividing hidden is a general rule)
-            yield Problem(
+            yield ConfigIssue(
                 "model.num_heads",
                 a,
                 f"head dim hidden_size/num_heads = {h // a} "
                 f"must be even for RoPE (arch {self.name})",
             )
 
-    def attention_params(self, m: ModelConfig) -> int:
+    def attention_params(self, m: ModelSpec) -> int:
         h = m.hidden_size
         kv_dim = (m.num_kv_heads or m.num_heads) * (h // m.num_heads)
         return h * h + 2 * h * kv_dim + h * h  # q, k, v, o; no biases
 
-    def count_params(self, m: ModelConfig) -> ParamCount:
+    def count_params(self, m: ModelSpec) -> ParamCount:
         """Llama-2-7B (h=4096, L=32, a=32, f=11008, V=32000, untied) gives 6,738,415,616."""
         h, f = m.hidden_size, m.ffn_hidden_size
         norm = h  # RMSNorm weight only
@@ -52,11 +54,11 @@ class Llama(Architecture):
             m, per_layer=self.attention_params(m) + mlp + 2 * norm, final_norm=norm
         )
 
-    def qk_norm(self, m: ModelConfig) -> NormFactory | None:
+    def qk_norm(self, m: ModelSpec) -> NormFactory | None:
         """The per-head norm of queries and keys (none in Llama)."""
         return None
 
-    def build(self, m: ModelConfig) -> nn.Module:
+    def build(self, m: ModelSpec) -> nn.Module:
         from trainlab.models.layers import Attention, Block, RMSNorm, SwiGLU, TransformerLM
 
         def norm(dim: int) -> RMSNorm:

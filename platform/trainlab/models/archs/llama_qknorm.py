@@ -8,10 +8,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainlab.models.archs.llama import Llama
-from trainlab.models.registry import ParamCount, register_arch
+from trainlab.models.registry import ModelSpec, ParamCount, register_arch
 
 if TYPE_CHECKING:
-    from trainlab.config.schema import ModelConfig
     from trainlab.models.layers import NormFactory
 
 
@@ -23,7 +22,7 @@ class LlamaQKNorm(Llama):
         # The q/k norms keep their 16-bit inputs: 2 + 2*g more bytes per s*b*h.
         return super().attention_activation_terms(kv_ratio) + 2 + 2 * kv_ratio
 
-    def count_params(self, m: ModelConfig) -> ParamCount:
+    def count_params(self, m: ModelSpec) -> ParamCount:
         base = super().count_params(m)
         qk_norms = 2 * m.head_dim  # q_norm and k_norm weights of one block
         return ParamCount.of(
@@ -33,7 +32,7 @@ class LlamaQKNorm(Llama):
             position=base.position,
         )
 
-    def qk_norm(self, m: ModelConfig) -> NormFactory | None:
+    def qk_norm(self, m: ModelSpec) -> NormFactory | None:
         from trainlab.models.layers import RMSNorm
 
         return lambda head_dim: RMSNorm(head_dim, m.norm_eps)
