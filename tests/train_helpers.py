@@ -1,6 +1,6 @@
 """Helpers for training tests: tiny configs over a real prepared dataset.
 
-The dataset is `trainlab.data.testing.small_dataset` (standard-library source
+The dataset is `devtools.datasets.small_dataset` (standard-library source
 and docstrings, a BPE tokenizer trained on them, the contract-2 format),
 shared with the data tests through pytest's base temp dir; the stream is the
 real `trainlab.data.WorkerLoader`.

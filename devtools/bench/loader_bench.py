@@ -86,16 +86,13 @@ def _memmap_rate(spec: Any, tmp: Path, tokens: int) -> float:
     return done / (time.perf_counter() - t0)
 
 
-def _tiny_step_rate(cfg: Any, spec: Any, steps: int = 8) -> float | None:
-    """Tokens/s one training process consumes on the tiny recipe (None without models)."""
-    try:
-        import torch
+def _tiny_step_rate(cfg: Any, spec: Any, steps: int = 8) -> float:
+    """Tokens/s one training process consumes on the tiny recipe."""
+    import torch
 
-        from trainlab.models import build_model
-        from trainlab.train.loop import loss_sum_and_count, to_tensors
-    except ImportError:
-        return None
     from trainlab.data import WorkerLoader
+    from trainlab.models import build_model
+    from trainlab.train.step import loss_sum_and_count, to_tensors
 
     torch.manual_seed(0)
     model = build_model(cfg.model)
@@ -150,18 +147,17 @@ def bench_loader() -> list[BenchResult]:
             "loader_tokens_per_s", loader, "tokens/s", "memmap_tokens_per_s", memmap, notes=notes
         )
     ]
-    if train is not None:
-        results.append(
-            BenchResult(
-                "loader_headroom_over_tiny_step",
-                loader,
-                "tokens/s",
-                "tiny_train_step_tokens_per_s",
-                train,
-                notes={
-                    "meaning": "loader tokens/s over the tokens/s one "
-                    "tiny-recipe training process consumes"
-                },
-            )
+    results.append(
+        BenchResult(
+            "loader_headroom_over_tiny_step",
+            loader,
+            "tokens/s",
+            "tiny_train_step_tokens_per_s",
+            train,
+            notes={
+                "meaning": "loader tokens/s over the tokens/s one "
+                "tiny-recipe training process consumes"
+            },
         )
+    )
     return results

@@ -86,9 +86,9 @@ def plain_loop_tokens_per_s(cfg: ExperimentConfig, threads: int) -> dict[str, fl
 
     from trainlab.data import WorkerLoader, prepare_run_data
     from trainlab.models import build_model
-    from trainlab.train.loop import loss_sum_and_count, to_tensors
     from trainlab.train.parallel import param_groups
     from trainlab.train.schedule import lr_at
+    from trainlab.train.step import loss_sum_and_count, to_tensors
 
     torch.set_num_threads(threads)
     loader = WorkerLoader(prepare_run_data(cfg), 0, 1, backend="local")
@@ -205,13 +205,13 @@ def _params(cfg: ExperimentConfig) -> int:
 def trainlab_recovery_seconds(cfg: ExperimentConfig) -> dict[str, Any]:
     """Kill rank 1's training process at KILL_AT; seconds until the next first step."""
     from trainlab.train import run
-    from trainlab.train.summary import read_first_steps
+    from trainlab.train.records import RunRecords
 
     summary = run(cfg)
     run_dir = Path(summary["run_dir"])
     (marker,) = (run_dir / "logs").glob("chaos-step-*.json")
     killed_at = json.loads(marker.read_text())["time"]
-    after = [r["time"] for r in read_first_steps(run_dir) if r["time"] > killed_at]
+    after = [r["time"] for r in RunRecords(run_dir).first_steps() if r["time"] > killed_at]
     return {
         "seconds": min(after) - killed_at,
         "restarts": summary["restarts"],

@@ -168,10 +168,8 @@ def _webhook_sink(env_name: str) -> WebhookSink | None:
 
 
 def _this_process() -> Any:
-    try:
-        import psutil
-    except ImportError:
-        return None
+    import psutil
+
     process = psutil.Process()
     process.cpu_percent(None)  # the first call only sets the baseline
     return process

@@ -76,7 +76,9 @@ def test_trains_evaluates_checkpoints_and_summarizes(dataset, tmp_path):
     assert on_disk["weights_sha256"] == summary["weights_sha256"]
 
     losses = [e[2]["loss"] for e in rec.events if e[0] == "step"]
-    assert losses[-1] < losses[0] - 0.3, losses  # it learns (deterministic run)
+    # it learns (deterministic run); each logged loss is one small batch's, so the
+    # last three windows are averaged
+    assert sum(losses[-3:]) / 3 < losses[0] - 0.3, losses
     first = next(e[2] for e in rec.events if e[0] == "step")
     for key in (
         "loss",
