@@ -315,11 +315,12 @@ def test_losing_the_worker_node_mid_run_resumes_from_its_checkpoint(cluster, dat
     summary = _summary(prep.run_dir)
     assert (summary["status"], summary["final_step"]) == ("completed", 10)
     assert summary["restarts"] >= 1
-    from trainlab.train.summary import INFRASTRUCTURE_KINDS, read_attempts, read_failures
+    from trainlab.train.records import INFRASTRUCTURE_KINDS, RunRecords
 
-    starts = [a["start_step"] for a in read_attempts(Path(prep.run_dir))]
+    records = RunRecords(prep.run_dir)
+    starts = [a["start_step"] for a in records.attempts()]
     assert starts[0] == 0 and starts[-1] >= 2  # resumed from a checkpoint, not from scratch
-    assert {f.get("kind") for f in read_failures(Path(prep.run_dir))} & INFRASTRUCTURE_KINDS
+    assert {f.get("kind") for f in records.failures()} & INFRASTRUCTURE_KINDS
     assert not node_alive(victim)
 
 

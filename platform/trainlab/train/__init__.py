@@ -3,6 +3,20 @@
 `run(cfg, ...)` is the one entry point (the CLI, trainers/pretrain.py and the
 demo call it); see trainlab.train.launcher. Importing this package stays
 light: torch and Ray load only when a run starts.
+
+From the driver to the step:
+
+    launcher      checks, run directory, TrainJob, Ray Train (driver)
+    worker        Ray Train's per-worker function: loader, callbacks, the agent
+    agent         supervises this rank's training process, restarts it in place
+    protocol      the typed pipe protocol between a training process and its agent
+    child         a training process: process group, then the trainer
+    trainer       fit / train_step / evaluate over the TrainState
+    state         the stateful parts: model+optimizer, progress, data position, RNG
+    step          the loss and one optimizer step (pure functions)
+    checkpointer  the TrainState in and out of checkpoints (both formats)
+    checkpoint    the disk protocol: atomic commits, checksums, retention
+    records       run_summary.json, failures, attempts, progress: one writer each
 """
 
 from __future__ import annotations
