@@ -87,6 +87,11 @@ def _print_done(s: dict) -> None:
     if "smoke" in s:
         checks = ", ".join(k for k, ok in s["smoke"]["checks"].items() if ok)
         click.echo(f"  smoke checks passed: {checks}", err=True)
+        from trainlab.train.metrics import memory_gap
+
+        gap = memory_gap(s.get("planned_memory_bytes"), s.get("peak_memory_bytes"))
+        if gap:
+            click.echo(f"  memory per device: {gap}", err=True)
 
 
 def _print_failure(s: dict) -> None:

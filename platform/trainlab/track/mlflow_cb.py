@@ -303,6 +303,7 @@ class MlflowCallback(Callback):
         self._close_writer()  # the curves below are read back from the store
         try:
             self._log_end_artifacts(summary)
+            self._log_memory(summary)
         finally:
             self._stop_system_metrics()
             status = str(summary.get("status", "completed")).lower()
@@ -312,6 +313,17 @@ class MlflowCallback(Callback):
                     tags[key] = str(summary[key])
             self.set_tags(tags)
             self._client.set_terminated(self.run_id, _MLFLOW_STATUS.get(status, "FAILED"))
+
+    def _log_memory(self, summary: dict[str, Any]) -> None:
+        """Peak memory per device (max over ranks) next to the plan's estimate."""
+        peak, planned = summary.get("peak_memory_bytes"), summary.get("planned_memory_bytes")
+        values = {"peak_memory_bytes": peak, "planned_memory_bytes": planned}
+        if peak and planned:
+            values["memory_estimate_error"] = planned / peak - 1
+        step = int(summary.get("final_step") or 0)
+        for key, value in values.items():
+            if value is not None:
+                self._client.log_metric(self.run_id, key, float(value), step=step)
 
     def on_run_abandoned(self, run_dir: str, summary: dict[str, Any]) -> None:
         """The driver's close of a run whose workers never reached `on_run_end`

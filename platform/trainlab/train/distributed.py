@@ -31,6 +31,11 @@ class DistEnv:
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
         return t
 
+    def all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
     def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         """Rank `src`'s `obj` on every rank."""
         if not self.distributed:

@@ -33,6 +33,27 @@ def memory_gb(device: torch.device) -> tuple[float, float]:
     return current, peak
 
 
+def peak_memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: allocated device memory on GPU, the resident set
+    size on CPU (which also holds the interpreter, torch's libraries and the
+    data pipeline's buffers, none of which the plan counts)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)  # KiB on Linux
+
+
+def memory_gap(planned: float | None, measured: float | None) -> str | None:
+    """ "estimate 61.5 GiB, measured 58.0 GiB: -6%" (the measurement relative to
+    the estimate), or None when either is unknown."""
+    if not planned or not measured:
+        return None
+    gib = 1024**3
+    return (
+        f"estimate {planned / gib:.2f} GiB, measured {measured / gib:.2f} GiB: "
+        f"{100 * (measured / planned - 1):+.0f}%"
+    )
+
+
 @dataclass
 class Meter:
     """Step timings of the current log window and the run's steady throughput."""

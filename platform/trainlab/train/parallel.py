@@ -11,6 +11,12 @@ The model file knows nothing of these. Strategies (parallel.strategy after
 - fsdp, zero_stage 3: FSDP2 `fully_shard(reshard_after_forward=True)`:
   everything sharded (FULL_SHARD).
 
+Precision: fp32 trains fp32 everywhere. bf16/fp16 under DDP and ZeRO-1 is
+`torch.autocast` over fp32 weights (weights, gradients, DDP's gradient buckets
+and Adam's two moments all fp32); under FSDP it is a `MixedPrecisionPolicy`
+(fp32 sharded weights, gradients and optimizer state; 16-bit all-gathered
+parameters for compute; fp32 gradient reduction), see `fsdp_mixed_precision`.
+
 Activation checkpointing: `full` recomputes every block in backward,
 `selective` every other block (layer-wise selective, as in torchtitan).
 """
@@ -81,14 +87,28 @@ def apply_parallelism(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> 
         from torch.distributed.fsdp import fully_shard
 
         reshard = cfg.parallel.zero_stage == 3
+        policy = fsdp_mixed_precision(cfg.train.precision)
         for block in model.layers:
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
+            fully_shard(block, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(model, reshard_after_forward=reshard, mp_policy=policy)
         return model
     from torch.nn.parallel import DistributedDataParallel
 
     device_ids = [env.device.index] if env.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def fsdp_mixed_precision(precision: str):  # -> MixedPrecisionPolicy
+    """FSDP2's precision: the sharded master weights, gradients and optimizer state
+    stay fp32; each block's parameters are all-gathered in bf16/fp16 for forward
+    and backward, and gradients are reduce-scattered in fp32. (Autocast still runs
+    around the step, for the few ops outside the parameters' dtype.)"""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -207,6 +207,7 @@ def run_summary(
     throughput: tuple[float | None, float | None] = (None, None),
     stop_reason: str | None = None,
     error: str | None = None,
+    peak_memory_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The run summary of `job` (a trainlab.train.job.TrainJob), built in one place
     for every outcome. Checkpoints are `CheckpointInfo`s (or None)."""
@@ -235,12 +236,21 @@ def run_summary(
         "dataset_fingerprint": job.dataset_fingerprint,
         "start_step": start_step,
         "stop_reason": stop_reason,
+        # Max over ranks (device memory on GPU, process RSS on CPU) next to the
+        # plan's estimate per device.
+        "peak_memory_bytes": peak_memory_bytes,
+        "planned_memory_bytes": planned_memory_bytes(job.plan),
         "failures": failures,
     }
     if status == "failed":
         summary["error"] = error
         summary["failure_cause"] = failure_cause(failures)
     return summary
+
+
+def planned_memory_bytes(plan: dict[str, Any]) -> int | None:
+    total = (plan.get("memory_per_device_bytes") or {}).get("total")
+    return int(total) if total is not None else None
 
 
 def failed_summary(job: Any, error: str) -> dict[str, Any]:

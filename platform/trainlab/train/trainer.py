@@ -28,8 +28,8 @@ from trainlab.train.callbacks import Callback, CallbackList, RunContext
 from trainlab.train.checkpointer import Checkpointer
 from trainlab.train.distributed import DistEnv
 from trainlab.train.job import TrainJob
-from trainlab.train.metrics import Meter, progress_line
-from trainlab.train.records import RunRecords, run_summary
+from trainlab.train.metrics import Meter, memory_gap, peak_memory_bytes, progress_line
+from trainlab.train.records import RunRecords, planned_memory_bytes, run_summary
 from trainlab.train.state import (
     DataPosition,
     ModelState,
@@ -261,10 +261,22 @@ class Trainer:
         weights = self.state.model.full_weights()
         return state_dict_sha256(weights) if self.env.is_main else None
 
+    def peak_memory(self) -> int:
+        """The largest peak memory of any rank (a collective)."""
+        mine = torch.tensor([peak_memory_bytes(self.env.device)], dtype=torch.float64)
+        return int(self.env.all_reduce_max(mine.to(self.env.device))[0].item())
+
     def _finish(self, status: str) -> dict[str, Any] | None:
         digest = self.weights_sha256()
+        peak = self.peak_memory()
         if not self.env.is_main:
             return None
+        planned = planned_memory_bytes(self.job.plan)
+        gap = memory_gap(planned, peak)
+        if gap and self.env.device.type == "cuda" and abs(peak / planned - 1) > 0.10:
+            log.warning("peak device memory differs from the plan by more than 10%%: %s", gap)
+        elif gap:
+            log.info("peak memory per device: %s", gap)
         summary = run_summary(
             self.job,
             status,
@@ -278,6 +290,7 @@ class Trainer:
             start_step=self.start_step,
             throughput=self.meter.steady_throughput(),
             stop_reason=self.stop_reason or None,
+            peak_memory_bytes=peak,
         )
         self.records.write_summary(summary)
         self.callbacks.on_run_end(summary)

@@ -257,3 +257,14 @@ def test_a_tracking_outage_never_stops_training(rank0, monkeypatch, caplog):
     # Monitoring goes on without MLflow: the alert still reaches the run log.
     assert [a.rule for a in callbacks.callbacks[1].alerts] == ["non_finite"]
     assert (r0.run_dir / "logs" / "alerts.jsonl").is_file()
+
+
+def test_peak_memory_is_recorded_next_to_the_plans_estimate(rank0, client):
+    r0 = rank0()
+    r0.start()
+    r0.steps(1, 4)
+    r0.end(final_step=4, peak_memory_bytes=3 * 2**30, planned_memory_bytes=4 * 2**30)
+    metrics = only_run(client).data.metrics
+    assert metrics["peak_memory_bytes"] == 3 * 2**30
+    assert metrics["planned_memory_bytes"] == 4 * 2**30
+    assert metrics["memory_estimate_error"] == pytest.approx(4 / 3 - 1)

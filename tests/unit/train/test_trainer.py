@@ -74,6 +74,11 @@ def test_trains_evaluates_checkpoints_and_summarizes(dataset, tmp_path):
     assert summary["restarts"] == 0
     on_disk = json.loads((tmp_path / "run_summary.json").read_text())
     assert on_disk["weights_sha256"] == summary["weights_sha256"]
+    # the process's peak (RSS on CPU) next to the plan's estimate per device
+    assert summary["peak_memory_bytes"] > 0
+    assert summary["planned_memory_bytes"] == make_job(cfg, tmp_path).plan[
+        "memory_per_device_bytes"
+    ]["total"]
 
     losses = [e[2]["loss"] for e in rec.events if e[0] == "step"]
     # it learns (deterministic run); each logged loss is one small batch's, so the
