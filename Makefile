@@ -15,7 +15,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR := false
 
-.PHONY: setup test test-fast lint demo bench clean
+.PHONY: setup test test-fast lint demo bench clean gpu-wheels gpu-check
 
 setup: $(STAMP)
 
@@ -40,6 +40,24 @@ demo: setup
 
 bench: setup
 	$(PY) -m devtools.bench
+
+# The prepared GPU check (devtools/gpu_check.py; README "GPU check"). The GPU
+# machine has no network and only its own python3 (3.12) with torch, numpy,
+# pyarrow, tokenizers, pyyaml, safetensors and transformers: no .venv, no Ray.
+# gpu-wheels (here, with network): the wheels of what else the check imports
+# (pydantic and its dependencies) for CPython 3.12 manylinux x86-64 into
+# .gpu-wheels (ignored; fails over 30 MiB). Carry that folder to the GPU machine.
+# gpu-check (there): exits 2 without a CUDA GPU; installs .gpu-wheels offline into
+# .gpu-site, then runs the check (< 8 min): JSON to $OUT/gpu-check.json, else ./gpu-check.json.
+GPU_PYTHON ?= python3
+GPU_WHEELS := .gpu-wheels
+GPU_SITE   := .gpu-site
+
+gpu-wheels: setup
+	$(PY) devtools/gpu_check.py --download-wheels $(GPU_WHEELS)
+
+gpu-check:
+	PYTHONPATH=platform:.:$(GPU_SITE) $(GPU_PYTHON) devtools/gpu_check.py --wheels $(GPU_WHEELS) --site $(GPU_SITE)
 
 clean:
 	rm -rf $(VENV) runs data/demo bench-results.json

@@ -59,6 +59,20 @@ def resolve_parallel_defaults(parallel: Any, resource: Any) -> None:
         parallel.zero_stage = 0 if parallel.strategy == "ddp" else 3
 
 
+def resolve_data_defaults(data: Any, parallel: Any) -> None:
+    """Fill grad_accum_steps where it follows from the rest: 1 without a stated global
+    batch; global_batch_size / (micro_batch_size x dp) when dp is known. Under
+    `strategy: auto` without dp it stays null for the planner (and a value that does
+    not divide is left for the rules to report)."""
+    if data.grad_accum_steps is not None:
+        return
+    g, mb, dp = data.global_batch_size, data.micro_batch_size, parallel.dp
+    if g is None:
+        data.grad_accum_steps = 1
+    elif dp is not None and mb != "auto" and g % (mb * dp) == 0:
+        data.grad_accum_steps = g // (mb * dp)
+
+
 # --------------------------------------------------------------------------- model
 
 
@@ -102,6 +116,46 @@ def _seq_len_fits(cfg: dict[str, Any]) -> Iterator[Problem]:
             cfg["data"]["seq_len"],
             f"must be <= model.max_seq_len ({cfg['model']['max_seq_len']})",
         )
+
+
+@rule("data", "parallel")
+def _global_batch_splits(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """global batch = micro_batch_size x grad_accum_steps x dp, in whole numbers."""
+    d, dp = cfg["data"], cfg["parallel"]["dp"]
+    g, mb, ga = d["global_batch_size"], d["micro_batch_size"], d["grad_accum_steps"]
+    if g is None:
+        if mb == "auto":
+            yield Problem(
+                "data.micro_batch_size",
+                mb,
+                "needs data.global_batch_size (auto splits the stated global batch "
+                "into the largest micro batches that fit)",
+            )
+        return
+    sizes = [("data.micro_batch_size", mb), ("data.grad_accum_steps", ga), ("parallel.dp", dp)]
+    known = [(name, v) for name, v in sizes if v is not None and v != "auto"]
+    prod = 1
+    for _, v in known:
+        prod *= v
+    named = " x ".join(f"{name} ({v})" for name, v in known)
+    if len(known) > 1:
+        named += f" = {prod}"
+    if len(known) == 3 and prod != g:
+        yield Problem(
+            "data.grad_accum_steps",
+            ga,
+            f"disagrees with data.global_batch_size ({g}): {named}; give one of the two",
+        )
+    elif known and g % prod:
+        if ga is not None and len(known) > 1:
+            yield Problem(
+                "data.grad_accum_steps",
+                ga,
+                f"disagrees with data.global_batch_size ({g}): it is not a multiple of "
+                f"{named}; give one of the two",
+            )
+        else:
+            yield Problem("data.global_batch_size", g, f"must be a multiple of {named}")
 
 
 @rule("train")
@@ -221,11 +275,52 @@ def _zero_matches_strategy(cfg: dict[str, Any]) -> Iterator[Problem]:
         )
 
 
+# Close to trainlab.train.parallel.check_executable, the launch-time guard: an explicit
+# layout that cannot run is refused at `trainlab validate`, not at launch.
+_DP_ONLY = "trainlab executes data parallelism only (DDP, ZeRO-1, FSDP with ZeRO 2/3)"
+
+
+@rule("parallel")
+def _layout_executes(cfg: dict[str, Any]) -> Iterator[Problem]:
+    p = cfg["parallel"]
+    for key, what in (("tp", "tensor"), ("pp", "pipeline")):
+        if (p[key] or 1) > 1:
+            yield Problem(
+                f"parallel.{key}",
+                p[key],
+                f"{_DP_ONLY}; {what} parallelism is planned but not executed yet. "
+                f"Set parallel.{key}: 1 (or add workers / use strategy fsdp to fit the model)",
+            )
+
+
+@rule("parallel", "resource")
+def _dp_only_uses_every_worker(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """With tp = pp = 1, dp is the world size (tp*pp*dp given is _world_size's rule)."""
+    p, n = cfg["parallel"], cfg["resource"]["num_workers"]
+    given = [p[k] for k in ("tp", "pp", "dp")]
+    if (
+        None in given
+        and p["dp"] is not None
+        and p["dp"] != n
+        and (p["tp"] or 1) * (p["pp"] or 1) == 1
+    ):
+        yield Problem(
+            "parallel.dp",
+            p["dp"],
+            f"must equal resource.num_workers ({n}): {_DP_ONLY}, so every worker is a "
+            "data-parallel rank",
+        )
+
+
 @rule("parallel")
 def _sequence_parallel_needs_tp(cfg: dict[str, Any]) -> Iterator[Problem]:
-    p = cfg["parallel"]
-    if p["sequence_parallel"] and p["tp"] == 1:
-        yield Problem("parallel.sequence_parallel", True, "needs parallel.tp > 1")
+    if cfg["parallel"]["sequence_parallel"]:
+        yield Problem(
+            "parallel.sequence_parallel",
+            True,
+            "needs tensor parallelism (parallel.tp > 1), which this version does not "
+            "execute. Set parallel.sequence_parallel: false",
+        )
 
 
 # --------------------------------------------------------------------------- resource

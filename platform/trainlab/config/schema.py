@@ -84,8 +84,15 @@ class DataConfig(Section):
     # Directory written by `trainlab prep` (holds manifest.json); relative to the repo root.
     path: str = "data/demo/prepared"
     seq_len: int = Field(256, ge=8, le=1_048_576)
-    micro_batch_size: int = Field(8, ge=1, le=65536)
-    grad_accum_steps: int = Field(1, ge=1, le=65536)
+    # Sequences per device per forward/backward; `auto` (needs global_batch_size): the
+    # planner picks the largest that fits (see trainlab.plan.planner).
+    micro_batch_size: Annotated[int, Field(ge=1, le=65536)] | Literal["auto"] = 8
+    # Micro batches per optimizer step; null = derived: global_batch_size /
+    # (micro_batch_size x dp) when global_batch_size is set (by the planner under
+    # `strategy: auto`), else 1.
+    grad_accum_steps: int | None = Field(None, ge=1, le=65536)
+    # Sequences per optimizer step; null = micro_batch_size x grad_accum_steps x dp (varies with dp).
+    global_batch_size: int | None = Field(None, ge=1, le=16_777_216)
     # Token shares per source name (normalized to sum 1); empty means every
     # source in the manifest in proportion to its token count.
     mix: dict[str, Annotated[float, Field(gt=0, le=1e6)]] = Field(default_factory=dict)
@@ -167,7 +174,9 @@ class ParallelConfig(Section):
     pp: int | None = Field(None, ge=1, le=1024)
     dp: int | None = Field(None, ge=1, le=1_000_000)
     zero_stage: int | None = Field(None, ge=0, le=3)
-    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    # Recompute blocks in backward: none, selective (every other block), full, or auto
+    # (the planner tries none -> selective -> full and takes the first that fits).
+    activation_checkpointing: Literal["none", "selective", "full", "auto"] = "none"
     sequence_parallel: bool = False
 
 
@@ -179,6 +188,7 @@ class ResourceConfig(Section):
     num_workers: int = Field(1, ge=1, le=100_000)
     use_gpu: bool = False
     gpu_memory_gb: float = Field(80.0, gt=0, le=4096)
+    # GPUs (= workers) per node: tensor parallelism stays within one; the plan's `nodes`.
     gpus_per_node: int = Field(8, ge=1, le=64)
     cpus_per_worker: float = Field(1.0, gt=0, le=1024)
     # Memory per CPU worker for planning; null means host RAM / workers on this host.
@@ -288,9 +298,14 @@ class ExperimentConfig(Section):
 
     @model_validator(mode="after")
     def _cross_field(self) -> ExperimentConfig:
-        from trainlab.config.rules import check_rules, resolve_parallel_defaults
+        from trainlab.config.rules import (
+            check_rules,
+            resolve_data_defaults,
+            resolve_parallel_defaults,
+        )
 
         resolve_parallel_defaults(self.parallel, self.resource)
+        resolve_data_defaults(self.data, self.parallel)
         problems = check_rules(self.model_dump())
         if problems:
             raise ValueError("; ".join(p.format() for p in problems))
@@ -299,9 +314,15 @@ class ExperimentConfig(Section):
     # Derived quantities used everywhere; kept here so no one re-derives them.
     @property
     def global_batch_size(self) -> int:
-        """Sequences per optimizer step across all data-parallel ranks."""
+        """Sequences per optimizer step across all data-parallel ranks: the stated
+        data.global_batch_size, else micro_batch_size x grad_accum_steps x dp."""
+        d = self.data
+        if d.global_batch_size is not None:
+            return d.global_batch_size
         dp = self.parallel.dp or self.resource.num_workers
-        return self.data.micro_batch_size * self.data.grad_accum_steps * dp
+        # Without a stated global batch the rules make micro_batch_size an int and the
+        # validator fills grad_accum_steps (1 unless given).
+        return int(d.micro_batch_size) * (d.grad_accum_steps or 1) * dp
 
     @property
     def tokens_per_step(self) -> int:

@@ -1,14 +1,34 @@
-"""The planner: from a validated config to a parallel layout that fits.
+"""The planner: from a validated config to a parallel layout that fits and runs.
 
-It decides *where and how many*: tp/pp/dp and the ZeRO stage, the memory each
-device needs, the largest micro batch that fits, and FLOPs per token for MFU.
-`plan()` never raises for a layout that does not fit; it returns `fits=False`
-with notes saying why, and `require_fit()` turns that into a user error.
+It decides *where and how many*: tp/pp/dp and the ZeRO stage, the recomputation
+mode and micro batch, the memory each device needs, how many nodes, and FLOPs
+per token for MFU. `plan()` never raises for a layout that does not fit; it
+returns `fits=False` with notes saying why and what to change, and
+`require_fit()` turns that into a user error.
+
+The levers, in the order people reach for them (each only where the config left
+it open; an explicit value is respected):
+
+1. ZeRO sharding of data parallelism, stage 0 -> 3 (least communication first);
+2. a smaller micro batch (`data.micro_batch_size: auto`), more gradient
+   accumulation in its place: costs a little kernel efficiency, no compute;
+3. recomputation (`parallel.activation_checkpointing: auto`): none -> selective
+   -> full, which costs up to one more forward per step;
+4. tensor and pipeline parallelism: planned but not executed yet, so `auto`
+   never chooses them; when only they would fit, the plan says `fits: false`,
+   names that layout and what to change now.
+
+The global batch is the experiment's (`data.global_batch_size`): every layout
+keeps it by choosing grad_accum_steps = global / (micro_batch x dp). Without it,
+the global batch is micro_batch x grad_accum_steps x dp and follows dp.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,9 +46,13 @@ from trainlab.plan.model_math import (
 # fragmentation, the CUDA context, communication buffers and temporaries.
 SAFETY_MARGIN = 0.10
 MAX_MICRO_BATCH = 65536
+# Recomputation modes from the cheapest in compute to the cheapest in memory.
+RECOMPUTE_LADDER = ("none", "selective", "full")
+# `more devices` suggestions try the world size doubled up to this many times.
+MAX_DOUBLINGS = 12
 
 
-@dataclass
+@dataclass(frozen=True)
 class Layout:
     tp: int
     pp: int
@@ -38,6 +62,31 @@ class Layout:
     @property
     def strategy(self) -> str:
         return "ddp" if self.zero_stage <= 1 else "fsdp"
+
+    @property
+    def executes(self) -> bool:
+        """Whether the trainer runs it today (data parallelism only)."""
+        return self.tp == 1 and self.pp == 1
+
+    def describe(self) -> str:
+        return (
+            f"tp={self.tp} pp={self.pp} dp={self.dp} zero_stage={self.zero_stage} ({self.strategy})"
+        )
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One point of the search: a layout with its recomputation mode and batch split."""
+
+    layout: Layout
+    recompute: str
+    micro_batch: int
+    grad_accum: int
+    memory: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return self.memory["total"]
 
 
 @dataclass
@@ -57,6 +106,12 @@ class Plan:
     tokens_per_step: int
     fits: bool
     notes: list[str] = field(default_factory=list)
+    nodes: int = 1
+    grad_accum_steps: int = 1
+    activation_checkpointing: str = "none"
+    # The layout (tp/pp/dp/zero_stage) that would fit if tensor/pipeline parallelism
+    # ran, when no executable one does; None otherwise.
+    would_fit_with_tp_pp: dict[str, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         mem = {k: int(round(v)) for k, v in self.memory_per_device_bytes.items()}
@@ -64,17 +119,21 @@ class Plan:
             "num_params": self.num_params,
             "params_breakdown": self.params_breakdown,
             "world_size": self.world_size,
+            "nodes": self.nodes,
             "strategy": self.strategy,
             "parallel": self.parallel,
+            "activation_checkpointing": self.activation_checkpointing,
             "memory_per_device_bytes": mem,
             "device_memory_bytes": int(self.device_memory_bytes),
             "usable_memory_bytes": int(self.usable_memory_bytes),
             "flops_per_token": int(round(self.flops_per_token)),
             "micro_batch_size": self.micro_batch_size,
             "micro_batch_size_max": self.micro_batch_size_max,
+            "grad_accum_steps": self.grad_accum_steps,
             "global_batch_size": self.global_batch_size,
             "tokens_per_step": self.tokens_per_step,
             "fits": self.fits,
+            "would_fit_with_tp_pp": self.would_fit_with_tp_pp,
             "notes": self.notes,
         }
 
@@ -99,8 +158,16 @@ def device_memory_bytes(cfg: ExperimentConfig) -> tuple[float, str]:
     )
 
 
+def nodes_needed(cfg: ExperimentConfig) -> int:
+    """Nodes the run spans: GPU workers fill nodes of resource.gpus_per_node; CPU
+    runs are planned on one node."""
+    r = cfg.resource
+    return math.ceil(r.num_workers / r.gpus_per_node) if r.use_gpu else 1
+
+
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
 
 
 def candidate_layouts(cfg: ExperimentConfig) -> list[Layout]:
@@ -110,6 +177,7 @@ def candidate_layouts(cfg: ExperimentConfig) -> list[Layout]:
     parallelism (per-layer all-reduces, within a node), then ZeRO sharding of
     data parallelism (one reduce-scatter/all-gather per step). So sort by
     (pp, tp, zero_stage). Values the user set in `parallel` are constraints.
+    Includes layouts the trainer does not execute yet (`Layout.executes`).
     """
     m, p, r = cfg.model, cfg.parallel, cfg.resource
     world = r.num_workers
@@ -134,7 +202,43 @@ def candidate_layouts(cfg: ExperimentConfig) -> list[Layout]:
     return out
 
 
+def _groups(layouts: list[Layout]) -> list[list[Layout]]:
+    """Layouts grouped by (tp, pp, dp), in order; ZeRO stages ascending within a group."""
+    groups: dict[tuple[int, int, int], list[Layout]] = {}
+    for lay in layouts:
+        groups.setdefault((lay.tp, lay.pp, lay.dp), []).append(lay)
+    return list(groups.values())
+
+
+def _variant(cfg: ExperimentConfig, **sections: dict[str, Any]) -> ExperimentConfig:
+    """A copy of `cfg` with fields of some sections replaced (not re-validated: the
+    planner's own what-ifs)."""
+    update = {name: getattr(cfg, name).model_copy(update=vals) for name, vals in sections.items()}
+    return cfg.model_copy(update=update)
+
+
 def _memory(cfg: ExperimentConfig, lay: Layout, micro_batch: int) -> dict[str, float]:
+    """Bytes per device by category (and `total`) for `cfg` as configured at `lay`:
+    the trainer's memory model (`trainlab.plan.memory.memory_breakdown`).
+    `cfg.parallel.activation_checkpointing` must be a concrete mode (not auto)."""
+    breakdown = _memory_model()
+    if breakdown is not None:
+        return breakdown(cfg, lay, micro_batch)
+    return _paper_memory(cfg, lay, micro_batch)
+
+
+@functools.cache
+def _memory_model() -> Any:
+    """`memory_breakdown`, imported on first use (memory.py may import the planner)."""
+    from trainlab.plan import memory
+
+    # None while the trainer's memory model (issue 13) is still being written.
+    return getattr(memory, "memory_breakdown", None)
+
+
+def _paper_memory(cfg: ExperimentConfig, lay: Layout, micro_batch: int) -> dict[str, float]:
+    """The papers' model (ZeRO's 2+2+12 bytes per parameter, Korthikanti's
+    activations): the estimate until the trainer's memory model is in place."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     n = count_params(m).total
     mem = model_state_bytes(n, t.precision, lay.zero_stage, lay.dp, lay.tp * lay.pp)
@@ -152,95 +256,388 @@ def _memory(cfg: ExperimentConfig, lay: Layout, micro_batch: int) -> dict[str, f
     return mem
 
 
-def _max_micro_batch(cfg: ExperimentConfig, lay: Layout, usable: float) -> int:
-    """Largest micro batch whose total fits (activations grow linearly in it)."""
-    states = _memory(cfg, lay, 1)
-    per_sample = states["activations"]
-    room = usable - (states["total"] - per_sample)
-    if room < per_sample:
-        return 0
-    return int(min(MAX_MICRO_BATCH, room // per_sample))
+def _batch_splits(cfg: ExperimentConfig, dp: int) -> tuple[list[tuple[int, int]], str]:
+    """(micro batch, grad_accum_steps) pairs for `dp` ranks, largest micro batch
+    first, and why there are none when the list is empty.
+
+    With data.global_batch_size every pair multiplies to it (times dp); without it
+    the pair is the config's own and the global batch follows dp."""
+    d = cfg.data
+    g = d.global_batch_size
+    if g is None:
+        return [(int(d.micro_batch_size), d.grad_accum_steps or 1)], ""
+    if g % dp:
+        return [], f"data.global_batch_size {g} is not a multiple of dp={dp}"
+    per_rank = g // dp
+    if d.micro_batch_size == "auto":
+        mbs = [m for m in reversed(_divisors(per_rank)) if m <= MAX_MICRO_BATCH]
+    elif per_rank % d.micro_batch_size == 0:
+        mbs = [d.micro_batch_size]
+    else:
+        return [], (
+            f"data.global_batch_size {g} over dp={dp} is {per_rank} sequences per rank, "
+            f"not a multiple of data.micro_batch_size {d.micro_batch_size}"
+        )
+    if d.grad_accum_steps is not None:
+        mbs = [m for m in mbs if per_rank // m == d.grad_accum_steps]
+        if not mbs:
+            return [], (
+                f"data.global_batch_size {g} over dp={dp} with data.grad_accum_steps "
+                f"{d.grad_accum_steps} leaves no whole micro batch"
+            )
+    return [(m, per_rank // m) for m in mbs], ""
+
+
+class _Search:
+    """The lever search over one config: memory per setting, cached."""
+
+    def __init__(self, cfg: ExperimentConfig, usable: float):
+        self.cfg, self.usable = cfg, usable
+        mode = cfg.parallel.activation_checkpointing
+        self.modes = RECOMPUTE_LADDER if mode == "auto" else (mode,)
+        self._cfgs: dict[tuple[str, int], ExperimentConfig] = {}
+        self._cache: dict[tuple[Layout, int, str, int], dict[str, float]] = {}
+
+    def _cfg(self, mode: str, grad_accum: int) -> ExperimentConfig:
+        """`cfg` as it would run: this recomputation mode and gradient accumulation
+        (the memory model reads both from the config)."""
+        key = (mode, grad_accum)
+        if key not in self._cfgs:
+            p, d = self.cfg.parallel, self.cfg.data
+            sections: dict[str, dict[str, Any]] = {}
+            if p.activation_checkpointing != mode:
+                sections["parallel"] = {"activation_checkpointing": mode}
+            if d.grad_accum_steps != grad_accum:
+                sections["data"] = {"grad_accum_steps": grad_accum}
+            self._cfgs[key] = _variant(self.cfg, **sections) if sections else self.cfg
+        return self._cfgs[key]
+
+    def memory(self, lay: Layout, micro_batch: int, mode: str, grad_accum: int) -> dict[str, float]:
+        key = (lay, micro_batch, mode, grad_accum)
+        if key not in self._cache:
+            self._cache[key] = _memory(self._cfg(mode, grad_accum), lay, micro_batch)
+        return self._cache[key]
+
+    def iter_settings(self, group: list[Layout]) -> Iterator[Setting]:
+        """Every setting of a (tp, pp, dp) group in lever order: recomputation is the
+        outer loop, then the micro batch (largest first), then the ZeRO stage."""
+        splits, _ = _batch_splits(self.cfg, group[0].dp)
+        for mode in self.modes:
+            for mb, ga in splits:
+                for lay in group:
+                    yield Setting(lay, mode, mb, ga, self.memory(lay, mb, mode, ga))
+
+    def visited(self, group: list[Layout], chosen: Setting) -> list[Setting]:
+        """The settings the search tried before it reached `chosen` (and `chosen`)."""
+        out = []
+        for s in self.iter_settings(group):
+            out.append(s)
+            if s == chosen:
+                break
+        return out
+
+    def leanest(self, group: list[Layout]) -> list[Setting]:
+        """The group's settings that need the least memory: the strongest recomputation
+        and the most sharded stage, at every micro batch. Memory grows with the micro
+        batch and with gradient accumulation (the carried gradients), and shrinks with
+        recomputation and sharding, so the group's minimum is among these."""
+        splits, _ = _batch_splits(self.cfg, group[0].dp)
+        mode, lay = self.modes[-1], group[-1]
+        return [Setting(lay, mode, mb, ga, self.memory(lay, mb, mode, ga)) for mb, ga in splits]
+
+    def can_fit(self, group: list[Layout]) -> bool:
+        """Whether any setting of the group fits, from its leanest corners: the strongest
+        recomputation at the most sharded stage, with the largest micro batch (least
+        accumulation) or the smallest (least activation memory). Between them memory
+        only grows, so a group whose corners do not fit has no setting that does; this
+        spares walking every lever (the memory model is not free)."""
+        splits, _ = _batch_splits(self.cfg, group[0].dp)
+        if not splits:
+            return False
+        mode, lay = self.modes[-1], group[-1]
+        return any(
+            self.memory(lay, mb, mode, ga)["total"] <= self.usable
+            for mb, ga in dict.fromkeys((splits[0], splits[-1]))
+        )
+
+    def first_fit(self, groups: list[list[Layout]]) -> Setting | None:
+        for group in groups:
+            if self.can_fit(group):
+                for s in self.iter_settings(group):
+                    if s.total <= self.usable:
+                        return s
+        return None
+
+    def smallest(self, groups: list[list[Layout]]) -> Setting | None:
+        every = [s for group in groups for s in self.leanest(group)]
+        return min(every, key=lambda s: s.total) if every else None
+
+    def max_micro_batch(self, lay: Layout, mode: str, grad_accum: int) -> int:
+        """Largest micro batch whose total fits at `lay` (memory grows with it)."""
+
+        def fits(mb: int) -> bool:
+            return self.memory(lay, mb, mode, grad_accum)["total"] <= self.usable
+
+        if not fits(1):
+            return 0
+        lo = 1  # gallop up, then bisect: few calls of the memory model
+        while lo < MAX_MICRO_BATCH:
+            hi = min(2 * lo, MAX_MICRO_BATCH)
+            if not fits(hi):
+                return _bisect(fits, lo, hi)
+            lo = hi
+        return MAX_MICRO_BATCH
+
+
+def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest n in [lo, hi) with fits(n), given fits(lo) and not fits(hi)."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _executable_groups(cfg: ExperimentConfig) -> list[list[Layout]]:
+    """The layouts the trainer runs (tp = pp = 1), as the planner would consider them."""
+    p, world = cfg.parallel, cfg.resource.num_workers
+    if p.strategy != "auto":
+        return [[Layout(p.tp or 1, p.pp or 1, p.dp or world, p.zero_stage or 0)]]
+    return _groups([lay for lay in candidate_layouts(cfg) if lay.executes])
+
+
+def _runs_and_fits(cfg: ExperimentConfig) -> bool:
+    """Whether an executable setting of `cfg` fits (a what-if of the planner's own)."""
+    dev, _ = device_memory_bytes(cfg)
+    search = _Search(cfg, dev * (1 - SAFETY_MARGIN))
+    return any(search.can_fit(group) for group in _executable_groups(cfg))
+
+
+def _what_to_change(cfg: ExperimentConfig) -> list[str]:
+    """Changes that make an executable layout fit: each tried on its own."""
+    d, p, r = cfg.data, cfg.parallel, cfg.resource
+    fixes = []
+    world = r.num_workers
+    # With a stated global batch, grad_accum_steps follows the other sizes.
+    accum = {"grad_accum_steps": None} if d.global_batch_size is not None else {}
+    for k in range(1, MAX_DOUBLINGS + 1):
+        n = world * 2**k
+        if n > 100_000:
+            break
+        more = _variant(
+            cfg,
+            resource={"num_workers": n},
+            parallel={"dp": None if p.strategy == "auto" else n},
+            data=accum,
+        )
+        if _runs_and_fits(more):
+            where = f" ({nodes_needed(more)} nodes)" if r.use_gpu else ""
+            fixes.append(f"resource.num_workers: {n}{where}")
+            break
+    stage = p.zero_stage or 0
+    if p.strategy == "auto" and p.zero_stage is not None:
+        if _runs_and_fits(_variant(cfg, parallel={"zero_stage": None})):
+            fixes.append("parallel.zero_stage: null (the planner picks the stage)")
+    elif p.strategy != "auto":
+        for strategy, z in (("ddp", 1), ("fsdp", 2), ("fsdp", 3)):
+            if z > stage and _runs_and_fits(
+                _variant(cfg, parallel={"strategy": strategy, "zero_stage": z})
+            ):
+                fixes.append(f"parallel.strategy: {strategy} with parallel.zero_stage: {z}")
+                break
+    mb = d.micro_batch_size
+    if mb != "auto" and mb > 1:
+        smaller = {mb >> k for k in range(1, mb.bit_length())}
+        if d.global_batch_size is not None:
+            smaller |= {x for x in _divisors(d.global_batch_size // (p.dp or world)) if x < mb}
+        for x in sorted(smaller, reverse=True):
+            if _runs_and_fits(_variant(cfg, data={"micro_batch_size": x, **accum})):
+                fixes.append(f"data.micro_batch_size: {x}")
+                break
+    mode = p.activation_checkpointing
+    if mode != "auto" and mode != RECOMPUTE_LADDER[-1]:
+        for stronger in RECOMPUTE_LADDER[RECOMPUTE_LADDER.index(mode) + 1 :]:
+            if _runs_and_fits(_variant(cfg, parallel={"activation_checkpointing": stronger})):
+                fixes.append(f"parallel.activation_checkpointing: {stronger}")
+                break
+    if not fixes:
+        return [
+            "no data-parallel layout fits with more devices, ZeRO sharding, a smaller micro "
+            "batch or more recomputation: the model needs tensor/pipeline parallelism (not "
+            "executed yet) or devices with more memory"
+        ]
+    return ["to fit now, change one of: " + "; ".join(fixes)]
+
+
+def _gib(b: float) -> str:
+    return f"{b / GiB:.1f} GiB"
+
+
+def _lever_notes(search: _Search, group: list[Layout], chosen: Setting) -> list[str]:
+    """Which lever the search moved, and what the cheaper settings would have needed."""
+    usable = _gib(search.usable)
+    settings = search.visited(group, chosen)
+    notes = []
+    lay = chosen.layout
+    lower = [
+        s
+        for s in settings
+        if s.recompute == chosen.recompute
+        and s.micro_batch == chosen.micro_batch
+        and s.layout.zero_stage < lay.zero_stage
+    ]
+    if lower:
+        worst = lower[-1]
+        notes.append(
+            f"layout {lay.describe()}: zero_stage {worst.layout.zero_stage} needs "
+            f"{_gib(worst.total)} > {usable} usable (ZeRO stages are tried 0 -> 3)"
+        )
+    else:
+        notes.append(f"layout {lay.describe()}: the least-communicating layout that fits")
+    if search.cfg.data.micro_batch_size == "auto":
+        bigger = [
+            s
+            for s in settings
+            if s.recompute == chosen.recompute and s.micro_batch > chosen.micro_batch
+        ]
+        if bigger:
+            nearest = min(bigger, key=lambda s: (s.micro_batch, s.total))
+            best = min(
+                (s for s in bigger if s.micro_batch == nearest.micro_batch),
+                key=lambda s: s.total,
+            )
+            notes.append(
+                f"micro_batch_size: {chosen.micro_batch} (auto; {best.micro_batch} did not "
+                f"fit: {_gib(best.total)} > {usable})"
+            )
+        else:
+            notes.append(
+                f"micro_batch_size: {chosen.micro_batch} (auto; the whole per-rank batch fits)"
+            )
+    if len(search.modes) > 1:
+        i = search.modes.index(chosen.recompute)
+        if i == 0:
+            notes.append(f"activation_checkpointing: {chosen.recompute} (auto; it fits)")
+        else:
+            prev = search.modes[i - 1]
+            best = min((s for s in settings if s.recompute == prev), key=lambda s: s.total)
+            notes.append(
+                f"activation_checkpointing: {chosen.recompute} (auto; {prev} did not fit: "
+                f"{_gib(best.total)} > {usable})"
+            )
+    return notes
+
+
+def _fallback(cfg: ExperimentConfig, search: _Search, lay: Layout) -> Setting:
+    """What to show when no split of the global batch exists for `lay`."""
+    d = cfg.data
+    mb = 1 if d.micro_batch_size == "auto" else d.micro_batch_size
+    g = d.global_batch_size
+    ga = d.grad_accum_steps or (max(1, g // (mb * lay.dp)) if g else 1)
+    mode = search.modes[-1]
+    return Setting(lay, mode, mb, ga, search.memory(lay, mb, mode, ga))
 
 
 def plan(cfg: ExperimentConfig) -> Plan:
-    """Plan the run. With `parallel.strategy: auto` pick the layout; otherwise check it."""
+    """Plan the run. With `parallel.strategy: auto` pick the layout; otherwise check it.
+    Either way pick the recomputation mode and micro batch where the config says auto."""
     m, r = cfg.model, cfg.resource
     pc = count_params(m)
     dev_mem, mem_note = device_memory_bytes(cfg)
     usable = dev_mem * (1 - SAFETY_MARGIN)
-    mb = cfg.data.micro_batch_size
     notes = [mem_note, f"usable: {usable / GiB:.1f} GiB after a {SAFETY_MARGIN:.0%} safety margin"]
-
-    if cfg.parallel.strategy == "auto":
-        candidates = candidate_layouts(cfg)
-        chosen, fits = None, False
-        for lay in candidates:
-            if _memory(cfg, lay, mb)["total"] <= usable:
-                chosen, fits = lay, True
-                break
-        if chosen is None:
-            if not candidates:
-                chosen = Layout(1, 1, r.num_workers, 0)
-                notes.append("no legal tp/pp/dp layout for the given constraints; showing dp only")
-            else:
-                # Show the layout that needs the least memory, and why it is not enough.
-                chosen = min(candidates, key=lambda lay: _memory(cfg, lay, mb)["total"])
-        skipped = candidates.index(chosen) if chosen in candidates else 0
-        notes.append(_why(chosen, skipped, fits))
+    search = _Search(cfg, usable)
+    groups = _executable_groups(cfg)
+    for group in groups:
+        if not _batch_splits(cfg, group[0].dp)[0]:
+            notes.append(f"skipped dp={group[0].dp}: {_batch_splits(cfg, group[0].dp)[1]}")
+    chosen = search.first_fit(groups)
+    fits = chosen is not None
+    hypothetical: Setting | None = None
+    if chosen is not None:
+        group = next(g for g in groups if chosen.layout in g)
+        if cfg.parallel.strategy != "auto":
+            p = cfg.parallel
+            notes.append(f"layout as configured: strategy {p.strategy}, {chosen.layout.describe()}")
+            notes.extend(_lever_notes(search, group, chosen)[1:])
+        else:
+            notes.extend(_lever_notes(search, group, chosen))
     else:
-        p = cfg.parallel
-        chosen = Layout(p.tp or 1, p.pp or 1, p.dp or r.num_workers, p.zero_stage or 0)
-        fits = _memory(cfg, chosen, mb)["total"] <= usable
+        shown = search.smallest(groups)
+        if shown is None:
+            lay = groups[0][0] if groups else Layout(1, 1, r.num_workers, 0)
+            if not groups:
+                notes.append("no legal data-parallel layout for the given constraints")
+            shown = _fallback(cfg, search, lay)
+        chosen = shown
+        what = "as configured" if cfg.parallel.strategy != "auto" else "the smallest footprint"
         notes.append(
-            f"layout as configured: strategy {p.strategy}, tp={chosen.tp} pp={chosen.pp} "
-            f"dp={chosen.dp} zero_stage={chosen.zero_stage}"
+            f"does not fit: {chosen.total / GiB:.2f} GiB per device > usable "
+            f"{usable / GiB:.2f} GiB of {dev_mem / GiB:.2f} GiB device memory "
+            f"({what}: {chosen.layout.describe()}, activation_checkpointing "
+            f"{chosen.recompute}, micro batch {chosen.micro_batch})"
         )
+        if cfg.parallel.strategy == "auto":
+            model_parallel = [lay for lay in candidate_layouts(cfg) if not lay.executes]
+            hypothetical = search.first_fit(_groups(model_parallel))
+            if hypothetical is not None:
+                h = hypothetical
+                notes.append(
+                    f"would fit as {h.layout.describe()} with activation_checkpointing "
+                    f"{h.recompute} and micro batch {h.micro_batch} ({_gib(h.total)}) if "
+                    "tensor/pipeline parallelism ran; trainlab executes data parallelism only "
+                    "(tp = pp = 1)"
+                )
+        notes.extend(_what_to_change(cfg))
 
-    mem = _memory(cfg, chosen, mb)
-    mb_max = _max_micro_batch(cfg, chosen, usable)
-    if not fits:
+    lay = chosen.layout
+    gbs = chosen.micro_batch * chosen.grad_accum * lay.dp
+    if cfg.data.global_batch_size is not None:
+        gbs = cfg.data.global_batch_size
         notes.append(
-            f"does not fit: {mem['total'] / GiB:.2f} GiB per device > usable "
-            f"{usable / GiB:.2f} GiB of {dev_mem / GiB:.2f} GiB device memory"
+            f"global batch {gbs} sequences (data.global_batch_size) = micro batch "
+            f"{chosen.micro_batch} x grad_accum_steps {chosen.grad_accum} x dp {lay.dp}"
         )
-    elif mb_max < mb:  # pragma: no cover - fits implies mb <= mb_max
-        notes.append(f"micro batch {mb} exceeds the largest that fits ({mb_max})")
-    if chosen.tp > 1 or chosen.pp > 1:
-        notes.append("tp/pp > 1: trainlab executes DP/ZeRO/FSDP only; tp/pp execution comes later")
-    gbs = mb * cfg.data.grad_accum_steps * chosen.dp
+    else:
+        notes.append(
+            f"global batch {gbs} = micro_batch_size {chosen.micro_batch} x grad_accum_steps "
+            f"{chosen.grad_accum} x dp {lay.dp}: it follows dp (the device count and layout); "
+            "set data.global_batch_size to keep it fixed"
+        )
+    nodes = nodes_needed(cfg)
+    if nodes > 1:
+        notes.append(
+            f"needs {nodes} nodes for {r.num_workers} workers "
+            f"({r.gpus_per_node} per node, resource.gpus_per_node)"
+        )
     return Plan(
         num_params=pc.total,
         params_breakdown=pc.as_dict(),
         world_size=r.num_workers,
-        strategy=chosen.strategy,
-        parallel={
-            "tp": chosen.tp,
-            "pp": chosen.pp,
-            "dp": chosen.dp,
-            "zero_stage": chosen.zero_stage,
-        },
-        memory_per_device_bytes=mem,
+        strategy=lay.strategy,
+        parallel={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero_stage": lay.zero_stage},
+        memory_per_device_bytes=chosen.memory,
         device_memory_bytes=dev_mem,
         usable_memory_bytes=usable,
         flops_per_token=flops_per_token(m, cfg.data.seq_len),
-        micro_batch_size=mb,
-        micro_batch_size_max=mb_max,
+        micro_batch_size=chosen.micro_batch,
+        micro_batch_size_max=search.max_micro_batch(lay, chosen.recompute, chosen.grad_accum),
         global_batch_size=gbs,
         tokens_per_step=gbs * cfg.data.seq_len,
         fits=fits,
         notes=notes,
-    )
-
-
-def _why(lay: Layout, skipped: int, fits: bool) -> str:
-    what = f"tp={lay.tp} pp={lay.pp} dp={lay.dp} zero_stage={lay.zero_stage} ({lay.strategy})"
-    if not fits:
-        return f"nothing fits; the smallest footprint is {what}"
-    if skipped == 0:
-        return f"chose {what}: the least-communicating layout already fits"
-    return (
-        f"chose {what}: {skipped} layout(s) that communicate less do not fit "
-        "(preference: ZeRO sharding over dp, then tp within a node, then pp)"
+        nodes=nodes,
+        grad_accum_steps=chosen.grad_accum,
+        activation_checkpointing=chosen.recompute,
+        would_fit_with_tp_pp=(
+            None
+            if hypothetical is None
+            else {
+                "tp": hypothetical.layout.tp,
+                "pp": hypothetical.layout.pp,
+                "dp": hypothetical.layout.dp,
+                "zero_stage": hypothetical.layout.zero_stage,
+            }
+        ),
     )
 
 
@@ -252,9 +649,14 @@ def require_fit(p: Plan) -> None:
 
 
 def resolve_layout(cfg: ExperimentConfig, p: Plan | None = None) -> ExperimentConfig:
-    """A copy of `cfg` with `parallel` made concrete from the plan (strategy never auto)."""
+    """A copy of `cfg` made concrete from the plan: `parallel` (strategy never auto,
+    tp/pp/dp/zero_stage, activation_checkpointing) and `data` (micro_batch_size,
+    grad_accum_steps). Meant for a plan that fits (see require_fit)."""
     p = p or plan(cfg)
     data = cfg.model_dump()
     data["parallel"].update(p.parallel)
     data["parallel"]["strategy"] = p.strategy
+    data["parallel"]["activation_checkpointing"] = p.activation_checkpointing
+    data["data"]["micro_batch_size"] = p.micro_batch_size
+    data["data"]["grad_accum_steps"] = p.grad_accum_steps
     return ExperimentConfig.model_validate(data)

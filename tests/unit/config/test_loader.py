@@ -253,7 +253,7 @@ def test_bounds(base: Path):
             ],
             "must be <= resource.gpus_per_node (2)",
         ),
-        (["parallel.sequence_parallel=true"], "needs parallel.tp > 1"),
+        (["parallel.sequence_parallel=true"], "needs tensor parallelism (parallel.tp > 1)"),
     ],
 )
 def test_cross_field_rule(base: Path, overrides: list[str], expected: str):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from trainlab.config import ExperimentConfig, ModelConfig
@@ -160,6 +162,9 @@ def cfg(**over) -> ExperimentConfig:
         "resource": {"num_workers": 8, "use_gpu": True, "gpu_memory_gb": 80, "gpus_per_node": 8},
     }
     for key, value in over.items():
+        if "__" not in key:
+            base[key] = value
+            continue
         section, field = key.split("__")
         base[section][field] = value
     return ExperimentConfig.model_validate(base)
@@ -172,23 +177,33 @@ def test_auto_prefers_zero_sharding_before_tensor_parallel():
     assert p.parallel["tp"] == 1 and p.parallel["pp"] == 1 and p.parallel["dp"] == 8
     assert p.parallel["zero_stage"] in (1, 2, 3) and p.strategy in ("ddp", "fsdp")
     mem = p.memory_per_device_bytes
-    assert mem["total"] == pytest.approx(
-        mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
-    )
+    assert mem["total"] == pytest.approx(sum(v for k, v in mem.items() if k != "total"))
     assert mem["total"] <= p.usable_memory_bytes
 
 
-def test_auto_uses_tp_within_node_then_pp_across_nodes():
-    # Without ZeRO (the user pinned stage 0), 7B states need model parallelism.
-    node8 = plan(cfg(resource__gpu_memory_gb=48, parallel__zero_stage=0))
-    assert node8.fits and node8.parallel["pp"] == 1 and node8.parallel["tp"] > 1
-    # Two GPUs per node: tp stops at 2, the rest comes from pipeline stages.
-    node2 = plan(cfg(resource__gpu_memory_gb=48, resource__gpus_per_node=2, parallel__zero_stage=0))
-    assert node2.fits and node2.parallel["tp"] == 2 and node2.parallel["pp"] > 1
+def test_auto_names_tp_pp_only_when_they_alone_would_fit():
+    # Without ZeRO (the user pinned stage 0), 7B states need model parallelism, which
+    # the trainer does not execute: the plan does not fit and says what would.
+    node8 = plan(cfg(parallel__zero_stage=0))
+    assert not node8.fits and node8.parallel["tp"] == 1 and node8.parallel["pp"] == 1
+    mp = node8.would_fit_with_tp_pp
+    assert mp is not None and mp["pp"] == 1 and mp["tp"] > 1  # tp within a node first
+    # Two GPUs per node: tp stops at 2, the rest would come from pipeline stages.
+    node2 = plan(cfg(resource__gpus_per_node=2, parallel__zero_stage=0))
+    mp = node2.would_fit_with_tp_pp
+    assert not node2.fits and mp["tp"] <= 2 and mp["tp"] * mp["pp"] > 1
     # One GPU per node: tp cannot leave the node at all.
-    node1 = plan(cfg(resource__gpu_memory_gb=48, resource__gpus_per_node=1, parallel__zero_stage=0))
-    assert node1.fits and node1.parallel["tp"] == 1 and node1.parallel["pp"] > 1
-    assert any("tp/pp > 1" in n for n in node1.notes)
+    node1 = plan(cfg(resource__gpus_per_node=1, parallel__zero_stage=0))
+    mp = node1.would_fit_with_tp_pp
+    assert not node1.fits and mp["tp"] == 1 and mp["pp"] > 1
+    named = f"would fit as tp={mp['tp']} pp={mp['pp']} dp={mp['dp']}"
+    assert any(n.startswith(named) and "tensor/pipeline parallelism ran" in n for n in node1.notes)
+    # ... and what to change now, each checked: here unpinning ZeRO would do.
+    (fix,) = [n for n in node1.notes if n.startswith("to fit now")]
+    assert "parallel.zero_stage: null" in fix
+    assert plan(cfg(resource__gpus_per_node=1)).fits
+    with pytest.raises(UserError, match="does not fit"):
+        require_fit(node1)
 
 
 def test_auto_with_less_memory_shards_more():
@@ -249,3 +264,187 @@ def test_cpu_plan_uses_host_memory_per_worker():
     )
     p = plan(c)
     assert p.device_memory_bytes == 4 * GiB and p.fits
+
+
+# --------------------------------------------------------------------------- levers
+
+LLAMA2_70B = ModelConfig(
+    arch="llama",
+    hidden_size=8192,
+    num_layers=80,
+    num_heads=64,
+    num_kv_heads=8,
+    ffn_hidden_size=28672,
+    vocab_size=32000,
+    max_seq_len=4096,
+    tie_embeddings=False,
+)
+
+
+def cfg70(**over) -> ExperimentConfig:
+    """70B on 64 x 80 GB, the experiment's global batch 1024 sequences."""
+    return cfg(
+        model=LLAMA2_70B.model_dump(),
+        data__global_batch_size=1024,
+        resource__num_workers=64,
+        **over,
+    )
+
+
+def test_global_batch_is_the_experiments_across_recompute_modes():
+    # Before: 128, 256 or 1024 sequences per step depending only on recomputation.
+    for mode in ("none", "selective", "full", "auto"):
+        for mb in ("auto", 1):
+            c = cfg70(parallel__activation_checkpointing=mode, data__micro_batch_size=mb)
+            assert c.global_batch_size == 1024 and c.tokens_per_step == 1024 * 4096
+            p = plan(c)
+            lay = p.parallel
+            assert p.global_batch_size == 1024 and p.tokens_per_step == 1024 * 4096, (mode, mb)
+            assert p.micro_batch_size * p.grad_accum_steps * lay["dp"] == 1024, (mode, mb)
+            assert lay["tp"] == lay["pp"] == 1
+            assert any(n.startswith("global batch 1024 sequences") for n in p.notes)
+            if p.fits:
+                r = resolve_layout(c, p)
+                assert r.global_batch_size == 1024
+                assert r.data.grad_accum_steps == p.grad_accum_steps
+                assert r.data.micro_batch_size == p.micro_batch_size
+                assert r.parallel.activation_checkpointing == p.activation_checkpointing
+
+
+def test_without_a_global_batch_it_follows_dp_and_the_plan_says_so():
+    p = plan(cfg(data__grad_accum_steps=2))
+    assert p.global_batch_size == 1 * 2 * p.parallel["dp"]
+    assert p.grad_accum_steps == 2
+    assert any("set data.global_batch_size" in n for n in p.notes)
+
+
+def test_layouts_whose_dp_does_not_divide_the_global_batch_are_skipped():
+    p = plan(cfg(data__global_batch_size=12))  # 8 workers
+    assert not p.fits
+    assert any(n.startswith("skipped dp=8: data.global_batch_size 12") for n in p.notes)
+
+
+def _fits(**over) -> bool:
+    return plan(cfg(**over)).fits
+
+
+def test_recomputation_is_tried_in_order_and_said():
+    # 7B at 4k context, micro batch 8: without recomputation the activations alone
+    # exceed the device.
+    over = {"data__micro_batch_size": 8}
+    auto = plan(cfg(parallel__activation_checkpointing="auto", **over))
+    assert auto.fits
+    first = next(
+        m
+        for m in ("none", "selective", "full")
+        if _fits(parallel__activation_checkpointing=m, **over)
+    )
+    assert first != "none" and auto.activation_checkpointing == first
+    assert auto.micro_batch_size == 8  # stated, so respected
+    pinned = plan(cfg(parallel__activation_checkpointing=first, **over))
+    assert auto.parallel == pinned.parallel
+    assert auto.memory_per_device_bytes == pinned.memory_per_device_bytes
+    prev = "none" if first == "selective" else "selective"
+    assert any(
+        re.fullmatch(
+            rf"activation_checkpointing: {first} \(auto; {prev} did not fit: "
+            r"[\d.]+ GiB > 72\.0 GiB\)",
+            n,
+        )
+        for n in auto.notes
+    ), auto.notes
+    resolved = resolve_layout(cfg(parallel__activation_checkpointing="auto", **over))
+    assert resolved.parallel.activation_checkpointing == first
+    assert resolved.data.micro_batch_size == 8
+
+
+def test_explicit_recomputation_and_micro_batch_are_respected():
+    p = plan(cfg(parallel__activation_checkpointing="none", data__micro_batch_size=4))
+    assert not p.fits and p.activation_checkpointing == "none" and p.micro_batch_size == 4
+    assert p.parallel["tp"] == p.parallel["pp"] == 1
+    (fix,) = [n for n in p.notes if n.startswith("to fit now")]
+    assert "parallel.activation_checkpointing: " in fix
+
+
+def test_levers_in_order_zero_then_micro_batch_then_recomputation():
+    # Both levers open: a global batch of 512 = 64 sequences per rank on 8 GPUs.
+    c = cfg(
+        data__global_batch_size=512,
+        data__micro_batch_size="auto",
+        parallel__activation_checkpointing="auto",
+    )
+    p = plan(c)
+    assert p.fits and p.parallel["tp"] == p.parallel["pp"] == 1
+    mode, mb, z = p.activation_checkpointing, p.micro_batch_size, p.parallel["zero_stage"]
+    assert mb < 64 and p.grad_accum_steps == 64 // mb  # the micro batch lever moved
+
+    def fits(mode: str, mb: int, z: int) -> bool:
+        return _fits(
+            data__global_batch_size=512,
+            data__micro_batch_size=mb,
+            parallel__activation_checkpointing=mode,
+            parallel__zero_stage=z,
+        )
+
+    ladder = ["none", "selective", "full"]
+    assert fits(mode, mb, z)
+    # ZeRO first: no lower stage fits at the chosen recomputation and micro batch.
+    assert not any(fits(mode, mb, lower) for lower in range(z))
+    # Then the micro batch: no larger one fits at this recomputation, at any stage.
+    larger = [x for x in (2, 4, 8, 16, 32, 64) if x > mb]
+    assert not any(fits(mode, x, s) for x in larger for s in range(4))
+    # Recomputation last: no cheaper mode fits even at micro batch 1.
+    cheaper = ladder[: ladder.index(mode)]
+    assert not any(fits(m, 1, s) for m in cheaper for s in range(4))
+    assert any(n.startswith(f"micro_batch_size: {mb} (auto; ") for n in p.notes)
+    r = resolve_layout(c, p)
+    assert (r.data.micro_batch_size, r.data.grad_accum_steps) == (mb, 64 // mb)
+    assert r.global_batch_size == 512
+
+
+@pytest.mark.parametrize("gb", [24, 48, 80])
+@pytest.mark.parametrize("per_node", [1, 8])
+@pytest.mark.parametrize("zero", [None, 0])
+def test_auto_never_picks_a_layout_the_trainer_cannot_run(gb, per_node, zero):
+    for c in (
+        cfg(
+            resource__gpu_memory_gb=gb, resource__gpus_per_node=per_node, parallel__zero_stage=zero
+        ),
+        cfg70(
+            resource__gpu_memory_gb=gb, resource__gpus_per_node=per_node, parallel__zero_stage=zero
+        ),
+    ):
+        p = plan(c)
+        assert p.parallel["tp"] == 1 and p.parallel["pp"] == 1
+        assert not (p.fits and p.would_fit_with_tp_pp)
+        if p.would_fit_with_tp_pp:
+            assert any("tensor/pipeline parallelism ran" in n for n in p.notes)
+        if p.fits:
+            r = resolve_layout(c, p)
+            assert r.parallel.tp == 1 and r.parallel.pp == 1
+
+
+def test_nodes_needed():
+    assert plan(cfg()).nodes == 1
+    p = plan(cfg70())
+    assert p.nodes == 8 and p.to_json()["nodes"] == 8
+    assert any(n.startswith("needs 8 nodes for 64 workers") for n in p.notes)
+    assert plan(cfg(resource__num_workers=12, data__micro_batch_size=1)).nodes == 2
+    assert not any("nodes" in n for n in plan(cfg()).notes)
+    cpu = cfg(
+        resource__use_gpu=False,
+        resource__cpu_memory_gb=4.0,
+        resource__num_workers=16,
+        model=GPT2_SMALL.model_dump(),
+        data__seq_len=128,
+    )
+    assert plan(cpu).nodes == 1
+
+
+def test_plan_json_fields():
+    j = plan(cfg70(data__micro_batch_size="auto", parallel__activation_checkpointing="auto"))
+    j = j.to_json()
+    for key in ("nodes", "grad_accum_steps", "activation_checkpointing", "would_fit_with_tp_pp"):
+        assert key in j
+    assert j["activation_checkpointing"] in ("none", "selective", "full")
+    assert j["micro_batch_size"] * j["grad_accum_steps"] * j["parallel"]["dp"] == 1024

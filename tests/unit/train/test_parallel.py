@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,32 +13,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainlab.config import ExperimentConfig
+from tests.train_helpers import tiny_config
 from trainlab.train.distributed import DistEnv
 from trainlab.train.state import ModelState
 from trainlab.train.step import train_step
 
-TINY = {
-    "name": "parallel",
-    "model": {
-        "arch": "llama",
-        "hidden_size": 32,
-        "num_layers": 2,
-        "num_heads": 4,
-        "num_kv_heads": 2,
-        "ffn_hidden_size": 64,
-        "vocab_size": 256,
-        "max_seq_len": 32,
-    },
-    "data": {"seq_len": 16, "micro_batch_size": 2},
-    "parallel": {"strategy": "fsdp", "zero_stage": 3, "dp": 2},
-    "resource": {"num_workers": 2},
-}
+PARALLEL = {"strategy": "fsdp", "zero_stage": 3, "dp": 2}
 
 
 def _batch(rank: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(rank)
-    ids = rng.integers(0, 256, size=(2, 16), dtype=np.int64)
+    ids = rng.integers(0, 1024, size=(4, 32), dtype=np.int64)
     return {"input_ids": ids, "labels": np.roll(ids, -1, axis=1)}
 
 
@@ -48,12 +34,17 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     env = DistEnv(rank, world, 0, torch.device("cpu"))
     result = {}
     for precision in ("fp32", "bf16"):
-        cfg = ExperimentConfig.model_validate({**TINY, "train": {"precision": precision}})
+        cfg = tiny_config(
+            Path("unused"),
+            train={"precision": precision},
+            parallel=PARALLEL,
+            resource={"num_workers": 2},
+        )
         state = ModelState(cfg, env)
         block = state.model.layers[0]
         gathered = []
         handle = block.register_forward_pre_hook(
-            lambda m, args: gathered.append(str(m.attn_norm.weight.dtype))
+            lambda m, args, seen=gathered: seen.append(str(m.attn_norm.weight.dtype))
         )
         loss, norm = train_step(
             state.model, state.optimizer, None, cfg, 0, [_batch(rank)], env.device

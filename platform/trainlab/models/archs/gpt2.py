@@ -23,6 +23,8 @@ class GPT2(Architecture):
     summary = "learned positions, LayerNorm, GELU MLP, biases"
     mlp_activation_factor = 4.0  # fc output and its GELU
     learned_positions = True
+    norm = "layer"
+    bias = True
 
     def default_ffn_hidden_size(self, m: ModelSpec) -> int:
         return 4 * m.hidden_size

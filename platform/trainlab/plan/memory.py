@@ -1,0 +1,419 @@
+"""Memory per device of the trainer's training step, by category: the planner's model.
+
+It counts what trainlab's trainer allocates (trainlab.train: `parallel`, `step`,
+`checkpointer`), not what the papers' idealized programs do. Torch-free; checked
+against a trace of the real step at full size (`trainlab.plan.trace`).
+
+What the trainer holds, per strategy (P parameters, d = dp):
+
+| strategy | weights | gradients | optimizer (AdamW) | communication |
+|---|---|---|---|---|
+| single / DDP (zero 0) | 4P fp32 | 4P fp32 | 8P | DDP buckets 4P |
+| ZeRO-1 (DDP + ZeroRedundancyOptimizer) | 4P | 4P | 8P/d (rank 0's partition) | buckets 4P |
+| FSDP2 ZeRO-2/3 | 4P/d fp32 shards | 4P/d | 8P/d | all-gather, reduce-scatter buffers |
+
+Precision: fp32 runs fp32 everywhere. bf16/fp16 under DDP is `torch.autocast` over
+fp32 weights: the weights, gradients, buckets and Adam stay fp32, autocast keeps a
+16-bit copy of every Linear weight from forward until that layer's backward (2 B
+per matmul parameter), the residual stream stays fp32 and each Linear casts its
+own 16-bit copy of its input. bf16/fp16 under FSDP is its mixed-precision policy:
+fp32 shards, 16-bit all-gathered parameters (one block at a time; ZeRO-2 keeps
+every block's from forward until its backward), a 16-bit residual stream, fp32
+gradient reduce-scatter.
+
+Activations are what autograd saves, per block and token, as the architecture
+states it (`Architecture.block_saved_bytes`): the norms' inputs and outputs, the
+qkv output, q and k after RoPE, the attention output, the kernel's log-sum-exp
+and the converted block-diagonal mask of the packed batch, the MLP's ffn-wide
+tensors. `full` recomputation keeps each block's input only and rebuilds one
+block at a time in backward; `selective` does that for every other block.
+
+The loss: the logits [tokens, vocab] in the compute dtype, `.float()`, log-softmax
+(kept), and in backward the gradients of both at fp32: 12 bytes per logit at
+the start of backward.
+
+The peak is the largest of the step's high-water marks, each counted in full:
+the end of forward, the loss's backward, the output projection's backward, the
+backward of each block (its saved tensors, its backward working set, gradients
+so far, FSDP's gathered parameters, the prefetched block's all-gather buffer and
+the previous block's reduce-scatter buffer), the end of backward, and the
+optimizer step (AdamW `foreach` on CUDA: a temporary as large as a parameter
+group). Steady state: the optimizer state exists before the step, gradients do
+not (zero_grad(set_to_none=True)); with gradient accumulation the later micro
+batches start with the accumulated gradients (FSDP2 without gradient sync keeps
+them unsharded, in fp32).
+
+`framework` is a constant for what no tensor shows: the CUDA context and its
+kernels (~0.5 GiB on H100-class GPUs), cuBLAS/cuDNN workspaces and NCCL's
+communicator buffers (~0.25 GiB each): 1 GiB on GPU. On CPU workers, the
+Python process with torch loaded: 0.5 GiB. Allocator fragmentation is left to
+the planner's safety margin.
+
+`checkpoint_snapshot`: with `train.checkpoint.async_save`, the torch format (one
+process, DDP, ZeRO-1) clones the state dicts on rank 0 on their own device
+(`trainlab.train.state.cloned`) and keeps the clone while training goes on:
+weights 4P and, under DDP, Adam 8P on the device (ZeRO-1 consolidates Adam on
+the host first). FSDP's DCP async save stages to host memory: 0 on the device.
+
+Tensor and pipeline parallelism are not executed yet; for tp/pp > 1 the
+estimate divides the model state by tp*pp, the blocks' internal activations
+by tp (norms and residual replicated) and holds pp micro batches of L/pp
+layers on the first stage, like the paper model it replaced. Not traced.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from trainlab.config.schema import ExperimentConfig
+from trainlab.models.registry import ParamShape, StepDtypes, get_arch
+
+__all__ = [
+    "CATEGORIES",
+    "FRAMEWORK_BYTES",
+    "MemoryEstimate",
+    "estimate_memory",
+    "framework_bytes",
+    "layout_config",
+    "memory_breakdown",
+    "step_dtypes",
+]
+
+GiB = 1024**3
+
+CATEGORIES = (
+    "parameters",
+    "gradients",
+    "optimizer",
+    "communication",
+    "activations",
+    "logits_loss",
+    "checkpoint_snapshot",
+    "framework",
+)
+
+# See the module docstring.
+FRAMEWORK_BYTES = 1 * GiB
+FRAMEWORK_BYTES_CPU = GiB // 2
+
+
+def framework_bytes(cfg: ExperimentConfig) -> float:
+    return float(FRAMEWORK_BYTES if cfg.resource.use_gpu else FRAMEWORK_BYTES_CPU)
+
+
+def layout_config(cfg: ExperimentConfig, layout: Any) -> ExperimentConfig:
+    """A copy of `cfg` whose `parallel` section and world size are `layout`'s
+    (an object with tp, pp, dp, zero_stage, e.g. trainlab.plan.Layout)."""
+    strategy = "ddp" if layout.zero_stage <= 1 else "fsdp"
+    parallel = cfg.parallel.model_copy(
+        update={
+            "strategy": strategy,
+            "tp": layout.tp,
+            "pp": layout.pp,
+            "dp": layout.dp,
+            "zero_stage": layout.zero_stage,
+        }
+    )
+    world = layout.tp * layout.pp * layout.dp
+    resource = cfg.resource.model_copy(update={"num_workers": world})
+    return cfg.model_copy(update={"parallel": parallel, "resource": resource})
+
+
+def step_dtypes(precision: str, fsdp: bool, use_gpu: bool) -> StepDtypes:
+    """How the trainer's step stores things (see the module docstring)."""
+    if precision == "fp32":
+        return StepDtypes(4, 4, False, False, 4, False)
+    if fsdp:  # MixedPrecisionPolicy(param_dtype=16-bit, reduce_dtype=fp32), autocast around
+        return StepDtypes(2, 2, False, use_gpu, 2, True)
+    return StepDtypes(2, 4, True, use_gpu, 4, False)  # autocast over fp32 weights
+
+
+@dataclass
+class MemoryEstimate:
+    """The estimated peak of the busiest device (rank 0), by category, and the
+    high-water marks it is the largest of."""
+
+    memory: dict[str, float]  # CATEGORIES + "total", bytes
+    phase: str  # the high-water mark that is the peak
+    phases: dict[str, float] = field(default_factory=dict)  # total at each mark
+    notes: list[str] = field(default_factory=list)
+
+
+def memory_breakdown(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> dict[str, float]:
+    """Bytes per device at the step's peak, by category, plus `total`.
+
+    `layout`: tp, pp, dp, zero_stage (trainlab.plan.Layout or alike); the
+    precision, recomputation, sequence length, device kind, gradient
+    accumulation and checkpointing come from `cfg`."""
+    return estimate_memory(cfg, layout, micro_batch).memory
+
+
+# --------------------------------------------------------------------------- the model
+
+
+@dataclass
+class _Parts:
+    """Bytes of one high-water mark by category."""
+
+    parameters: float = 0.0
+    gradients: float = 0.0
+    optimizer: float = 0.0
+    communication: float = 0.0
+    activations: float = 0.0
+    logits_loss: float = 0.0
+    checkpoint_snapshot: float = 0.0
+    framework: float = 0.0
+
+    def plus(self, **more: float) -> _Parts:
+        out = _Parts(**self.__dict__)
+        for k, v in more.items():
+            setattr(out, k, getattr(out, k) + v)
+        return out
+
+    @property
+    def total(self) -> float:
+        return sum(self.__dict__.values())
+
+
+def _zero1_share(shapes: list[ParamShape], dp: int) -> list[ParamShape]:
+    """Rank 0's parameters under ZeroRedundancyOptimizer: per parameter group
+    (decay: matrices; then no decay), largest first, each to the rank with the
+    fewest elements so far (torch's greedy partition; ties to the lowest rank)."""
+    sizes = [0] * dp
+    mine: list[ParamShape] = []
+    for group in ([p for p in shapes if len(p.shape) >= 2], [p for p in shapes if len(p.shape) < 2]):
+        for p in sorted(group, key=lambda p: p.numel, reverse=True):
+            rank = sizes.index(min(sizes))
+            sizes[rank] += p.numel
+            if rank == 0:
+                mine.append(p)
+    return mine
+
+
+def _shard(p: ParamShape, dp: int) -> int:
+    """Elements of rank 0's FSDP2 shard: dim 0 split in ceil(rows/dp) rows (the last
+    ranks padded to it)."""
+    rows = p.shape[0]
+    return math.ceil(rows / dp) * (p.numel // rows if rows else 0)
+
+
+def _param_shapes(cfg: ExperimentConfig) -> list[ParamShape]:
+    """The architecture's parameter tensors; one tensor per block and per root part
+    when they do not add up to its parameter count (an architecture with other
+    shapes than the generic ones)."""
+    m = cfg.model
+    arch = get_arch(m.arch)
+    shapes = arch.param_shapes(m)
+    pc = arch.count_params(m)
+    if sum(p.numel for p in shapes) == pc.total:
+        return shapes
+    shapes = [ParamShape("tok_embeddings.weight", (m.vocab_size, m.hidden_size), None)]
+    if pc.position:
+        shapes.append(ParamShape("pos_embeddings.weight", (pc.position,), None))
+    shapes += [ParamShape(f"layers.{i}", (pc.per_layer,), i, True) for i in range(m.num_layers)]
+    shapes.append(ParamShape("norm.weight", (pc.final_norm,), None))
+    if pc.head:
+        shapes.append(ParamShape("output.weight", (pc.head,), None, True))
+    return shapes
+
+
+def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> MemoryEstimate:
+    """`memory_breakdown` with the high-water marks it is the largest of."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    arch = get_arch(m.arch)
+    tp, pp, dp, zero = layout.tp, layout.pp, layout.dp, layout.zero_stage
+    world = tp * pp * dp
+    distributed = world > 1
+    fsdp = zero >= 2 and dp > 1
+    zero1 = zero == 1 and dp > 1
+    ddp = distributed and not fsdp
+    gpu = cfg.resource.use_gpu
+    d = step_dtypes(t.precision, fsdp, gpu)
+    notes: list[str] = []
+    mp = tp * pp  # model-parallel split (not executed: see the module docstring)
+    if mp > 1:
+        notes.append("tp/pp > 1: estimated, not executed or traced by this trainlab")
+
+    T = cfg.data.seq_len
+    N = micro_batch * T  # tokens per micro batch
+    L, V, h = m.num_layers, m.vocab_size, m.hidden_size
+    shapes = _param_shapes(cfg)
+    layers = [[s for s in shapes if s.layer == i] for i in range(L)]
+    root = [s for s in shapes if s.layer is None]
+
+    def numel(ps: list[ParamShape]) -> float:
+        return sum(s.numel for s in ps) / mp
+
+    def padded(ps: list[ParamShape]) -> float:  # an FSDP group's unsharded size
+        return sum(_shard(s, dp) for s in ps) * dp / mp if fsdp else numel(ps)
+
+    def local(ps: list[ParamShape]) -> float:  # rank 0's elements of the weights
+        return sum(_shard(s, dp) for s in ps) / mp if fsdp else numel(ps)
+
+    total_numel = numel(shapes)
+    local_numel = local(shapes)
+    pbytes = 2 if (fsdp and d.compute == 2) else 4  # FSDP's gathered parameters
+    # Optimizer: AdamW's exp_avg and exp_avg_sq (fp32) and a 4-byte step per tensor.
+    opt_params = _zero1_share(shapes, dp) if zero1 else shapes
+    opt_numel = local(opt_params)
+    optimizer = 8 * opt_numel + 4 * len(opt_params)
+    parameters = 4 * local_numel
+    buckets = 4 * total_numel if ddp else 0.0  # DDP: gradient_as_bucket_view=False
+    snapshot = 0.0
+    if t.checkpoint.async_save and not fsdp:
+        snapshot = 4 * total_numel + (0 if zero1 else optimizer)
+    persistent = _Parts(
+        parameters=parameters,
+        optimizer=optimizer,
+        communication=buckets,
+        checkpoint_snapshot=snapshot,
+        framework=framework_bytes(cfg),
+    )
+
+    # Gradients on the device as backward makes them: fp32 (DDP: full; FSDP: shards).
+    def grads(ps: list[ParamShape]) -> float:
+        return 4 * local(ps)
+
+    accum = cfg.data.grad_accum_steps
+    carried = 0.0  # gradients the last micro batch starts with
+    if accum > 1:
+        # DDP (no_sync) accumulates in .grad; FSDP2 without sync keeps unsharded fp32.
+        carried = 4 * (sum(padded(g) for g in layers) + padded(root)) if fsdp else grads(shapes)
+        notes.append(
+            f"grad_accum_steps {accum}: the last micro batch starts with the accumulated "
+            "gradients" + (" (FSDP2 keeps them unsharded, in fp32)" if fsdp else "")
+        )
+    start = persistent.plus(gradients=carried)
+
+    # Activations per block and token, and what a recomputed block keeps.
+    recompute = p.activation_checkpointing
+    ckpt = [recompute == "full" or (recompute == "selective" and i % 2 == 0) for i in range(L)]
+    saved_block = arch.block_saved_bytes(m, d, T) * N
+    input_block = arch.block_input_bytes(m, d) * N
+    if mp > 1:
+        replicated = (2 * arch.norm_saved_bytes(m, d) + arch.block_input_extra_bytes(m, d)) * N
+        # pp: the first stage holds pp micro batches of L/pp layers: L layers' worth.
+        saved_block = replicated + (saved_block - replicated) / tp
+    work_block = arch.block_backward_bytes(m, d, N) / tp
+    stored = [input_block if c else saved_block for c in ckpt]
+    # Model-level: RoPE's cos and sin (fp32; FSDP mixed precision gives each block a
+    # 16-bit copy, counted in the block), the packed batch's dense bool mask (kept
+    # by recomputed blocks' arguments, else freed when forward returns), the final
+    # norm, the embedding's dropout mask.
+    rope = 0.0 if (arch.learned_positions or d.cast_block_inputs) else 2 * 4 * m.head_dim * N
+    mask = T * N if any(ckpt) else 0.0
+    final_norm = arch.norm_saved_bytes(m, d, 1) * N
+    model_saved = rope + mask + final_norm + (h * N if m.dropout > 0 else 0)
+    # autocast's 16-bit weight copies (DDP/single, 16-bit): cached for the whole
+    # forward, then kept by the saved tensors of blocks not recomputed.
+    copies = [2 * numel([s for s in g if s.matmul]) if d.autocast else 0.0 for g in layers]
+    copy_root = 2 * numel([s for s in root if s.matmul]) if d.autocast else 0.0
+    if d.autocast and m.tie_embeddings:
+        copy_root += 2 * V * h / mp  # the output projection reads the embedding
+    kept_copies = [0.0 if c else x for c, x in zip(ckpt, copies, strict=True)]
+    # FSDP: a group's gathered parameters; the root group (embeddings, final norm,
+    # output) is gathered for the whole forward and the whole backward.
+    gathered = [pbytes * padded(g) if fsdp else 0.0 for g in layers]
+    gathered_root = pbytes * padded(root) if fsdp else 0.0
+    zero2 = fsdp and zero == 2
+    logits = N * V / tp
+    out_rows = V * h / mp
+
+    marks: dict[str, _Parts] = {}
+    acts_all = sum(stored) + model_saved
+
+    # End of forward: the loss's forward holds the logits (compute dtype), their fp32
+    # copy and the log-softmax; autocast's cache holds every weight copy; FSDP holds
+    # the root group (and, ZeRO-2, every block).
+    fwd_logits = (d.compute + 4 + 4) * logits if d.compute < 4 else 8 * logits
+    marks["forward"] = start.plus(
+        activations=acts_all + sum(copies) + copy_root,
+        logits_loss=fwd_logits,
+        parameters=gathered_root + (sum(gathered) if zero2 else 0.0),
+    )
+    # The loss's backward: log-softmax kept, the gradients of the loss and of the
+    # log-softmax, all fp32. FSDP ZeRO-3: the root was resharded after forward.
+    marks["loss backward"] = start.plus(
+        activations=acts_all + sum(kept_copies) + copy_root,
+        logits_loss=12 * logits,
+        parameters=(gathered_root + sum(gathered)) if zero2 else 0.0,
+    )
+    # The output projection's backward: the logits' gradient in the compute dtype,
+    # the weight's gradient (16-bit then fp32 under autocast; FSDP: unsharded, kept
+    # until the root's reduce-scatter at the end). FSDP gathers the root again and
+    # prefetches the last block.
+    out_grad = (2 + 4) * out_rows if d.autocast else d.grad * out_rows
+    prefetch_last = gathered[-1] if (fsdp and not zero2 and L) else 0.0
+    marks["output backward"] = start.plus(
+        activations=acts_all + sum(kept_copies) + copy_root,
+        logits_loss=d.compute * logits,
+        gradients=out_grad,
+        parameters=gathered_root + (sum(gathered) if zero2 else 0.0),
+        communication=prefetch_last,
+    )
+    # Gradients of the root's parameters once the output projection is done: the
+    # output's (the embedding's when tied) and the final norm's.
+    tables = ("tok_embeddings.weight", "pos_embeddings.weight")
+    after_out = [s for s in root if s.name not in tables]
+    if m.tie_embeddings:
+        after_out += [s for s in root if s.name == "tok_embeddings.weight"]
+    root_grads = d.grad * padded(after_out) if fsdp else grads(after_out)
+    done_grads = 0.0  # the blocks' gradients made so far
+    below = sum(stored)
+    rs_prev = 0.0  # FSDP: the previous group's reduce-scatter input, kept until the next
+    for i in reversed(range(L)):
+        below -= stored[i]
+        block_params = 0.0
+        comm = rs_prev
+        if fsdp:
+            held = sum(gathered[: i + 1]) if zero2 else gathered[i]
+            block_params = gathered_root + held
+            if not zero2 and i > 0:
+                comm += gathered[i - 1]  # the next block's all-gather, prefetched
+        # Recomputed or not, the block's saved tensors exist in its backward.
+        acts = below + model_saved - final_norm + saved_block + work_block
+        marks[f"block {i} backward"] = start.plus(
+            activations=acts + sum(kept_copies[:i]) + copies[i],
+            gradients=done_grads + root_grads,
+            parameters=block_params,
+            communication=comm,
+        )
+        if fsdp:
+            # Its post-backward: parameters resharded, the unsharded gradients copied
+            # into an fp32 reduce-scatter input (the previous one released first).
+            rs = 4 * padded(layers[i])
+            marks[f"block {i} reduce-scatter"] = start.plus(
+                activations=below + model_saved - final_norm + sum(kept_copies[:i]),
+                gradients=done_grads + root_grads + d.grad * padded(layers[i]),
+                parameters=gathered_root + (sum(gathered[:i]) if zero2 else 0.0),
+                communication=rs + (gathered[i - 1] if (i > 0 and not zero2) else 0.0),
+            )
+            rs_prev = rs
+        done_grads += grads(layers[i])
+    # End of backward: the embedding's gradient (tied: added to the output's).
+    emb = [s for s in root if s.name == tables[0]]
+    if fsdp:
+        marks["end of backward"] = start.plus(
+            gradients=done_grads + d.grad * padded(root),
+            parameters=gathered_root,
+            communication=4 * padded(root) + rs_prev,
+        )
+    else:
+        tied_add = 4 * numel(emb) if m.tie_embeddings else 0.0
+        marks["end of backward"] = start.plus(gradients=done_grads + grads(root) + tied_add)
+    # Optimizer step: all gradients; AdamW foreach (CUDA) makes sqrt(exp_avg_sq) of a
+    # whole parameter group at once, the per-tensor loop (CPU) of one tensor, twice.
+    all_grads = grads(shapes)
+    groups = ([s for s in opt_params if len(s.shape) >= 2], [s for s in opt_params if len(s.shape) < 2])
+    if gpu:
+        temp = 4 * max(local(g) for g in groups)
+    else:
+        temp = 8 * max((local([s]) for s in opt_params), default=0.0)
+    marks["optimizer"] = persistent.plus(gradients=all_grads, optimizer=temp)
+
+    phase, peak = max(marks.items(), key=lambda kv: kv[1].total)
+    memory = {k: float(getattr(peak, k)) for k in CATEGORIES}
+    memory["total"] = peak.total
+    return MemoryEstimate(memory, phase, {k: v.total for k, v in marks.items()}, notes)
