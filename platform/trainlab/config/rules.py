@@ -275,8 +275,8 @@ def _zero_matches_strategy(cfg: dict[str, Any]) -> Iterator[Problem]:
         )
 
 
-# Close to trainlab.train.parallel.check_executable, the launch-time guard: an explicit
-# layout that cannot run is refused at `trainlab validate`, not at launch.
+# What the trainer executes (trainlab.train.parallel): an explicit layout that cannot
+# run is refused at `trainlab validate`, not at launch.
 _DP_ONLY = "trainlab executes data parallelism only (DDP, ZeRO-1, FSDP with ZeRO 2/3)"
 
 

@@ -279,11 +279,13 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
     accum = cfg.data.grad_accum_steps
     carried = 0.0  # gradients the last micro batch starts with
     if accum > 1:
-        # DDP (no_sync) accumulates in .grad; FSDP2 without sync keeps unsharded fp32.
-        carried = 4 * (sum(padded(g) for g in layers) + padded(root)) if fsdp else grads(shapes)
+        # DDP (no_sync around the forward) accumulates in .grad. FSDP2: train_step
+        # leaves the sync context before backward, so FSDP reduce-scatters every
+        # micro batch and accumulates sharded gradients.
+        carried = grads(shapes)
         notes.append(
             f"grad_accum_steps {accum}: the last micro batch starts with the accumulated "
-            "gradients" + (" (FSDP2 keeps them unsharded, in fp32)" if fsdp else "")
+            "gradients"
         )
     start = persistent.plus(gradients=carried)
 
@@ -292,6 +294,11 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
     ckpt = [recompute == "full" or (recompute == "selective" and i % 2 == 0) for i in range(L)]
     saved_block = arch.block_saved_bytes(m, d, T) * N
     input_block = arch.block_input_bytes(m, d) * N
+    if d.cast_block_inputs:
+        # FSDP's input casting rebuilds the AttentionMask dataclass for each block
+        # (dataclasses.replace), so each block builds its own dense bool mask; a
+        # recomputed block keeps its copy.
+        input_block += T * N
     if mp > 1:
         replicated = (2 * arch.norm_saved_bytes(m, d) + arch.block_input_extra_bytes(m, d)) * N
         # pp: the first stage holds pp micro batches of L/pp layers: L layers' worth.
@@ -300,10 +307,11 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
     stored = [input_block if c else saved_block for c in ckpt]
     # Model-level: RoPE's cos and sin (fp32; FSDP mixed precision gives each block a
     # 16-bit copy, counted in the block), the packed batch's dense bool mask (kept
-    # by recomputed blocks' arguments, else freed when forward returns), the final
-    # norm, the embedding's dropout mask.
+    # by recomputed blocks' arguments, else freed when forward returns; per block
+    # under FSDP's input casting, above), the final norm, the embedding's dropout
+    # mask.
     rope = 0.0 if (arch.learned_positions or d.cast_block_inputs) else 2 * 4 * m.head_dim * N
-    mask = T * N if any(ckpt) else 0.0
+    mask = T * N if (any(ckpt) and not d.cast_block_inputs) else 0.0
     final_norm = arch.norm_saved_bytes(m, d, 1) * N
     model_saved = rope + mask + final_norm + (h * N if m.dropout > 0 else 0)
     # autocast's 16-bit weight copies (DDP/single, 16-bit): cached for the whole
@@ -360,6 +368,9 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
     if m.tie_embeddings:
         after_out += [s for s in root if s.name == "tok_embeddings.weight"]
     root_grads = d.grad * padded(after_out) if fsdp else grads(after_out)
+    if carried and not fsdp:
+        # Accumulated in place into the carried .grad; only the tied output's waits.
+        root_grads = 4 * V * h / mp if m.tie_embeddings else 0.0
     done_grads = 0.0  # the blocks' gradients made so far
     below = sum(stored)
     rs_prev = 0.0  # FSDP: the previous group's reduce-scatter input, kept until the next
@@ -391,18 +402,27 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
                 communication=rs + (gathered[i - 1] if (i > 0 and not zero2) else 0.0),
             )
             rs_prev = rs
-        done_grads += grads(layers[i])
-    # End of backward: the embedding's gradient (tied: added to the output's).
-    emb = [s for s in root if s.name == tables[0]]
+        if not carried:  # else accumulated in place into the carried gradients
+            done_grads += grads(layers[i])
+    # End of backward: the embeddings' gradients. Tied, the output's gradient waited
+    # in autograd's input buffer and the two are summed out of place: three [V, h]
+    # at once.
+    tables_numel = numel([s for s in root if s.name in tables])
+    emb_grad = (d.grad if fsdp else 4) * tables_numel
+    tied_sum = (d.grad if fsdp else 4) * V * h / mp if m.tie_embeddings else 0.0
+    marks["embedding backward"] = start.plus(
+        activations=model_saved - final_norm - mask - rope,
+        gradients=done_grads + root_grads + emb_grad + tied_sum,
+        parameters=gathered_root,
+        communication=rs_prev,
+    )
     if fsdp:
+        # The root's post-backward: resharded, its gradients into an fp32
+        # reduce-scatter input (the last block's released first).
         marks["end of backward"] = start.plus(
-            gradients=done_grads + d.grad * padded(root),
-            parameters=gathered_root,
-            communication=4 * padded(root) + rs_prev,
+            gradients=done_grads + d.grad * numel(root),
+            communication=4 * padded(root),
         )
-    else:
-        tied_add = 4 * numel(emb) if m.tie_embeddings else 0.0
-        marks["end of backward"] = start.plus(gradients=done_grads + grads(root) + tied_add)
     # Optimizer step: all gradients; AdamW foreach (CUDA) makes sqrt(exp_avg_sq) of a
     # whole parameter group at once, the per-tensor loop (CPU) of one tensor, twice.
     all_grads = grads(shapes)

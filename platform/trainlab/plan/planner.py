@@ -1,8 +1,8 @@
 """The planner: from a validated config to a parallel layout that fits and runs.
 
 It decides *where and how many*: tp/pp/dp and the ZeRO stage, the recomputation
-mode and micro batch, the memory each device needs, how many nodes, and FLOPs
-per token for MFU. `plan()` never raises for a layout that does not fit; it
+mode and micro batch, the memory each device needs (`trainlab.plan.memory`: what
+the trainer allocates), how many nodes, and FLOPs per token for MFU. `plan()` never raises for a layout that does not fit; it
 returns `fits=False` with notes saying why and what to change, and
 `require_fit()` turns that into a user error.
 

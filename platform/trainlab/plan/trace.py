@@ -347,14 +347,22 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
             and any(isinstance(m, norms) for m in model.modules())
         )
         gpu_policy = _cuda_autocast_norms() if emulate else contextlib.nullcontext()
+        # Gradient accumulation: from the second micro batch on, the step starts with
+        # the gradients of the earlier ones; two show the steady state.
+        micro_batches = min(cfg.data.grad_accum_steps, 2)
         with tracker, gpu_policy:
-            tracker.phase = "forward"
-            with gradient_sync(model, True), autocast_context(precision, env.device):
-                loss_sum, _ = loss_sum_and_count(model, batch)
-                loss = loss_sum / tokens
-            tracker.phase = "backward"
-            loss.backward()
-            del loss, loss_sum
+            for i in range(micro_batches):
+                if i:
+                    tracker.reset_mod_stats()  # the trackers refuse a second forward otherwise
+                tracker.phase = "forward"
+                last = i == micro_batches - 1
+                # As train_step: the sync context around the forward only.
+                with gradient_sync(model, last), autocast_context(precision, env.device):
+                    loss_sum, _ = loss_sum_and_count(model, batch)
+                    loss = loss_sum / (tokens * micro_batches)
+                tracker.phase = "backward"
+                loss.backward()
+                del loss, loss_sum
             tracker.phase = "clip"
             clip = cfg.train.grad_clip or float("inf")
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)

@@ -36,24 +36,13 @@ from trainlab.train.distributed import DistEnv
 
 
 def check_executable(cfg: ExperimentConfig) -> None:
-    """Refuse layouts this version cannot execute, before any worker starts."""
-    p = cfg.parallel
-    if (p.tp or 1) > 1 or (p.pp or 1) > 1:
+    """Refuse a config whose layout is not resolved, before any worker starts.
+    (Layouts this version cannot execute, tp/pp > 1 and sequence parallelism, are
+    refused by the config rules at validation.)"""
+    if cfg.parallel.strategy not in ("ddp", "fsdp"):
         raise UserError(
-            f"parallel: tp={p.tp} pp={p.pp}: trainlab executes data parallelism only "
-            "(DDP, ZeRO-1, FSDP with ZeRO 2/3); tensor and pipeline parallelism are planned "
-            "but not executed yet. Set parallel.tp: 1 and parallel.pp: 1 (or add workers / "
-            "use strategy fsdp to fit the model)"
-        )
-    if p.strategy not in ("ddp", "fsdp"):
-        raise UserError(
-            f"parallel.strategy = {p.strategy!r}: resolve the layout first "
+            f"parallel.strategy = {cfg.parallel.strategy!r}: resolve the layout first "
             "(trainlab.plan.resolve_layout)"
-        )
-    if cfg.parallel.sequence_parallel:
-        raise UserError(
-            "parallel.sequence_parallel = true: needs tensor parallelism, "
-            "which this version does not execute"
         )
 
 
@@ -150,17 +139,13 @@ def build_optimizer(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> to
 
 @contextlib.contextmanager
 def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
-    """Skip the gradient all-reduce / reduce-scatter on all but the last micro batch."""
-    if enabled:
+    """DDP: skip the gradient all-reduce on all but the last micro batch (the
+    gradients accumulate unsharded either way). FSDP reduce-scatters after every
+    micro batch, so only sharded gradients are ever kept: skipping it would hold
+    every layer's full fp32 gradients through the accumulation, which is what
+    ZeRO-2/3 exist to avoid; the price is one reduce-scatter per micro batch."""
+    if enabled or not hasattr(model, "no_sync"):
         yield
-    elif hasattr(model, "no_sync"):  # DDP
+    else:
         with model.no_sync():
             yield
-    elif hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
-        yield

@@ -442,9 +442,14 @@ def test_nodes_needed():
 
 
 def test_plan_json_fields():
-    j = plan(cfg70(data__micro_batch_size="auto", parallel__activation_checkpointing="auto"))
-    j = j.to_json()
+    c = cfg(
+        data__global_batch_size=64,
+        data__micro_batch_size="auto",
+        parallel__activation_checkpointing="auto",
+    )
+    j = plan(c).to_json()
     for key in ("nodes", "grad_accum_steps", "activation_checkpointing", "would_fit_with_tp_pp"):
         assert key in j
     assert j["activation_checkpointing"] in ("none", "selective", "full")
-    assert j["micro_batch_size"] * j["grad_accum_steps"] * j["parallel"]["dp"] == 1024
+    assert j["micro_batch_size"] * j["grad_accum_steps"] * j["parallel"]["dp"] == 64
+    assert j["nodes"] == 1 and j["would_fit_with_tp_pp"] is None and j["fits"]
