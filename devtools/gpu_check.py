@@ -8,7 +8,7 @@ real trainer (`trainlab.train.trainer.Trainer`) in a plain process, no Ray:
    step loop on synthetic tokens: tokens/s and MFU (the planner's FLOPs per
    token over the device's peak);
 2. `memory`: that run's peak device memory next to the plan's
-   `memory_per_device_bytes` and the trace (`trainlab.plan.trace.trace_memory`);
+   `memory_per_device_bytes` and the trace (`trainlab.train.memtrace.trace_memory`);
 3. `fp16_grad_scaler`: fp16 with the grad scaler, under FSDP and without;
 4. `kill_resume`: deterministic mode, a run killed (train.chaos) after its
    mid-run checkpoint and resumed by a fresh process ends with the same weights,
@@ -978,16 +978,16 @@ class Check:
             rec["warnings"] = [f"no trace: {trace.get('error')}"]
 
     def trace(self, job: Any) -> dict[str, Any]:
-        """trainlab.plan.trace.trace_memory(cfg) in its own process (it may start a
+        """trainlab.train.memtrace.trace_memory(cfg) in its own process (it may start a
         fake process group), or why not."""
         import importlib.util
 
         try:
-            found = importlib.util.find_spec("trainlab.plan.trace") is not None
+            found = importlib.util.find_spec("trainlab.train.memtrace") is not None
         except Exception as exc:  # noqa: BLE001
             return {"error": _error(exc)}
         if not found:
-            return {"error": "trainlab.plan.trace is not importable (no such module)"}
+            return {"error": "trainlab.train.memtrace is not importable (no such module)"}
         spec = {"role": "trace", "raw": job.cfg.model_dump(mode="json")}
         out = self.worker(spec, "trace", timeout=min(180.0, max(10.0, self.remaining() - 60)))
         if out.get("returncode") != 0 or "result" not in out:
@@ -1166,7 +1166,7 @@ def run_worker(spec_path: Path) -> int:
     result_path = Path(spec["result"])
     try:
         if spec["role"] == "trace":
-            import trainlab.plan.trace as tracing
+            import trainlab.train.memtrace as tracing
             from trainlab.config import ExperimentConfig
 
             cfg = ExperimentConfig.model_validate(spec["raw"])

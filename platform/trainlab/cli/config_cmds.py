@@ -28,7 +28,14 @@ def show(config: str, overrides: tuple[str, ...]) -> int:
 @click.command(name="plan")
 @config_args
 @json_option
-def plan_cmd(config: str, overrides: tuple[str, ...], as_json: bool) -> int:
+@click.option(
+    "--trace",
+    is_flag=True,
+    help="Also run one real training step of the planned layout at full size on fake "
+    "tensors and a fake process group (no GPU, no memory) and report its traced peak "
+    "memory per device next to the estimate. Imports torch; takes seconds.",
+)
+def plan_cmd(config: str, overrides: tuple[str, ...], as_json: bool, trace: bool) -> int:
     """Parameters, memory per device, parallel layout and FLOPs per token of CONFIG.
 
     Exits 2 when the layout does not fit the devices (after printing the plan)."""
@@ -36,15 +43,44 @@ def plan_cmd(config: str, overrides: tuple[str, ...], as_json: bool) -> int:
 
     cfg = load_config(config, overrides)
     p = plan(cfg)
+    out = p.to_json()
+    traced = None
+    if trace:
+        traced = _trace(cfg, p)
+        out.update(traced)
     if as_json:
-        echo_json(p.to_json())
+        echo_json(out)
     else:
-        _print_plan(cfg.name, p)
+        _print_plan(cfg.name, p, traced)
     require_fit(p)
     return 0
 
 
-def _print_plan(name: str, p) -> None:  # noqa: ANN001 - Plan, imported lazily
+def _trace(cfg, p) -> dict:  # noqa: ANN001 - ExperimentConfig, Plan, imported lazily
+    """`traced_memory_per_device_bytes` (the estimate's categories + total) and
+    `estimate_error` (estimate total / traced total - 1) for the plan's layout."""
+    from trainlab.plan.planner import Layout, resolve_layout
+    from trainlab.train.memtrace import trace_step
+
+    r = trace_step(resolve_layout(cfg, p), Layout(**p.parallel), p.micro_batch_size)
+    traced = {k: int(round(v)) for k, v in r.memory.items()}
+    estimate = p.memory_per_device_bytes
+    traced_total = r.memory["total"]
+    if "framework" not in estimate:  # an estimate without the fixed overhead: compare tensors
+        traced_total -= r.memory["framework"]
+    return {
+        "traced_memory_per_device_bytes": traced,
+        "estimate_error": round(estimate["total"] / traced_total - 1, 4),
+        "trace": {
+            "peak_phase": r.phase,
+            "seconds": round(r.seconds, 2),
+            "world_size": r.world_size,
+            "notes": r.notes,
+        },
+    }
+
+
+def _print_plan(name: str, p, traced: dict | None = None) -> None:  # noqa: ANN001 - Plan
     from rich.console import Console
     from rich.table import Table
 
@@ -57,12 +93,28 @@ def _print_plan(name: str, p) -> None:  # noqa: ANN001 - Plan, imported lazily
     lay = p.parallel
     t.add_row("parameters", f"{p.num_params:,} ({p.num_params / 1e9:.3f} B)")
     t.add_row("world size", str(p.world_size))
-    t.add_row("layout", f"{p.strategy}: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} "
-                        f"zero_stage={lay['zero_stage']}")
-    for k in ("params", "grads", "optimizer", "activations", "total"):
-        t.add_row(f"memory/device {k}", f"{p.memory_per_device_bytes[k] / GiB:.3f} GiB")
-    t.add_row("device memory", f"{p.device_memory_bytes / GiB:.2f} GiB "
-                               f"(usable {p.usable_memory_bytes / GiB:.2f})")
+    t.add_row(
+        "layout",
+        f"{p.strategy}: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} "
+        f"zero_stage={lay['zero_stage']}",
+    )
+    mem = p.memory_per_device_bytes
+    shown = traced["traced_memory_per_device_bytes"] if traced else {}
+    for k, v in mem.items():
+        if v or k == "total":
+            trace_col = f"  (traced {shown[k] / GiB:.3f})" if k in shown else ""
+            t.add_row(f"memory/device {k}", f"{v / GiB:.3f} GiB{trace_col}")
+    if traced:
+        tr = traced["trace"]
+        t.add_row(
+            "traced peak/device",
+            f"{shown['total'] / GiB:.3f} GiB in {tr['peak_phase']} ({tr['seconds']:.1f} s)",
+        )
+        t.add_row("estimate error", f"{traced['estimate_error']:+.1%}")
+    t.add_row(
+        "device memory",
+        f"{p.device_memory_bytes / GiB:.2f} GiB (usable {p.usable_memory_bytes / GiB:.2f})",
+    )
     t.add_row("micro batch (max that fits)", f"{p.micro_batch_size} ({p.micro_batch_size_max})")
     t.add_row("global batch", f"{p.global_batch_size} seq = {p.tokens_per_step:,} tokens")
     t.add_row("FLOPs per token", f"{p.flops_per_token:.4g}")

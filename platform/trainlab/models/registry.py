@@ -20,6 +20,7 @@ through the `ModelSpec` protocol and report `ConfigIssue`s).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import math
 import pkgutil
@@ -110,7 +111,7 @@ class ParamShape:
     layer: int | None  # index in `model.layers`; None: outside the blocks (FSDP's root)
     matmul: bool = False  # a Linear weight: autocast keeps a 16-bit copy of it
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -384,6 +385,8 @@ __all__ = [
     "ConfigIssue",
     "ModelSpec",
     "ParamCount",
+    "ParamShape",
+    "StepDtypes",
     "arch_names",
     "build_model",
     "find_arch",

@@ -1,47 +1,63 @@
 """Memory per device of the trainer's training step, by category: the planner's model.
 
 It counts what trainlab's trainer allocates (trainlab.train: `parallel`, `step`,
-`checkpointer`), not what the papers' idealized programs do. Torch-free; checked
-against a trace of the real step at full size (`trainlab.plan.trace`).
+`state`, `checkpointer`; trainlab.models: `layers`), not what the papers'
+idealized programs do. Torch-free and fast; checked against a trace of the real
+step at full size (`trainlab.train.memtrace`, tests/unit/train/test_memtrace.py).
 
-What the trainer holds, per strategy (P parameters, d = dp):
+Model state per device, bytes per parameter (P parameters, d = dp), bf16 and fp32
+alike unless said:
 
-| strategy | weights | gradients | optimizer (AdamW) | communication |
+| strategy | parameters | gradients | optimizer (AdamW) | communication |
 |---|---|---|---|---|
-| single / DDP (zero 0) | 4P fp32 | 4P fp32 | 8P | DDP buckets 4P |
-| ZeRO-1 (DDP + ZeroRedundancyOptimizer) | 4P | 4P | 8P/d (rank 0's partition) | buckets 4P |
-| FSDP2 ZeRO-2/3 | 4P/d fp32 shards | 4P/d | 8P/d | all-gather, reduce-scatter buffers |
+| one device | 4 | 4 | 8 | - |
+| DDP (zero 0) | 4 | 4 | 8 | 4 (gradient buckets) |
+| ZeRO-1 (DDP + ZeroRedundancyOptimizer) | 4 | 4 | 8/d (rank 0's greedy share) | 4 |
+| FSDP2 ZeRO-2/3 | 4/d (row-padded shards) + 2 (4 in fp32) per gathered parameter | 4/d | 8/d | 2-4 per parameter of the block prefetched / reduce-scattered |
 
-Precision: fp32 runs fp32 everywhere. bf16/fp16 under DDP is `torch.autocast` over
-fp32 weights: the weights, gradients, buckets and Adam stay fp32, autocast keeps a
-16-bit copy of every Linear weight from forward until that layer's backward (2 B
-per matmul parameter), the residual stream stays fp32 and each Linear casts its
-own 16-bit copy of its input. bf16/fp16 under FSDP is its mixed-precision policy:
-fp32 shards, 16-bit all-gathered parameters (one block at a time; ZeRO-2 keeps
-every block's from forward until its backward), a 16-bit residual stream, fp32
-gradient reduce-scatter.
+plus, during the optimizer step, AdamW `foreach`'s sqrt(exp_avg_sq) of the
+larger parameter group (4 per parameter of it; CUDA) and a 4-byte step per tensor.
+FSDP gathers (16-bit with mixed precision) the root group (embeddings, final
+norm, output) and one block at a time, the next block prefetched; ZeRO-2 keeps
+every block gathered from its forward to its backward.
+
+Precision: fp32 runs fp32 everywhere. bf16/fp16 under DDP is `torch.autocast`
+over fp32 weights: weights, gradients, buckets and Adam stay fp32; autocast
+keeps a 16-bit copy of every Linear weight from forward until that block's
+backward (2 bytes per matmul parameter; cached for the whole forward, so a
+recomputed block's too); the residual stream stays fp32 and every Linear casts
+its own 16-bit copy of its input. bf16/fp16 under FSDP is its mixed-precision
+policy: fp32 shards, 16-bit gathered parameters and residual stream, fp32
+gradient reduce-scatter; its input casting also gives every block its own
+16-bit RoPE tables and its own copy of the attention-mask dataclass (so its own
+dense mask).
 
 Activations are what autograd saves, per block and token, as the architecture
 states it (`Architecture.block_saved_bytes`): the norms' inputs and outputs, the
 qkv output, q and k after RoPE, the attention output, the kernel's log-sum-exp
-and the converted block-diagonal mask of the packed batch, the MLP's ffn-wide
-tensors. `full` recomputation keeps each block's input only and rebuilds one
-block at a time in backward; `selective` does that for every other block.
+and the packed batch's block-diagonal mask converted to the compute dtype
+(T bytes x 2-4 per token: the trainer's batches always carry document ids), the
+MLP's ffn-wide tensors. E.g. Llama per token: fp32 36h + 12kv + 16f, DDP bf16
+28h + 6kv + 8f, FSDP bf16 22h + 6kv + 8f (+ 4 x heads + c x T). `full`
+recomputation keeps each block's input only and rebuilds one block at a time
+in backward; `selective` does that for every other block.
 
-The loss: the logits [tokens, vocab] in the compute dtype, `.float()`, log-softmax
-(kept), and in backward the gradients of both at fp32: 12 bytes per logit at
-the start of backward.
+The loss: the logits [tokens, vocab] in the compute dtype, `.float()`,
+log-softmax (kept): 10 bytes per logit in forward (8 in fp32), 12 at the start
+of backward (the gradients of the loss and of the log-softmax, fp32). Tied
+embeddings: the output's gradient waits in autograd's input buffer until the
+embedding's arrives and the two are summed out of place.
 
 The peak is the largest of the step's high-water marks, each counted in full:
 the end of forward, the loss's backward, the output projection's backward, the
 backward of each block (its saved tensors, its backward working set, gradients
 so far, FSDP's gathered parameters, the prefetched block's all-gather buffer and
-the previous block's reduce-scatter buffer), the end of backward, and the
-optimizer step (AdamW `foreach` on CUDA: a temporary as large as a parameter
-group). Steady state: the optimizer state exists before the step, gradients do
-not (zero_grad(set_to_none=True)); with gradient accumulation the later micro
-batches start with the accumulated gradients (FSDP2 without gradient sync keeps
-them unsharded, in fp32).
+the previous block's reduce-scatter buffer), FSDP's reduce-scatter of each
+block, the embedding's backward, the root's reduce-scatter, and the optimizer
+step. Steady state: the optimizer state exists before the step, gradients do
+not (zero_grad(set_to_none=True)); with gradient accumulation the last micro
+batch starts with the accumulated gradients (DDP: full, in .grad; FSDP
+reduce-scatters every micro batch: shards).
 
 `framework` is a constant for what no tensor shows: the CUDA context and its
 kernels (~0.5 GiB on H100-class GPUs), cuBLAS/cuDNN workspaces and NCCL's
@@ -51,13 +67,15 @@ the planner's safety margin.
 
 `checkpoint_snapshot`: with `train.checkpoint.async_save`, the torch format (one
 process, DDP, ZeRO-1) clones the state dicts on rank 0 on their own device
-(`trainlab.train.state.cloned`) and keeps the clone while training goes on:
-weights 4P and, under DDP, Adam 8P on the device (ZeRO-1 consolidates Adam on
-the host first). FSDP's DCP async save stages to host memory: 0 on the device.
+(`trainlab.train.state.cloned`: `.detach().clone()`) and keeps the clone while
+training goes on: the weights (a tied weight twice: the state dict names it
+twice) and, under DDP, Adam's state, all on the GPU; ZeRO-1 consolidates Adam
+on the host first (torch does). FSDP's DCP async save stages to host memory:
+0 on the device. Without async_save nothing is copied on the device.
 
 Tensor and pipeline parallelism are not executed yet; for tp/pp > 1 the
-estimate divides the model state by tp*pp, the blocks' internal activations
-by tp (norms and residual replicated) and holds pp micro batches of L/pp
+estimate divides the model state by tp*pp and the blocks' internal activations
+by tp (norms and residual replicated), and holds pp micro batches of L/pp
 layers on the first stage, like the paper model it replaced. Not traced.
 """
 
@@ -139,6 +157,8 @@ class MemoryEstimate:
     phase: str  # the high-water mark that is the peak
     phases: dict[str, float] = field(default_factory=dict)  # total at each mark
     notes: list[str] = field(default_factory=list)
+    # each mark by category (CATEGORIES + "total")
+    breakdowns: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def memory_breakdown(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> dict[str, float]:
@@ -176,6 +196,9 @@ class _Parts:
     def total(self) -> float:
         return sum(self.__dict__.values())
 
+    def as_dict(self) -> dict[str, float]:
+        return {**{k: float(getattr(self, k)) for k in CATEGORIES}, "total": self.total}
+
 
 def _zero1_share(shapes: list[ParamShape], dp: int) -> list[ParamShape]:
     """Rank 0's parameters under ZeroRedundancyOptimizer: per parameter group
@@ -183,7 +206,10 @@ def _zero1_share(shapes: list[ParamShape], dp: int) -> list[ParamShape]:
     fewest elements so far (torch's greedy partition; ties to the lowest rank)."""
     sizes = [0] * dp
     mine: list[ParamShape] = []
-    for group in ([p for p in shapes if len(p.shape) >= 2], [p for p in shapes if len(p.shape) < 2]):
+    for group in (
+        [p for p in shapes if len(p.shape) >= 2],
+        [p for p in shapes if len(p.shape) < 2],
+    ):
         for p in sorted(group, key=lambda p: p.numel, reverse=True):
             rank = sizes.index(min(sizes))
             sizes[rank] += p.numel
@@ -199,7 +225,65 @@ def _shard(p: ParamShape, dp: int) -> int:
     return math.ceil(rows / dp) * (p.numel // rows if rows else 0)
 
 
+# The planner asks about one model many times: its tensors, and per block and dp
+# the block's elements (all, rank 0's, gathered with FSDP's row padding, of
+# Linear weights), are computed once.
+_SHAPES: dict[str, list[ParamShape]] = {}
+_BLOCKS: dict[tuple[str, int, bool], tuple[list[int], list[float], list[float], list[int]]] = {}
+
+
 def _param_shapes(cfg: ExperimentConfig) -> list[ParamShape]:
+    key = cfg.model.model_dump_json()
+    if key not in _SHAPES:
+        if len(_SHAPES) > 64:
+            _SHAPES.clear()
+        _SHAPES[key] = _compute_param_shapes(cfg)
+    return _SHAPES[key]
+
+
+_OPT: dict[tuple[str, int, bool, bool], tuple[float, int, float, float]] = {}
+
+
+def _optimizer_sizes(
+    cfg: ExperimentConfig, dp: int, fsdp: bool, zero1: bool
+) -> tuple[float, int, float, float]:
+    """Rank 0's optimizer: elements it steps, tensors, the larger parameter group's
+    elements (AdamW foreach's temporary) and the largest tensor's (per-tensor loop)."""
+    key = (cfg.model.model_dump_json(), dp, fsdp, zero1)
+    if key not in _OPT:
+        if len(_OPT) > 256:
+            _OPT.clear()
+        shapes = _param_shapes(cfg)
+        mine = _zero1_share(shapes, dp) if zero1 else shapes
+        sizes = [float(_shard(s, dp)) if fsdp else float(s.numel) for s in mine]
+        decay = sum(x for s, x in zip(mine, sizes, strict=True) if len(s.shape) >= 2)
+        no_decay = sum(x for s, x in zip(mine, sizes, strict=True) if len(s.shape) < 2)
+        _OPT[key] = (sum(sizes), len(mine), max(decay, no_decay), max(sizes, default=0.0))
+    return _OPT[key]
+
+
+def _block_sizes(
+    cfg: ExperimentConfig, dp: int, fsdp: bool
+) -> tuple[list[int], list[float], list[float], list[int]]:
+    """Per block: elements, rank 0's elements, gathered elements, Linear weights'."""
+    key = (cfg.model.model_dump_json(), dp, fsdp)
+    if key not in _BLOCKS:
+        if len(_BLOCKS) > 256:
+            _BLOCKS.clear()
+        shapes = _param_shapes(cfg)
+        layers = [[s for s in shapes if s.layer == i] for i in range(cfg.model.num_layers)]
+        numel = [sum(s.numel for s in g) for g in layers]
+        local = [
+            float(sum(_shard(s, dp) for s in g)) if fsdp else float(n)
+            for g, n in zip(layers, numel, strict=True)
+        ]
+        padded = [x * dp if fsdp else x for x in local]
+        matmul = [sum(s.numel for s in g if s.matmul) for g in layers]
+        _BLOCKS[key] = (numel, local, padded, matmul)
+    return _BLOCKS[key]
+
+
+def _compute_param_shapes(cfg: ExperimentConfig) -> list[ParamShape]:
     """The architecture's parameter tensors; one tensor per block and per root part
     when they do not add up to its parameter count (an architecture with other
     shapes than the generic ones)."""
@@ -236,12 +320,18 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
     if mp > 1:
         notes.append("tp/pp > 1: estimated, not executed or traced by this trainlab")
 
+    if gpu and m.attention == "sdpa" and (m.num_kv_heads or m.num_heads) != m.num_heads:
+        notes.append(
+            "grouped-query attention with the packed batch's mask: CUDA SDPA may have no "
+            "fused kernel for enable_gqa with an explicit mask and fall back to the math "
+            "kernel (attention scores kept, O(seq_len^2) per layer); the estimate assumes "
+            "a fused kernel (as the CPU trace runs): check on a GPU"
+        )
+
     T = cfg.data.seq_len
     N = micro_batch * T  # tokens per micro batch
     L, V, h = m.num_layers, m.vocab_size, m.hidden_size
-    shapes = _param_shapes(cfg)
-    layers = [[s for s in shapes if s.layer == i] for i in range(L)]
-    root = [s for s in shapes if s.layer is None]
+    root = [s for s in _param_shapes(cfg) if s.layer is None]
 
     def numel(ps: list[ParamShape]) -> float:
         return sum(s.numel for s in ps) / mp
@@ -252,18 +342,25 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
     def local(ps: list[ParamShape]) -> float:  # rank 0's elements of the weights
         return sum(_shard(s, dp) for s in ps) / mp if fsdp else numel(ps)
 
-    total_numel = numel(shapes)
-    local_numel = local(shapes)
+    # Per block: elements, rank 0's, gathered (padded), of Linear weights.
+    layer_numel, layer_local, layer_padded, layer_matmul = (
+        [x / mp for x in xs] for xs in _block_sizes(cfg, dp, fsdp)
+    )
+    total_numel = numel(root) + sum(layer_numel)
+    local_numel = local(root) + sum(layer_local)
     pbytes = 2 if (fsdp and d.compute == 2) else 4  # FSDP's gathered parameters
     # Optimizer: AdamW's exp_avg and exp_avg_sq (fp32) and a 4-byte step per tensor.
-    opt_params = _zero1_share(shapes, dp) if zero1 else shapes
-    opt_numel = local(opt_params)
-    optimizer = 8 * opt_numel + 4 * len(opt_params)
+    opt_numel, opt_tensors, opt_group, opt_largest = (
+        x / mp if i != 1 else x for i, x in enumerate(_optimizer_sizes(cfg, dp, fsdp, zero1))
+    )
+    optimizer = 8 * opt_numel + 4 * opt_tensors
     parameters = 4 * local_numel
     buckets = 4 * total_numel if ddp else 0.0  # DDP: gradient_as_bucket_view=False
     snapshot = 0.0
     if t.checkpoint.async_save and not fsdp:
-        snapshot = 4 * total_numel + (0 if zero1 else optimizer)
+        # The model's state dict names a tied weight twice; each name is cloned.
+        tied = 4 * V * h / mp if m.tie_embeddings else 0.0
+        snapshot = 4 * total_numel + tied + (0 if zero1 else optimizer)
     persistent = _Parts(
         parameters=parameters,
         optimizer=optimizer,
@@ -276,21 +373,22 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
     def grads(ps: list[ParamShape]) -> float:
         return 4 * local(ps)
 
-    accum = cfg.data.grad_accum_steps
+    all_grads = 4 * local_numel
+
+    accum = cfg.data.grad_accum_steps or 1
     carried = 0.0  # gradients the last micro batch starts with
     if accum > 1:
         # DDP (no_sync around the forward) accumulates in .grad. FSDP2: train_step
         # leaves the sync context before backward, so FSDP reduce-scatters every
         # micro batch and accumulates sharded gradients.
-        carried = grads(shapes)
+        carried = all_grads
         notes.append(
-            f"grad_accum_steps {accum}: the last micro batch starts with the accumulated "
-            "gradients"
+            f"grad_accum_steps {accum}: the last micro batch starts with the accumulated gradients"
         )
     start = persistent.plus(gradients=carried)
 
     # Activations per block and token, and what a recomputed block keeps.
-    recompute = p.activation_checkpointing
+    recompute = p.activation_checkpointing  # concrete (the planner resolves "auto")
     ckpt = [recompute == "full" or (recompute == "selective" and i % 2 == 0) for i in range(L)]
     saved_block = arch.block_saved_bytes(m, d, T) * N
     input_block = arch.block_input_bytes(m, d) * N
@@ -316,14 +414,14 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
     model_saved = rope + mask + final_norm + (h * N if m.dropout > 0 else 0)
     # autocast's 16-bit weight copies (DDP/single, 16-bit): cached for the whole
     # forward, then kept by the saved tensors of blocks not recomputed.
-    copies = [2 * numel([s for s in g if s.matmul]) if d.autocast else 0.0 for g in layers]
+    copies = [2 * x if d.autocast else 0.0 for x in layer_matmul]
     copy_root = 2 * numel([s for s in root if s.matmul]) if d.autocast else 0.0
     if d.autocast and m.tie_embeddings:
         copy_root += 2 * V * h / mp  # the output projection reads the embedding
     kept_copies = [0.0 if c else x for c, x in zip(ckpt, copies, strict=True)]
     # FSDP: a group's gathered parameters; the root group (embeddings, final norm,
     # output) is gathered for the whole forward and the whole backward.
-    gathered = [pbytes * padded(g) if fsdp else 0.0 for g in layers]
+    gathered = [pbytes * x if fsdp else 0.0 for x in layer_padded]
     gathered_root = pbytes * padded(root) if fsdp else 0.0
     zero2 = fsdp and zero == 2
     logits = N * V / tp
@@ -394,16 +492,16 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
         if fsdp:
             # Its post-backward: parameters resharded, the unsharded gradients copied
             # into an fp32 reduce-scatter input (the previous one released first).
-            rs = 4 * padded(layers[i])
+            rs = 4 * layer_padded[i]
             marks[f"block {i} reduce-scatter"] = start.plus(
                 activations=below + model_saved - final_norm + sum(kept_copies[:i]),
-                gradients=done_grads + root_grads + d.grad * padded(layers[i]),
+                gradients=done_grads + root_grads + d.grad * layer_padded[i],
                 parameters=gathered_root + (sum(gathered[:i]) if zero2 else 0.0),
                 communication=rs + (gathered[i - 1] if (i > 0 and not zero2) else 0.0),
             )
             rs_prev = rs
         if not carried:  # else accumulated in place into the carried gradients
-            done_grads += grads(layers[i])
+            done_grads += 4 * layer_local[i]
     # End of backward: the embeddings' gradients. Tied, the output's gradient waited
     # in autograd's input buffer and the two are summed out of place: three [V, h]
     # at once.
@@ -425,15 +523,10 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
         )
     # Optimizer step: all gradients; AdamW foreach (CUDA) makes sqrt(exp_avg_sq) of a
     # whole parameter group at once, the per-tensor loop (CPU) of one tensor, twice.
-    all_grads = grads(shapes)
-    groups = ([s for s in opt_params if len(s.shape) >= 2], [s for s in opt_params if len(s.shape) < 2])
-    if gpu:
-        temp = 4 * max(local(g) for g in groups)
-    else:
-        temp = 8 * max((local([s]) for s in opt_params), default=0.0)
+    temp = 4 * opt_group if gpu else 8 * opt_largest
     marks["optimizer"] = persistent.plus(gradients=all_grads, optimizer=temp)
 
-    phase, peak = max(marks.items(), key=lambda kv: kv[1].total)
-    memory = {k: float(getattr(peak, k)) for k in CATEGORIES}
-    memory["total"] = peak.total
-    return MemoryEstimate(memory, phase, {k: v.total for k, v in marks.items()}, notes)
+    breakdowns = {name: mark.as_dict() for name, mark in marks.items()}
+    phase = max(breakdowns, key=lambda name: breakdowns[name]["total"])
+    phases = {name: b["total"] for name, b in breakdowns.items()}
+    return MemoryEstimate(breakdowns[phase], phase, phases, notes, breakdowns)

@@ -1,7 +1,10 @@
 """Closed-form model arithmetic: parameter counts, memory per device, FLOPs per token.
 
 Pure functions of the config section values; no torch. Each formula names its
-source so it can be checked against the paper.
+source so it can be checked against the paper. The memory formulas here
+(`model_state_bytes`, `activation_bytes*`) are the papers' idealized programs
+(ZeRO's 2+2+12 bytes per parameter, Korthikanti's activations), kept as
+references; what trainlab's trainer allocates is `trainlab.plan.memory`.
 """
 
 from __future__ import annotations

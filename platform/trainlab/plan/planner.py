@@ -25,7 +25,6 @@ the global batch is micro_batch x grad_accum_steps x dp and follows dp.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -36,10 +35,8 @@ from trainlab.config.schema import ExperimentConfig
 from trainlab.errors import UserError
 from trainlab.plan.model_math import (
     GiB,
-    activation_bytes,
     count_params,
     flops_per_token,
-    model_state_bytes,
 )
 
 # Fraction of device memory the plan may fill; the rest absorbs allocator
@@ -221,39 +218,9 @@ def _memory(cfg: ExperimentConfig, lay: Layout, micro_batch: int) -> dict[str, f
     """Bytes per device by category (and `total`) for `cfg` as configured at `lay`:
     the trainer's memory model (`trainlab.plan.memory.memory_breakdown`).
     `cfg.parallel.activation_checkpointing` must be a concrete mode (not auto)."""
-    breakdown = _memory_model()
-    if breakdown is not None:
-        return breakdown(cfg, lay, micro_batch)
-    return _paper_memory(cfg, lay, micro_batch)
+    from trainlab.plan.memory import memory_breakdown  # memory.py imports this module
 
-
-@functools.cache
-def _memory_model() -> Any:
-    """`memory_breakdown`, imported on first use (memory.py may import the planner)."""
-    from trainlab.plan import memory
-
-    # None while the trainer's memory model (issue 13) is still being written.
-    return getattr(memory, "memory_breakdown", None)
-
-
-def _paper_memory(cfg: ExperimentConfig, lay: Layout, micro_batch: int) -> dict[str, float]:
-    """The papers' model (ZeRO's 2+2+12 bytes per parameter, Korthikanti's
-    activations): the estimate until the trainer's memory model is in place."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    n = count_params(m).total
-    mem = model_state_bytes(n, t.precision, lay.zero_stage, lay.dp, lay.tp * lay.pp)
-    mem["activations"] = activation_bytes(
-        m,
-        cfg.data.seq_len,
-        micro_batch,
-        lay.tp,
-        lay.pp,
-        p.sequence_parallel and lay.tp > 1,
-        p.activation_checkpointing,
-        t.precision,
-    )
-    mem["total"] = mem["params"] + mem["grads"] + mem["optimizer"] + mem["activations"]
-    return mem
+    return memory_breakdown(cfg, lay, micro_batch)
 
 
 def _batch_splits(cfg: ExperimentConfig, dp: int) -> tuple[list[tuple[int, int]], str]:

@@ -63,11 +63,16 @@ def test_plan_json_has_the_documented_keys():
     assert isinstance(p["num_params"], int) and p["num_params"] == 1_100_048_384
     assert p["world_size"] == 8 and p["fits"] is True
     assert set(p["parallel"]) == {"tp", "pp", "dp", "zero_stage"}
+    # by category of what the trainer allocates (trainlab.plan.memory)
     assert set(p["memory_per_device_bytes"]) == {
-        "params",
-        "grads",
+        "parameters",
+        "gradients",
         "optimizer",
+        "communication",
         "activations",
+        "logits_loss",
+        "checkpoint_snapshot",
+        "framework",
         "total",
     }
     assert p["flops_per_token"] > 6 * p["num_params"]

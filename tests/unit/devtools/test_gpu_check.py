@@ -171,7 +171,7 @@ def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
     assert mem["measured_vs_plan"] == pytest.approx(
         mem["measured_peak_bytes"] / mem["plan_total_bytes"] - 1, abs=1e-3
     )
-    # The trace either gave a total or says why not (plan/trace.py may not exist yet).
+    # The trace either gave a total or says why not (trainlab.train.memtrace).
     assert mem["trace"].get("total") is not None or mem["trace"].get("error")
     assert "plan_vs_trace" in mem and "measured_vs_trace" in mem
 

@@ -1,12 +1,16 @@
 """Memory of one real training step, traced at full size without allocating it.
 
-`trace_memory(cfg, layout)` builds the model trainlab builds, wraps it with the
-trainer's own parallel code (`trainlab.train.parallel.apply_parallelism`,
-`build_optimizer`) and runs one optimizer step the way `train_step` does
-(forward under the trainer's autocast, the summed cross-entropy of
-`loss_sum_and_count`, backward with gradient sync, gradient clipping, the
-optimizer step, `zero_grad(set_to_none=True)`), for rank 0 of a world of the
-layout's size, with:
+`trace_memory(cfg, layout)` builds the model trainlab builds (`build_model`),
+wraps it with the trainer's own code (`trainlab.train.parallel`:
+`apply_parallelism`, `build_optimizer`, `gradient_sync`; `trainlab.train.step`:
+`autocast_context`, `loss_sum_and_count`) and runs one optimizer step the way
+`train_step` does (per micro batch: forward and loss under the sync context
+and autocast, backward; then gradient clipping, the optimizer step,
+`zero_grad(set_to_none=True)`), as rank 0 of a world of the layout's size, on a
+packed batch as the loader makes it (position and document ids: attention gets
+the block-diagonal mask). `train_step` itself is not called: it reads the
+number of labelled tokens and the loss as Python numbers, which fake tensors do
+not have. With:
 
 - fake tensors (`torch._subclasses.fake_tensor.FakeTensorMode`): shapes,
   dtypes and devices, no storage, so a 70B model "fits" on a laptop;
@@ -14,12 +18,14 @@ layout's size, with:
   world size: collectives return at once, with the right shapes;
 - torch's memory trackers (`torch.distributed._tools`): `FSDPMemTracker` for
   FSDP, `MemTracker` otherwise. They see every tensor storage the step
-  creates and frees, by category, and keep the peak.
+  creates and frees, by category, and keep the peak (here trimmed to the whole
+  step's peak, with logits-shaped tensors counted apart).
 
-What is measured is the steady state, i.e. step 2 onwards: the optimizer state
-exists before the traced step (it is created by a step on zero gradients that
-is not measured, as the first real step creates it), gradients do not
-(`zero_grad(set_to_none=True)` freed them).
+What is measured is the steady state, step 2 onwards: the optimizer state
+exists before the traced step (created as AdamW's first step creates it, not
+measured), gradients do not (`zero_grad(set_to_none=True)` freed them); with
+gradient accumulation two micro batches run, the second starting with the
+first's gradients.
 
 The "device" is the CPU (a CPU build of torch cannot fake CUDA tensors: the
 autograd engine asks for a CUDA device guard). What differs from a GPU run,
@@ -28,9 +34,14 @@ and what is done about it:
 - AdamW: on CUDA torch picks the `foreach` implementation (one temporary as
   large as a parameter group), on CPU the per-tensor loop; the trace sets
   `foreach` to what the target device would use (`resource.use_gpu`).
-- Autocast: CPU and CUDA autocast cast the same ops of these models to 16 bits
-  (matmuls, linear, SDPA); the norms, RoPE, softmax and the loss run in fp32
-  explicitly in the model code, so the saved tensors match.
+- Autocast: CPU and CUDA autocast cast the ops of these models alike (matmuls,
+  linear, SDPA to 16 bits; the norms, RoPE, softmax and the loss are fp32 in
+  the model code) except layer_norm, which CUDA runs in fp32: for a GPU target
+  the trace runs it so (`_cuda_autocast_norms`).
+- SDPA: CPU and CUDA kernels keep the same tensors for backward (q, k, v, the
+  output, the log-sum-exp, the converted mask) without dropout. With
+  `model.dropout > 0` CPU falls back to the math kernel (attention weights and
+  masks kept), CUDA's flash kernel does not: the trace overstates such runs.
 - The CUDA caching allocator rounds each block to 512 bytes; irrelevant at
   these sizes. Allocator fragmentation, the CUDA context and NCCL's own
   buffers are not tensors and not traced (`framework` in the estimate; the
@@ -40,15 +51,19 @@ and what is done about it:
   does in place, same memory), and skips DDP's cross-rank parameter-shape check,
   which reads tensor data.
 - FSDP: `fully_shard` is handed the device mesh built before fake mode
-  (building it inside fails).
+  (building it inside fails); DTensor's shape propagation, which runs on
+  global-size fake tensors of the active fake mode, is given a fake mode of its
+  own so the tracker does not count it.
 - fp16: the grad scaler is CUDA-only; the trace runs fp16 autocast without it
   (the scaler holds two scalars).
 
 `tp`/`pp` > 1 are refused: the trainer does not execute them yet.
 
 The trace leaves no global state behind: the fake process group is destroyed,
-the patched functions restored, the global optimizer hooks removed; building
-fake tensors draws nothing from the random generators.
+the patched functions restored, the trackers' global optimizer hooks removed;
+building fake tensors draws nothing from the random generators. (torch keeps
+its own caches, e.g. DTensor's sharding propagation, which make a second trace
+of the same shapes faster.)
 """
 
 from __future__ import annotations
@@ -61,7 +76,7 @@ from typing import Any
 
 from trainlab.config.schema import ExperimentConfig
 from trainlab.errors import UserError
-from trainlab.plan.memory import CATEGORIES, FRAMEWORK_BYTES, layout_config
+from trainlab.plan.memory import CATEGORIES, framework_bytes, layout_config
 
 __all__ = ["TraceResult", "trace_memory", "trace_step"]
 
@@ -98,31 +113,30 @@ def trace_step(
 ) -> TraceResult:
     """`trace_memory` with where the peak was, the tracker's raw categories and the
     time taken."""
-    if layout is None:
-        from trainlab.plan.planner import plan
+    from trainlab.plan.planner import Layout, plan, resolve_layout
 
+    d, par = cfg.data, cfg.parallel
+    concrete = (
+        isinstance(d.micro_batch_size, int)
+        and d.grad_accum_steps is not None
+        and par.activation_checkpointing != "auto"
+    )
+    if layout is None or not concrete:
         p = plan(cfg)
-        layout = _Layout(**p.parallel)
+        cfg = resolve_layout(cfg, p)  # micro batch, accumulation, recomputation made concrete
+        layout = layout or Layout(**p.parallel)
     if layout.tp > 1 or layout.pp > 1:
         raise UserError(
             f"trace: tp={layout.tp} pp={layout.pp}: the trainer does not execute tensor or "
             "pipeline parallelism yet, so there is nothing to trace"
         )
     run_cfg = layout_config(cfg, layout)
-    mb = micro_batch or cfg.data.micro_batch_size
+    mb = int(micro_batch or cfg.data.micro_batch_size)
     t0 = time.perf_counter()
     with _fake_world(layout.dp) as env:
         result = _trace(run_cfg, env, mb)
     result.seconds = time.perf_counter() - t0
     return result
-
-
-@dataclass
-class _Layout:
-    tp: int
-    pp: int
-    dp: int
-    zero_stage: int
 
 
 # --------------------------------------------------------------------------- the fake world
@@ -249,14 +263,17 @@ def _trackers() -> tuple[type, type]:
                     self.logits_at_peak = self.logits_now
 
         def _track(self, reftype: Any, t: torch.Tensor) -> None:
-            super()._track(reftype, t)
             tokens, vocab = self.logits_shape
-            if t.dim() >= 2 and t.shape[-1] == vocab and t.numel() == tokens * vocab:
-                for st in get_untyped_storages(t):
-                    winfo, _ = self._WINFO.get(st, (None, None))
-                    if winfo is not None and not getattr(winfo, "logits", False):
-                        winfo.logits = True
-                        self.logits_now += winfo.mem_consumed
+            if not (t.dim() >= 2 and t.shape[-1] == vocab and t.numel() == tokens * vocab):
+                return super()._track(reftype, t)
+            # Logits-shaped when first seen (a view of a weight can have the shape).
+            new = [st for st in get_untyped_storages(t) if st not in self._WINFO]
+            super()._track(reftype, t)
+            for st in new:
+                winfo, _ = self._WINFO.get(st, (None, None))
+                if winfo is not None:
+                    winfo.logits = True
+                    self.logits_now += winfo.mem_consumed
 
         def _delete_callback(self, winfo: Any, w_st: Any) -> None:
             if getattr(winfo, "logits", False):
@@ -275,6 +292,7 @@ def _trackers() -> tuple[type, type]:
 def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_flatten
 
     from trainlab.models import build_model
     from trainlab.train.parallel import (
@@ -324,7 +342,10 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
                 notes.append("ZeRO-1: the consolidated optimizer state is on the host")
             snapshot = cloned(state)
         if not fsdp:
-            tracker.track_external(optimizer, getattr(optimizer, "optim", None), snapshot)
+            tracker.track_external(optimizer, getattr(optimizer, "optim", None))
+            if snapshot is not None:
+                tensors = [x for x in tree_flatten(snapshot)[0] if isinstance(x, torch.Tensor)]
+                tracker.track_external(*tensors)
         tokens = micro_batch * seq
         tracker.logits_shape = (tokens, vocab)
         tracker.phase_peaks, tracker.phase_seconds, tracker.phase_snaps = {}, {}, {}
@@ -340,6 +361,12 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
         precision = cfg.train.precision
         if precision == "fp16":
             notes.append("fp16: traced without the grad scaler (two scalars)")
+        if cfg.model.dropout > 0:
+            notes.append(
+                "model.dropout > 0: CPU attention falls back to the math kernel (attention "
+                "weights and masks kept), CUDA's flash kernel keeps none: this trace "
+                "overstates a GPU run"
+            )
         norms = (torch.nn.LayerNorm, torch.nn.GroupNorm)
         emulate = (
             cfg.resource.use_gpu
@@ -349,7 +376,7 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
         gpu_policy = _cuda_autocast_norms() if emulate else contextlib.nullcontext()
         # Gradient accumulation: from the second micro batch on, the step starts with
         # the gradients of the earlier ones; two show the steady state.
-        micro_batches = min(cfg.data.grad_accum_steps, 2)
+        micro_batches = min(cfg.data.grad_accum_steps or 1, 2)
         with tracker, gpu_policy:
             for i in range(micro_batches):
                 if i:
@@ -375,7 +402,7 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
         peak = tracker.get_tracker_snapshot("peak")
         raw = next(iter(peak.values()), {})
         raw = {getattr(k, "value", str(k)): int(v) for k, v in raw.items()}
-        memory = _categories(raw, comm_at_build, tracker.logits_at_peak, fsdp)
+        memory = _categories(raw, comm_at_build, tracker.logits_at_peak, fsdp, framework_bytes(cfg))
         result = TraceResult(
             memory,
             tracker.peak_phase,
@@ -474,7 +501,7 @@ def _create_optimizer_state(optimizer: Any) -> None:
 
 
 def _categories(
-    raw: dict[str, int], comm_at_build: int, logits: int, fsdp: bool
+    raw: dict[str, int], comm_at_build: int, logits: int, fsdp: bool, framework: float
 ) -> dict[str, float]:
     """The tracker's categories in the estimate's names.
 
@@ -504,6 +531,6 @@ def _categories(
     mem["logits_loss"] = logits
     mem["activations"] = activations - logits
     total = float(g("Total", 0))
-    mem["framework"] = FRAMEWORK_BYTES
-    mem["total"] = total + FRAMEWORK_BYTES
+    mem["framework"] = framework  # not a tensor: the estimate's constant
+    mem["total"] = total + framework
     return mem

@@ -1,0 +1,175 @@
+"""The memory estimate against a trace of the real training step at full size
+(trainlab.train.memtrace: the trainer's own model, parallel wrapping and step on fake
+tensors and a fake process group, measured by torch's memory trackers).
+
+The matrix covers every pair of (strategy, precision, recomputation) at least
+once, on 1B-, 7B- and 70B-class Llama and GPT-2 small shapes (a pairwise design: the
+full cross product of 96 traces does not fit the unit-test budget; `make bench`
+reports the worst error over a larger one). The 70B-class case keeps the
+70B's layer and vocabulary shapes with 8 of its 80 layers: every per-layer and
+per-model term is there, and the trace takes seconds, not a minute."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import RECIPES, REPO
+from trainlab.config import ExperimentConfig
+from trainlab.errors import UserError
+from trainlab.plan import Layout, estimate_memory
+from trainlab.plan.memory import CATEGORIES
+from trainlab.train.memtrace import trace_step
+
+pytest.importorskip("torch")
+
+MODELS = {
+    # Llama-3.2-1B shapes (GQA 32/8, tied 128k vocabulary)
+    "llama1b": dict(
+        arch="llama", hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8,
+        ffn_hidden_size=8192, vocab_size=128256, max_seq_len=4096, tie_embeddings=True,
+    ),
+    # Llama-2-7B
+    "llama7b": dict(
+        arch="llama", hidden_size=4096, num_layers=32, num_heads=32, ffn_hidden_size=11008,
+        vocab_size=32000, max_seq_len=4096, tie_embeddings=False,
+    ),
+    # Llama-3-70B layer and vocabulary shapes, 8 of 80 layers
+    "llama70b_8": dict(
+        arch="llama", hidden_size=8192, num_layers=8, num_heads=64, num_kv_heads=8,
+        ffn_hidden_size=28672, vocab_size=128256, max_seq_len=4096, tie_embeddings=False,
+    ),
+    "gpt2": dict(
+        arch="gpt2", hidden_size=768, num_layers=12, num_heads=12, vocab_size=50257,
+        max_seq_len=1024, tie_embeddings=True,
+    ),
+    "tiny": dict(
+        arch="gpt2", hidden_size=64, num_layers=2, num_heads=4, vocab_size=256,
+        max_seq_len=64, tie_embeddings=True,
+    ),
+}  # fmt: skip
+
+
+def make_cfg(model, precision, recompute, world, *, gpu=True, accum=1, async_save=False):
+    m = MODELS[model]
+    return ExperimentConfig.model_validate(
+        {
+            "name": "trace",
+            "model": m,
+            "data": {"seq_len": m["max_seq_len"], "micro_batch_size": 1, "grad_accum_steps": accum},
+            "train": {"precision": precision, "checkpoint": {"async_save": async_save}},
+            "parallel": {"activation_checkpointing": recompute},
+            "resource": {"num_workers": world, "use_gpu": gpu},
+        }
+    )
+
+
+# (model, zero stage, precision, recomputation, dp, extras): every pair of strategy x
+# precision, strategy x recomputation and precision x recomputation at least once.
+MATRIX = [
+    ("gpt2", 0, "bf16", "none", 8, {"async_save": True}),
+    ("llama1b", 0, "fp32", "selective", 8, {}),
+    ("gpt2", 0, "bf16", "full", 2, {"gpu": False}),
+    ("gpt2", 1, "fp32", "none", 8, {}),
+    ("llama7b", 1, "bf16", "selective", 8, {}),
+    ("gpt2", 1, "bf16", "full", 8, {"accum": 2}),
+    ("llama1b", 2, "bf16", "none", 8, {}),
+    ("gpt2", 2, "fp32", "selective", 8, {}),
+    ("gpt2", 2, "fp32", "full", 8, {}),
+    ("llama1b", 3, "bf16", "none", 8, {}),
+    ("gpt2", 3, "bf16", "selective", 8, {"accum": 2}),
+    ("llama1b", 3, "fp32", "full", 8, {}),
+    ("llama70b_8", 3, "bf16", "full", 64, {}),
+]
+
+
+def _id(case):
+    model, z, precision, recompute, dp, extra = case
+    more = "".join(f"-{k}={v}" for k, v in extra.items())
+    return f"{model}-z{z}-{precision}-{recompute}-dp{dp}{more}"
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=_id)
+def test_estimate_within_10_percent_of_the_trace(case):
+    model, zero, precision, recompute, dp, extra = case
+    cfg = make_cfg(model, precision, recompute, dp, **extra)
+    layout = Layout(1, 1, dp, zero)
+    traced = trace_step(cfg, layout, 1)
+    est = estimate_memory(cfg, layout, 1)
+    t, e = traced.memory, est.memory
+    assert set(t) == set(e) == {*CATEGORIES, "total"}
+    assert t["total"] == pytest.approx(sum(t[k] for k in CATEGORIES))
+    # The totals, with and without the framework constant both carry.
+    assert abs(e["total"] / t["total"] - 1) <= 0.10, (est.phase, traced.phase)
+    tensors = (e["total"] - e["framework"]) / (t["total"] - t["framework"]) - 1
+    assert abs(tensors) <= 0.10, (est.phase, traced.phase, e, t)
+    # Categories that do not move during the step match closely.
+    assert e["optimizer"] == pytest.approx(t["optimizer"], rel=0.02, abs=2**20)
+    assert e["checkpoint_snapshot"] == pytest.approx(t["checkpoint_snapshot"], rel=0.02)
+    if zero < 2:
+        assert e["parameters"] == pytest.approx(t["parameters"], rel=0.01)
+        assert e["communication"] == pytest.approx(t["communication"], rel=0.01)
+
+
+def test_trace_leaves_no_global_state():
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import torch.nn.parallel.distributed as ddp_mod
+    from torch._guards import active_fake_mode
+    from torch.optim import optimizer as optim_mod
+
+    before = (
+        torch.get_rng_state(),
+        F.layer_norm,
+        ddp_mod._verify_param_shape_across_processes,
+        len(optim_mod._global_optimizer_pre_hooks),
+        len(optim_mod._global_optimizer_post_hooks),
+    )
+    trace_step(make_cfg("tiny", "bf16", "full", 2), Layout(1, 1, 2, 3), 1)
+    trace_step(make_cfg("tiny", "bf16", "selective", 2), Layout(1, 1, 2, 0), 1)
+    after = (
+        torch.get_rng_state(),
+        F.layer_norm,
+        ddp_mod._verify_param_shape_across_processes,
+        len(optim_mod._global_optimizer_pre_hooks),
+        len(optim_mod._global_optimizer_post_hooks),
+    )
+    assert torch.equal(before[0], after[0]) and before[1:] == after[1:]
+    assert not dist.is_initialized()
+    assert active_fake_mode() is None
+    assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+
+
+def test_single_device_and_refusals():
+    cfg = make_cfg("tiny", "fp32", "none", 1)
+    r = trace_step(cfg, Layout(1, 1, 1, 0), 1)
+    assert r.world_size == 1 and r.memory["communication"] == 0
+    assert (
+        abs(estimate_memory(cfg, Layout(1, 1, 1, 0), 1).memory["total"] / r.memory["total"] - 1)
+        < 0.1
+    )
+    with pytest.raises(UserError, match="tensor or pipeline"):
+        trace_step(make_cfg("tiny", "bf16", "none", 4), Layout(2, 1, 2, 0), 1)
+
+
+def test_plan_trace_cli_json():
+    out = subprocess.run(
+        [sys.executable, "-m", "trainlab", "plan", str(RECIPES / "tiny.yaml"), "--trace", "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    p = json.loads(out.stdout.strip().splitlines()[-1])
+    traced = p["traced_memory_per_device_bytes"]
+    assert set(traced) == set(p["memory_per_device_bytes"]) == {*CATEGORIES, "total"}
+    assert abs(p["estimate_error"]) <= 0.10
+    assert p["estimate_error"] == pytest.approx(
+        p["memory_per_device_bytes"]["total"] / traced["total"] - 1, abs=1e-3
+    )
+    assert p["trace"]["peak_phase"] in ("forward", "backward", "clip", "optimizer")
