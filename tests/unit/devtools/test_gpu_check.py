@@ -167,7 +167,7 @@ def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
 
     mem = steps["memory"]
     assert mem["measured_peak_bytes"] > 0 and mem["plan_total_bytes"] > 0
-    assert set(mem["plan_memory_per_device_bytes"]) >= {"params", "grads", "optimizer", "total"}
+    assert set(mem["plan_memory_per_device_bytes"]) >= {"parameters", "gradients", "optimizer", "total"}
     assert mem["measured_vs_plan"] == pytest.approx(
         mem["measured_peak_bytes"] / mem["plan_total_bytes"] - 1, abs=1e-3
     )
