@@ -31,6 +31,7 @@ from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.train import checkpoint as ck
 from trainlab.train.distributed import DistEnv
 from trainlab.train.job import TrainJob
+from trainlab.train.rng import seed_everything
 from trainlab.train.state import TrainState, cloned, fresh_cpu_model
 from trainlab.train.step import Batch, loss_sum_and_count, to_tensors
 
@@ -204,8 +205,6 @@ class Checkpointer:
             log.warning(
                 "checkpoint %s has no RNG state for rank %d; reseeding", path, self.env.rank
             )
-            from trainlab.train.rng import seed_everything
-
             step = self.state.progress.step
             seed_everything(self.cfg.train.seed + 1 + self.env.rank + 7919 * step)
 

@@ -19,12 +19,9 @@ from trainlab.train.schedule import lr_at
 def memory_gb(device: torch.device) -> tuple[float, float]:
     """(current, peak) memory of this process in GB: device memory on GPU,
     resident set size on CPU."""
+    peak = peak_memory_bytes(device) / 1e9
     if device.type == "cuda":
-        return (
-            torch.cuda.memory_allocated(device) / 1e9,
-            torch.cuda.max_memory_allocated(device) / 1e9,
-        )
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # KiB on Linux
+        return torch.cuda.memory_allocated(device) / 1e9, peak
     try:
         with open("/proc/self/statm") as f:
             current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 1e9
