@@ -89,10 +89,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
-    """Multi-head attention with grouped-query heads (`num_kv_heads`), a fused qkv
-    projection, the implementation named by `model.attention`, and two hooks:
+    """Multi-head attention with grouped-query heads (`num_kv_heads`), separate q, k
+    and v projections (so tensor parallelism can shard each by heads), the
+    implementation named by `model.attention`, and two hooks:
 
-    - `bias`: biases on the qkv and output projections;
+    - `bias`: biases on the q, k, v and output projections;
     - `qk_norm`: a norm factory applied per head (over head_dim) to queries and
       keys before RoPE (QK-norm as in OLMo-2/Qwen3); its modules are
       `q_norm` and `k_norm`, absent when None.
@@ -104,7 +105,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads = cfg.num_heads, cfg.num_kv_heads or cfg.num_heads
         self.head_dim = cfg.head_dim
         kv_dim = self.num_kv_heads * self.head_dim
-        self.qkv = nn.Linear(h, h + 2 * kv_dim, bias=bias)
+        self.q = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k = nn.Linear(h, kv_dim, bias=bias)
+        self.v = nn.Linear(h, kv_dim, bias=bias)
         self.out = nn.Linear(h, h, bias=bias)
         self.q_norm: nn.Module | None = None
         self.k_norm: nn.Module | None = None
@@ -115,11 +118,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: AttentionMask, rope: Rope | None) -> torch.Tensor:
         b, t, _ = x.shape
-        kv_dim = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv(x).split([self.num_heads * self.head_dim, kv_dim, kv_dim], dim=-1)
-        q = q.view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        # Head counts from the projections' outputs: under tensor parallelism each
+        # rank holds num_heads/tp query and num_kv_heads/tp key/value heads.
+        q = self.q(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:

@@ -208,7 +208,8 @@ class Architecture:
         for i in range(m.num_layers):
             pre = f"layers.{i}"
             shapes += norm(f"{pre}.attn_norm", i)
-            shapes += linear(f"{pre}.attn.qkv", h + 2 * kv, h, i)
+            shapes += linear(f"{pre}.attn.q", h, h, i)
+            shapes += linear(f"{pre}.attn.k", kv, h, i) + linear(f"{pre}.attn.v", kv, h, i)
             shapes += linear(f"{pre}.attn.out", h, h, i)
             shapes += [ParamShape(f"{pre}.{n}", s, i) for n, s in self.layer_extra_params(m)]
             shapes += norm(f"{pre}.mlp_norm", i)
@@ -239,8 +240,8 @@ class Architecture:
         return 4 * h + d.residual * h + 4 + out
 
     def attention_saved_bytes(self, m: ModelSpec, d: StepDtypes, seq_len: int) -> float:
-        """What attention keeps besides its input norm: the fused qkv output (q, k and
-        v are views of it), q and k after RoPE (new tensors), the attention output
+        """What attention keeps besides its input norm: the q, k and v projections'
+        outputs (the head views are not copies), q and k after RoPE (new tensors), the attention output
         (the out projection's input is a view of it), and the kernel's own: for
         `sdpa` the log-sum-exp (fp32, one per head) and the mask it was given (the
         packed batch's block-diagonal mask, converted to the compute dtype, [T] per
@@ -266,7 +267,7 @@ class Architecture:
         apart: see ParamShape.matmul): two norms, attention, MLP, the RoPE tables
         when cast per block, dropout masks (one byte per element on CUDA)."""
         saved = (
-            self.norm_saved_bytes(m, d, 1)
+            self.norm_saved_bytes(m, d, 3)  # read by the q, k and v projections
             + self.attention_saved_bytes(m, d, seq_len)
             + self.norm_saved_bytes(m, d, self.mlp_inputs)
             + self.mlp_saved_bytes(m, d)

@@ -34,11 +34,11 @@ dense mask).
 
 Activations are what autograd saves, per block and token, as the architecture
 states it (`Architecture.block_saved_bytes`): the norms' inputs and outputs, the
-qkv output, q and k after RoPE, the attention output, the kernel's log-sum-exp
+q, k and v outputs, q and k after RoPE, the attention output, the kernel's log-sum-exp
 and the packed batch's block-diagonal mask converted to the compute dtype
 (T bytes x 2-4 per token: the trainer's batches always carry document ids), the
 MLP's ffn-wide tensors. E.g. Llama per token: fp32 36h + 12kv + 16f, DDP bf16
-28h + 6kv + 8f, FSDP bf16 22h + 6kv + 8f (+ 4 x heads + c x T). `full`
+32h + 6kv + 8f, FSDP bf16 22h + 6kv + 8f (+ 4 x heads + c x T). `full`
 recomputation keeps each block's input only and rebuilds one block at a time
 in backward; `selective` does that for every other block.
 

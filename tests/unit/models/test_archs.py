@@ -43,7 +43,7 @@ def test_families_differ_as_documented():
     assert gpt2.pos_embeddings is not None and llama.pos_embeddings is None
     assert isinstance(gpt2.norm, torch.nn.LayerNorm)
     assert not any(name.endswith("bias") for name, _ in llama.named_parameters())
-    assert gpt2.layers[0].attn.qkv.bias is not None
+    assert gpt2.layers[0].attn.q.bias is not None
 
 
 def test_tied_embeddings_share_one_tensor():
@@ -69,7 +69,9 @@ def test_every_architecture_keeps_the_trainer_contract(arch):
 GPT2_KEYS = [
     "tok_embeddings.weight", "pos_embeddings.weight",
     "layers.0.attn_norm.weight", "layers.0.attn_norm.bias",
-    "layers.0.attn.qkv.weight", "layers.0.attn.qkv.bias",
+    "layers.0.attn.q.weight", "layers.0.attn.q.bias",
+    "layers.0.attn.k.weight", "layers.0.attn.k.bias",
+    "layers.0.attn.v.weight", "layers.0.attn.v.bias",
     "layers.0.attn.out.weight", "layers.0.attn.out.bias",
     "layers.0.mlp_norm.weight", "layers.0.mlp_norm.bias",
     "layers.0.mlp.fc.weight", "layers.0.mlp.fc.bias",
@@ -78,14 +80,15 @@ GPT2_KEYS = [
 ]  # fmt: skip
 LLAMA_KEYS = [
     "tok_embeddings.weight",
-    "layers.0.attn_norm.weight", "layers.0.attn.qkv.weight", "layers.0.attn.out.weight",
+    "layers.0.attn_norm.weight", "layers.0.attn.q.weight", "layers.0.attn.k.weight",
+    "layers.0.attn.v.weight", "layers.0.attn.out.weight",
     "layers.0.mlp_norm.weight",
     "layers.0.mlp.gate.weight", "layers.0.mlp.up.weight", "layers.0.mlp.proj.weight",
     "norm.weight", "output.weight",
 ]  # fmt: skip
 QKNORM_KEYS = [
-    *LLAMA_KEYS[:4], "layers.0.attn.q_norm.weight", "layers.0.attn.k_norm.weight",
-    *LLAMA_KEYS[4:],
+    *LLAMA_KEYS[:6], "layers.0.attn.q_norm.weight", "layers.0.attn.k_norm.weight",
+    *LLAMA_KEYS[6:],
 ]  # fmt: skip
 
 

@@ -69,7 +69,7 @@ def test_sdpa_matches_eager_with_grouped_query_attention():
 def test_attention_without_qk_norm_has_no_norm_modules():
     attn = Attention(small("llama"), bias=False)
     assert attn.q_norm is None and attn.k_norm is None
-    assert sorted(n for n, _ in attn.named_parameters()) == ["out.weight", "qkv.weight"]
+    assert sorted(n for n, _ in attn.named_parameters()) == ["k.weight", "out.weight", "q.weight", "v.weight"]
 
 
 def test_qk_norm_hook_normalizes_each_head_before_rope():
@@ -92,7 +92,7 @@ def test_qk_norm_hook_normalizes_each_head_before_rope():
     def rms(z, w):
         return z * torch.rsqrt(z.pow(2).mean(-1, keepdim=True) + eps) * w
 
-    q, k, v = attn.qkv(x).split([h * d, kv * d, kv * d], dim=-1)
+    q, k, v = attn.q(x), attn.k(x), attn.v(x)
     q = rms(q.view(b, t, h, d).transpose(1, 2), attn.q_norm.weight)
     k = rms(k.view(b, t, kv, d).transpose(1, 2), attn.k_norm.weight)
     v = v.view(b, t, kv, d).transpose(1, 2)

@@ -44,7 +44,7 @@ class GPT2(Architecture):
         h, f = m.hidden_size, m.ffn_hidden_size
         kv_dim = (m.num_kv_heads or m.num_heads) * (h // m.num_heads)
         norm = 2 * h  # LayerNorm weight + bias
-        attn = (h * (h + 2 * kv_dim) + (h + 2 * kv_dim)) + (h * h + h)  # qkv + out, with biases
+        attn = (h * (h + 2 * kv_dim) + (h + 2 * kv_dim)) + (h * h + h)  # q, k, v + out, with biases
         mlp = (h * f + f) + (f * h + h)  # fc + proj, with biases
         return ParamCount.of(
             m, per_layer=attn + mlp + 2 * norm, final_norm=norm, position=m.max_seq_len * h

@@ -25,7 +25,7 @@ class LlamaQKNorm(Llama):
     def attention_saved_bytes(self, m: ModelSpec, d: StepDtypes, seq_len: int) -> float:
         """Llama's, plus the q and k norms (RMSNorm over head_dim of each head): the
         normed tensor in q's dtype, an fp32 copy of 16-bit q/k (in fp32 q/k are
-        the qkv output, already kept) and rsqrt per head (4). Their outputs feed
+        the projections' outputs, already kept) and rsqrt per head (4). Their outputs feed
         RoPE, which keeps none of its inputs."""
         h, a = m.hidden_size, m.num_heads
         kv_heads = m.num_kv_heads or a
