@@ -57,6 +57,8 @@ def resolve_parallel_defaults(parallel: Any, resource: Any) -> None:
         parallel.dp = max(1, resource.num_workers // (parallel.tp * parallel.pp))
     if parallel.zero_stage is None:
         parallel.zero_stage = 0 if parallel.strategy == "ddp" else 3
+    if parallel.pp_virtual_stages is None:
+        parallel.pp_virtual_stages = 2 if parallel.pp_schedule == "interleaved_1f1b" else 1
 
 
 def resolve_data_defaults(data: Any, parallel: Any) -> None:
@@ -224,10 +226,27 @@ def _world_size(cfg: dict[str, Any]) -> Iterator[Problem]:
 
 
 @rule("parallel", "model")
-def _pp_divides_layers(cfg: dict[str, Any]) -> Iterator[Problem]:
-    pp, layers = cfg["parallel"]["pp"], cfg["model"]["num_layers"]
-    if pp is not None and layers % pp:
-        yield Problem("parallel.pp", pp, f"must divide model.num_layers ({layers})")
+def _pipeline_stages(cfg: dict[str, Any]) -> Iterator[Problem]:
+    p, layers = cfg["parallel"], cfg["model"]["num_layers"]
+    pp, v = p["pp"] or 1, p["pp_virtual_stages"] or 1
+    if pp * v > layers + 2:
+        yield Problem(
+            "parallel.pp",
+            pp,
+            f"pp x pp_virtual_stages = {pp * v} stages for {layers} blocks: at most "
+            f"model.num_layers + 2 ({layers + 2}; the embedding and the head count as one each)",
+        )
+    if v > 1 and p["pp_schedule"] != "interleaved_1f1b":
+        yield Problem(
+            "parallel.pp_virtual_stages",
+            v,
+            f"more than one stage per rank needs pp_schedule interleaved_1f1b, "
+            f"not {p['pp_schedule']}",
+        )
+    if pp > 1 and v < 2 and p["pp_schedule"] == "interleaved_1f1b":
+        yield Problem(
+            "parallel.pp_virtual_stages", v, "interleaved_1f1b needs at least 2 stages per rank"
+        )
 
 
 @rule("parallel", "model")
@@ -240,6 +259,9 @@ def _tp_divides_heads(cfg: dict[str, Any]) -> Iterator[Problem]:
         yield Problem("parallel.tp", tp, f"must divide model.num_heads ({m['num_heads']})")
     if kv % tp:
         yield Problem("parallel.tp", tp, f"must divide model.num_kv_heads ({kv})")
+    for key in ("ffn_hidden_size", "vocab_size"):
+        if m.get(key) and m[key] % tp:
+            yield Problem("parallel.tp", tp, f"must divide model.{key} ({m[key]})")
 
 
 @rule("parallel", "resource")
@@ -277,49 +299,93 @@ def _zero_matches_strategy(cfg: dict[str, Any]) -> Iterator[Problem]:
 
 # What the trainer executes (trainlab.train.parallel): an explicit layout that cannot
 # run is refused at `trainlab validate`, not at launch.
-_DP_ONLY = "trainlab executes data parallelism only (DDP, ZeRO-1, FSDP with ZeRO 2/3)"
 
 
-@rule("parallel")
+@rule("parallel", "train")
 def _layout_executes(cfg: dict[str, Any]) -> Iterator[Problem]:
     p = cfg["parallel"]
-    for key, what in (("tp", "tensor"), ("pp", "pipeline")):
-        if (p[key] or 1) > 1:
-            yield Problem(
-                f"parallel.{key}",
-                p[key],
-                f"{_DP_ONLY}; {what} parallelism is planned but not executed yet. "
-                f"Set parallel.{key}: 1 (or add workers / use strategy fsdp to fit the model)",
-            )
-
-
-@rule("parallel", "resource")
-def _dp_only_uses_every_worker(cfg: dict[str, Any]) -> Iterator[Problem]:
-    """With tp = pp = 1, dp is the world size (tp*pp*dp given is _world_size's rule)."""
-    p, n = cfg["parallel"], cfg["resource"]["num_workers"]
-    given = [p[k] for k in ("tp", "pp", "dp")]
-    if (
-        None in given
-        and p["dp"] is not None
-        and p["dp"] != n
-        and (p["tp"] or 1) * (p["pp"] or 1) == 1
-    ):
+    model_parallel = (p["tp"] or 1) > 1 or (p["pp"] or 1) > 1
+    if model_parallel and p["zero_stage"] == 1 and (p["dp"] or 1) > 1:
         yield Problem(
-            "parallel.dp",
-            p["dp"],
-            f"must equal resource.num_workers ({n}): {_DP_ONLY}, so every worker is a "
-            "data-parallel rank",
+            "parallel.zero_stage",
+            1,
+            "ZeRO-1 (DDP with a sharded optimizer) does not compose with tp/pp > 1: "
+            "use zero_stage 0 (DDP) or strategy fsdp (2, 3)",
+        )
+    if (p["pp"] or 1) > 1 and cfg["train"]["precision"] == "fp16":
+        yield Problem(
+            "train.precision",
+            "fp16",
+            "pipeline parallelism runs without a loss scaler: use bf16 (or fp32)",
         )
 
 
-@rule("parallel")
-def _sequence_parallel_needs_tp(cfg: dict[str, Any]) -> Iterator[Problem]:
-    if cfg["parallel"]["sequence_parallel"]:
+def pipeline_microbatches(
+    rows: int, micro_batch_size: int, pp: int, given: int | None
+) -> int | None:
+    """Micro batches per step through a pipeline of `pp` ranks over `rows` rows per
+    data-parallel rank: `given`, else the step's data micro batches when there are
+    at least pp, else the smallest divisor of rows that is >= pp (None if none)."""
+    if given is not None:
+        return given
+    data_mbs = max(1, rows // micro_batch_size)
+    if data_mbs >= pp:
+        return data_mbs
+    return next((n for n in range(pp, rows + 1) if rows % n == 0), None)
+
+
+@rule("parallel", "data")
+def _pipeline_microbatches(cfg: dict[str, Any]) -> Iterator[Problem]:
+    p, d = cfg["parallel"], cfg["data"]
+    pp, dp, mbs = p["pp"] or 1, p["dp"], d["micro_batch_size"]
+    if pp < 2 or dp is None or mbs == "auto":
+        return
+    g = d["global_batch_size"] or mbs * (d["grad_accum_steps"] or 1) * dp
+    rows = g // dp
+    n = pipeline_microbatches(rows, mbs, pp, p["pp_microbatches"])
+    where = f"{rows} rows per data-parallel rank"
+    if n is None:
+        yield Problem(
+            "parallel.pp_microbatches", None, f"no count >= pp ({pp}) divides the {where}"
+        )
+        return
+    if rows % n:
+        yield Problem("parallel.pp_microbatches", n, f"must divide the {where}")
+    if p["pp_schedule"] == "1f1b" and n < pp:
+        yield Problem("parallel.pp_microbatches", n, f"1f1b needs at least pp ({pp})")
+    rounds = max(1, n // pp)
+    if p["pp_schedule"] == "interleaved_1f1b" and n % rounds:
+        yield Problem(
+            "parallel.pp_microbatches",
+            n,
+            f"interleaved_1f1b needs a multiple of max(1, n // pp) = {rounds}",
+        )
+
+
+@rule("parallel", "model", "data")
+def _sequence_parallel(cfg: dict[str, Any]) -> Iterator[Problem]:
+    p = cfg["parallel"]
+    if not p["sequence_parallel"]:
+        return
+    tp = p["tp"]
+    if tp is not None and tp < 2:
         yield Problem(
             "parallel.sequence_parallel",
             True,
-            "needs tensor parallelism (parallel.tp > 1), which this version does not "
-            "execute. Set parallel.sequence_parallel: false",
+            "shards over the tensor-parallel ranks: needs parallel.tp > 1",
+        )
+    if cfg["model"]["arch"] == "gpt2":
+        yield Problem(
+            "parallel.sequence_parallel",
+            True,
+            "is not supported with learned positions (model.arch gpt2)",
+        )
+    seq = cfg["data"]["seq_len"]
+    if tp and seq % tp:
+        yield Problem(
+            "parallel.sequence_parallel",
+            True,
+            f"parallel.tp ({tp}) must divide data.seq_len ({seq})",
         )
 
 

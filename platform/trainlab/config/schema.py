@@ -167,7 +167,8 @@ class TrainConfig(Section):
 
 class ParallelConfig(Section):
     """`auto`: the planner fills tp/pp/dp/zero_stage (values given here constrain
-    it). ZeRO stage 0 and 1 run as DDP (1 with a sharded optimizer), 2 and 3 as FSDP."""
+    it). ZeRO stage 0 and 1 run as DDP (1 with a sharded optimizer), 2 and 3 as FSDP.
+    tp (tensor) and pp (pipeline) parallelism compose with either (docs/parallelism.md)."""
 
     strategy: Literal["auto", "ddp", "fsdp"] = "auto"
     tp: int | None = Field(None, ge=1, le=1024)
@@ -177,7 +178,15 @@ class ParallelConfig(Section):
     # Recompute blocks in backward: none, selective (every other block), full, or auto
     # (the planner tries none -> selective -> full and takes the first that fits).
     activation_checkpointing: Literal["none", "selective", "full", "auto"] = "none"
+    # With tp > 1: shard the residual stream, norms and dropout over the sequence too.
     sequence_parallel: bool = False
+    # Pipeline schedule (pp > 1): gpipe, 1f1b, or interleaved_1f1b (virtual stages).
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = "1f1b"
+    # Micro batches per step through the pipeline; null = the data micro batches of
+    # a step (rows per data-parallel rank / data.micro_batch_size).
+    pp_microbatches: int | None = Field(None, ge=1, le=65536)
+    # Stages per pipeline rank; null = 2 for interleaved_1f1b, else 1.
+    pp_virtual_stages: int | None = Field(None, ge=1, le=64)
 
 
 # --------------------------------------------------------------------------- resource
@@ -205,6 +214,27 @@ class ResourceConfig(Section):
     # {storage}/{date}/{name}/checkpoints/; resuming a named run (--run-dir, --resume,
     # job retries) restores from there what the run directory lacks. null = none.
     storage: str | None = Field(None, min_length=1, max_length=1024)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _mask_storage_credentials(cls, data: object) -> object:
+        # Credentials in the storage URL are refused below; masked first, so that the
+        # error (which quotes the value) does not print them.
+        from trainlab.redact import redact, url_credentials
+
+        if isinstance(data, dict) and url_credentials(str(data.get("storage") or "")):
+            return {**data, "storage": redact(str(data["storage"]))}
+        return data
+
+    @field_validator("storage")
+    @classmethod
+    def _storage_without_credentials(cls, v: str | None) -> str | None:
+        from trainlab.storage import credentials_problem
+
+        problem = credentials_problem(v) if v else None
+        if problem:
+            raise ValueError(problem)
+        return v
 
 
 # --------------------------------------------------------------------------- tracking
@@ -323,6 +353,22 @@ class ExperimentConfig(Section):
         # Without a stated global batch the rules make micro_batch_size an int and the
         # validator fills grad_accum_steps (1 unless given).
         return int(d.micro_batch_size) * (d.grad_accum_steps or 1) * dp
+
+    @property
+    def pipeline_microbatches(self) -> int | None:
+        """Micro batches per step through the pipeline (pp > 1): parallel.pp_microbatches,
+        else the step's data micro batches when there are at least pp of them, else
+        the smallest divisor of the rows per data-parallel rank that is >= pp. None
+        when the rows per rank are not known yet or none divides."""
+        from trainlab.config.rules import pipeline_microbatches
+
+        p = self.parallel
+        if p.dp is None or self.data.micro_batch_size == "auto":
+            return p.pp_microbatches
+        rows = self.global_batch_size // p.dp
+        return pipeline_microbatches(
+            rows, int(self.data.micro_batch_size), p.pp or 1, p.pp_microbatches
+        )
 
     @property
     def tokens_per_step(self) -> int:

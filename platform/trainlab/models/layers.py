@@ -237,12 +237,23 @@ class TransformerLM(nn.Module):
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits `[B, T, vocab]` for `input_ids` `[B, T]` (see the module docstring
-        for how position_ids and document_ids of packed rows are used)."""
-        b, t = input_ids.shape
+        for how position_ids and document_ids of packed rows are used).
+
+        A pipeline stage (trainlab.train.pipeline) is this module with the parts
+        other stages own set to None: without `tok_embeddings` the first argument
+        is the previous stage's hidden states `[B, T, hidden]`; without `output`
+        the stage returns hidden states. `layers` may then be a ModuleDict keyed by
+        the layers' original indices (so parameter names stay those of the whole
+        model)."""
+        if self.tok_embeddings is not None:
+            b, t = input_ids.shape
+            x = self.tok_embeddings(input_ids)
+        else:
+            x = input_ids
+            b, t = x.shape[0], x.shape[1]
         mask = AttentionMask(t, document_ids)
-        x = self.tok_embeddings(input_ids)
         rope = None
-        if self.pos_embeddings is not None:
+        if self.pos_embeddings is not None and self.tok_embeddings is not None:
             if document_ids is not None:
                 positions = segment_positions(document_ids)
             else:
@@ -250,11 +261,15 @@ class TransformerLM(nn.Module):
             x = x + self.pos_embeddings(positions)
         elif self.rope is not None:
             if position_ids is None:
-                position_ids = torch.arange(t, device=input_ids.device).expand(b, t)
+                position_ids = torch.arange(t, device=x.device).expand(b, t)
             rope = self.rope(position_ids)
-        x = self.dropout(x)
-        for layer in self.layers:
+        if self.tok_embeddings is not None:
+            x = self.dropout(x)
+        layers = self.layers.values() if isinstance(self.layers, nn.ModuleDict) else self.layers
+        for layer in layers:
             x = layer(x, mask, rope)
+        if self.output is None:
+            return x
         return self.output(self.norm(x))
 
 

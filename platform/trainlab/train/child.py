@@ -37,12 +37,31 @@ def failure_message(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}"[:500]
 
 
+def make_env(job: Any, args: ChildArgs, device: Any) -> Any:
+    """This process's DistEnv: with tensor or pipeline parallelism, on the run's
+    device mesh, after checking that no tensor-parallel group spans hosts."""
+    import socket
+
+    import torch.distributed as dist
+
+    from trainlab.train.distributed import DistEnv
+    from trainlab.train.mesh import MeshLayout, build_mesh, check_tp_groups
+
+    layout = MeshLayout.of(job.cfg)
+    mesh = None
+    if args.world_size > 1 and layout.world_size == args.world_size and layout.model_parallel:
+        hosts: list[Any] = [None] * args.world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+        check_tp_groups(layout, hosts)
+        mesh = build_mesh(layout, device.type)
+    return DistEnv(args.rank, args.world_size, args.local_rank, device, layout, mesh)
+
+
 def main(args: ChildArgs, conn: Any) -> None:
     """Entry point of a training process (the agent's `Process` target)."""
     import torch
     import torch.distributed as dist
 
-    from trainlab.train.distributed import DistEnv
     from trainlab.train.trainer import Trainer
 
     t0 = time.time()
@@ -69,7 +88,7 @@ def main(args: ChildArgs, conn: Any) -> None:
             os.getpid(),
             time.time() - t0,
         )
-        env = DistEnv(args.rank, args.world_size, args.local_rank, device)
+        env = make_env(job, args, device)
         callbacks = PipeCallbacks(client) if args.rank == 0 else None
         trainer = Trainer(job, PipeLoader(client), env, callbacks)
         trainer.fit()

@@ -24,7 +24,7 @@ from torch import nn
 from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.models import build_model
 from trainlab.train.distributed import DistEnv
-from trainlab.train.parallel import apply_parallelism, build_optimizer, unwrap, uses_zero1
+from trainlab.train.parallel import apply_layout, build_optimizer, unwrap, uses_zero1
 from trainlab.train.rng import capture_rng, restore_rng, seed_everything, set_deterministic
 
 
@@ -67,63 +67,156 @@ class RNG:
         restore_rng(state)
 
 
+FLAT = {"flatten_optimizer_state_dict": True}
+_COPY, _TABLE = ".output.weight.", ".tok_embeddings.weight."
+
+
+def _renamed(optim: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    return {k.replace(old, new, 1): v for k, v in optim.items()}
+
+
 class ModelState:
-    """Model, optimizer and grad scaler of one rank, built for the run's layout."""
+    """Model, optimizer and grad scaler of one rank, built for the run's layout.
+
+    `parts` is the model as this rank holds it (one module, or its pipeline
+    stages, trainlab.train.parallel.ParallelModel), with one optimizer each.
+    `format` is how checkpoints hold it: "torch" (full state dicts on rank 0:
+    one process, DDP, ZeRO-1) or "dcp" (every rank its shards, by the whole
+    model's parameter names, so any layout loads any other's)."""
 
     def __init__(self, cfg: ExperimentConfig, env: DistEnv):
         self.cfg, self.env = cfg, env
         set_deterministic(cfg.train.deterministic)
         seed_everything(cfg.train.seed)  # the same initial weights on every rank
-        self.model = apply_parallelism(build_model(cfg.model).to(env.device), cfg, env)
-        self.optimizer = build_optimizer(self.model, cfg, env)
+        self.parallel = apply_layout(build_model(cfg.model).to(env.device), cfg, env)
+        self.parts = self.parallel.parts
+        self.pipeline = self.parallel.pipeline
+        self.model = self.parts[0]
+        self.optimizers = [build_optimizer(part, cfg, env) for part in self.parts]
+        self.optimizer = self.optimizers[0]
         self.scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
-        self.sharded = cfg.parallel.strategy == "fsdp" and env.distributed
-        seed_everything(cfg.train.seed + 1 + env.rank)  # dropout differs per rank, reproducibly
+        fsdp = cfg.parallel.strategy == "fsdp" and env.distributed
+        self.sharded = fsdp or self.parallel.sharded
+        self.format = "dcp" if self.sharded else "torch"
+        # Dropout differs per model replica, reproducibly; the ranks of one
+        # tensor-parallel group share their stream (their activations are replicas).
+        tp_rank = env.coords[2]
+        seed_everything(cfg.train.seed + 1 + env.rank - tp_rank)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    def tied_copies(self) -> frozenset[int]:
+        """ids of parameters that are a second copy of a tied table (pipeline)."""
+        from trainlab.train.pipeline import is_tied_copy
+
+        return frozenset(id(part.output.weight) for part in self.parts if is_tied_copy(part))
+
+    # ---------------------------------------------------------------- state dicts
+
+    def _dcp_parts(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+        """(model, flattened optimizer) state dicts of each part, by the whole
+        model's names (a tied table's pipeline copy under the table's name)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        from trainlab.train.pipeline import is_tied_copy
+
+        out = []
+        for part, opt in zip(self.parts, self.optimizers, strict=True):
+            optim = get_optimizer_state_dict(part, opt, options=StateDictOptions(**FLAT))
+            if is_tied_copy(part):
+                optim = _renamed(optim, _COPY, _TABLE)
+            out.append((get_model_state_dict(part), optim))
+        return out
 
     def state_dict(self) -> dict[str, Any]:
-        """{"model", "optimizer"}: sharded on every rank, or full on rank 0 (empty
-        elsewhere). A collective under FSDP and ZeRO-1: call it on every rank."""
+        """{"model", "optimizer"}: sharded on every rank ("dcp"), or full on rank 0
+        (empty elsewhere). A collective when sharded and under ZeRO-1: call it on
+        every rank."""
         if self.sharded:
-            from torch.distributed.checkpoint.state_dict import (
-                get_model_state_dict,
-                get_optimizer_state_dict,
-            )
-
-            return {
-                "model": get_model_state_dict(self.model),
-                "optimizer": get_optimizer_state_dict(self.model, self.optimizer),
-            }
+            model: dict[str, Any] = {}
+            optim: dict[str, Any] = {}
+            for m, o in self._dcp_parts():
+                model.update(m)
+                optim.update(o)
+            return {"model": model, "optimizer": optim}
         if uses_zero1(self.cfg, self.env):
             self.optimizer.consolidate_state_dict(to=0)
         if not self.env.is_main:
             return {}
         return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
 
+    def dcp_state_dict(self) -> dict[str, Any]:
+        """The "dcp" form of the state whatever this layout saves, to load a "dcp"
+        checkpoint into (every rank; not under ZeRO-1)."""
+        if self.sharded:
+            return self.state_dict()
+        if uses_zero1(self.cfg, self.env):
+            raise RuntimeError(
+                "resuming a sharded (dcp) checkpoint with ZeRO-1 is not supported: "
+                "resume with parallel.zero_stage 0, 2 or 3"
+            )
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for m, o in self._dcp_parts():
+            model.update(m)
+            optim.update(o)
+        return {"model": model, "optimizer": optim}
+
+    def load_dcp_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state dict filled from a "dcp" checkpoint (see dcp_state_dict)."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        from trainlab.train.pipeline import is_tied_copy
+
+        layouts = self._dcp_parts()
+        for part, opt, (m, o) in zip(self.parts, self.optimizers, layouts, strict=True):
+            model = {k: state["model"][k] for k in m}
+            optim = {k: state["optimizer"][k] for k in o}
+            if is_tied_copy(part):
+                optim = _renamed(optim, _TABLE, _COPY)
+            set_model_state_dict(part, model)
+            set_optimizer_state_dict(part, opt, optim, options=StateDictOptions(**FLAT))
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.sharded:
-            from torch.distributed.checkpoint.state_dict import (
-                set_model_state_dict,
-                set_optimizer_state_dict,
-            )
-
-            set_model_state_dict(self.model, state["model"])
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"])
+            self.load_dcp_state_dict(state)
             return
         unwrap(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """The whole model's weights on rank 0 (a collective under FSDP)."""
-        if self.sharded:
-            from torch.distributed.checkpoint.state_dict import (
-                StateDictOptions,
-                get_model_state_dict,
-            )
+    def weights_digest(self) -> str | None:
+        """`state_dict_sha256` of the whole model's weights on rank 0, computed a
+        tensor at a time (each gathered from its shards, hashed and dropped): no
+        rank ever holds the whole model. A collective: call it on every rank."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-            return get_model_state_dict(
-                self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-            )
-        return unwrap(self.model).state_dict() if self.env.is_main else {}
+        _, dp_rank, tp_rank = self.env.coords
+        # One rank per pipeline stage contributes (rank 0 alone without pipelines).
+        contributes = dp_rank == tp_rank == 0 if self.parallel.sharded else self.env.is_main
+        digests: dict[str, str] = {}
+        for part in self.parts:
+            for key, value in get_model_state_dict(part).items():
+                full = value.full_tensor() if hasattr(value, "full_tensor") else value
+                if contributes:
+                    digests[key] = tensor_digest(full)
+        if self.env.distributed and self.parallel.sharded:
+            gathered: list[Any] = [None] * self.env.world_size
+            dist.all_gather_object(gathered, digests)
+            for other in gathered:
+                digests.update(other or {})
+        if not self.env.is_main:
+            return None
+        return combine_digests(digests)
 
 
 @dataclass
@@ -136,15 +229,26 @@ class TrainState:
     rng: RNG = field(default_factory=RNG)
 
 
-def state_dict_sha256(state: dict[str, torch.Tensor]) -> str:
-    """Hash of a state dict in canonical order: sorted keys, each with its dtype,
-    shape and raw bytes. Equal weights give equal hashes, bit for bit."""
-    h = hashlib.sha256()
-    for key in sorted(state):
-        t = state[key].detach().cpu().contiguous()
-        h.update(f"{key}|{t.dtype}|{tuple(t.shape)}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of one tensor's dtype, shape and raw bytes."""
+    t = t.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def combine_digests(digests: dict[str, str]) -> str:
+    h = hashlib.sha256()
+    for key in sorted(digests):
+        h.update(f"{key}|{digests[key]}|".encode())
+    return h.hexdigest()
+
+
+def state_dict_sha256(state: dict[str, torch.Tensor]) -> str:
+    """Hash of a state dict in canonical order: sorted keys, each with the hash of
+    its dtype, shape and raw bytes. Equal weights give equal hashes, bit for bit,
+    whatever layout held them (see ModelState.weights_digest)."""
+    return combine_digests({key: tensor_digest(t) for key, t in state.items()})
 
 
 def cloned(obj: Any) -> Any:

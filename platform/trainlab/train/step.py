@@ -7,7 +7,7 @@ nothing here logs, checkpoints or talks to other parts.
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -15,14 +15,20 @@ import torch.nn.functional as F
 
 from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.data import IGNORE_INDEX, Batch
-from trainlab.train.parallel import gradient_sync
+from trainlab.train.parallel import clip_grad_norm, gradient_sync
 from trainlab.train.schedule import lr_at
+
+if TYPE_CHECKING:
+    from trainlab.train.state import ModelState
 
 __all__ = [
     "IGNORE_INDEX",
     "Batch",
     "autocast_context",
+    "concat",
     "fallback_batch",
+    "local_value",
+    "loss_context",
     "loss_sum_and_count",
     "to_tensors",
     "train_step",
@@ -58,46 +64,85 @@ def autocast_context(precision: str, device: torch.device) -> contextlib.Abstrac
     return torch.autocast(device.type, dtype=dtype)
 
 
+def local_value(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a loss that may be a DTensor (tensor parallelism's loss)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def loss_context(m: ModelState) -> contextlib.AbstractContextManager:
+    """Vocabulary-parallel cross-entropy on sharded logits under tensor parallelism
+    (forward and backward must both run inside it)."""
+    if not m.parallel.tensor_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def concat(batches: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([b[k] for b in batches]) for k in batches[0]}
+
+
 def train_step(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scaler: Any,
+    m: ModelState,
     cfg: ExperimentConfig,
     step: int,
     micro_batches: list[Batch],
     device: torch.device,
 ) -> tuple[float, float]:
     """Optimizer step `step` (0-based) over this rank's micro batches: the loss is
-    averaged over the rank's labelled tokens, gradients are accumulated and synced
-    on the last micro batch, clipped, applied. Returns (local mean loss, global
-    gradient norm)."""
+    the mean over the step's labelled tokens of all data-parallel ranks (each rank
+    scales its summed loss by dp / the step's labelled tokens, and the gradient
+    reduction averages over dp), gradients are accumulated and synced on the last
+    micro batch, clipped, applied. Returns (this rank's share of the loss x dp,
+    global gradient norm): the replicas' values average to the step's loss. Under
+    pipeline parallelism the loss is 0 on ranks without the last stage."""
     lr = lr_at(step, cfg.train)
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+    for optimizer in m.optimizers:
+        for group in optimizer.param_groups:
+            group["lr"] = lr
     tensors = [to_tensors(mb, device) for mb in micro_batches]
-    labelled = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in tensors)
+    mine = sum((b["labels"] != IGNORE_INDEX).sum() for b in tensors)
+    labelled = float(m.env.dp_sum(torch.as_tensor(mine, dtype=torch.float64, device=device)))
+    scale = m.env.dp_size / max(labelled, 1.0)
     total = torch.zeros((), device=device)
-    for i, batch in enumerate(tensors):
-        with (
-            gradient_sync(model, i == len(tensors) - 1),
-            autocast_context(cfg.train.precision, device),
-        ):
-            loss_sum, _ = loss_sum_and_count(model, batch)
-            loss = loss_sum / max(labelled, 1)
-        (scaler.scale(loss) if scaler else loss).backward()
-        total += loss.detach()
+    scaler, model = m.scaler, m.model
+    with loss_context(m):
+        if m.pipeline is not None:
+            with autocast_context(cfg.train.precision, device):
+                out = m.pipeline.run(concat(tensors), scale, backward=True)
+            if out is not None:
+                total = out
+            m.pipeline.sync_tied_gradients()
+        else:
+            for i, batch in enumerate(tensors):
+                with (
+                    gradient_sync(model, i == len(tensors) - 1),
+                    autocast_context(cfg.train.precision, device),
+                ):
+                    loss_sum, _ = loss_sum_and_count(model, batch)
+                    loss = loss_sum * scale
+                (scaler.scale(loss) if scaler else loss).backward()
+                total += local_value(loss.detach())
     if scaler is not None:
-        scaler.unscale_(optimizer)
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip or float("inf"))
-    if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
-        norm = norm.full_tensor()
+        scaler.unscale_(m.optimizer)
+    max_norm = cfg.train.grad_clip or float("inf")
+    if m.parallel.sharded:  # tensor/pipeline parallel: norms over meshes and stages
+        pp_group = m.pipeline.group if m.pipeline is not None else None
+        norm = clip_grad_norm(m.parameters(), max_norm, pp_group, m.tied_copies())
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
+            norm = norm.full_tensor()
     if scaler is not None:
-        scaler.step(optimizer)
+        scaler.step(m.optimizer)
         scaler.update()
     else:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return total.item(), float(norm)
+        for optimizer in m.optimizers:
+            optimizer.step()
+    for optimizer in m.optimizers:
+        optimizer.zero_grad(set_to_none=True)
+    return float(total), float(norm)
 
 
 def fallback_batch(m: ModelConfig, seq_len: int, seed: int) -> Batch:

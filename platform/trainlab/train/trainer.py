@@ -29,18 +29,22 @@ from trainlab.train.checkpointer import Checkpointer
 from trainlab.train.distributed import DistEnv
 from trainlab.train.job import TrainJob
 from trainlab.train.metrics import Meter, memory_gap, peak_memory_bytes, progress_line
+from trainlab.train.parallel import reshard
 from trainlab.train.records import RunRecords, planned_memory_bytes, run_summary
 from trainlab.train.state import (
     DataPosition,
     ModelState,
     Progress,
     TrainState,
-    state_dict_sha256,
 )
 from trainlab.train.step import (
+    IGNORE_INDEX,
     Batch,
     autocast_context,
+    concat,
     fallback_batch,
+    local_value,
+    loss_context,
     loss_sum_and_count,
     to_tensors,
     train_step,
@@ -137,10 +141,7 @@ class Trainer:
     def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
         """One optimizer step over this rank's micro batches; returns (local mean
         loss over its labelled tokens, global gradient norm)."""
-        m = self.state.model
-        out = train_step(
-            m.model, m.optimizer, m.scaler, self.cfg, self.step, micro_batches, self.env.device
-        )
+        out = train_step(self.state.model, self.cfg, self.step, micro_batches, self.env.device)
         self.state.progress.step += 1
         return out
 
@@ -148,16 +149,26 @@ class Trainer:
         """Validation loss per source on its held-out split, and "all" (token-weighted)."""
         n, sources = self.cfg.train.eval_batches, self.job.sources
         sums = torch.zeros(2 * len(sources), dtype=torch.float64, device=self.env.device)
-        model = self.model
-        model.eval()
-        with torch.no_grad(), autocast_context(self.cfg.train.precision, self.env.device):
+        m = self.state.model
+        for part in m.parts:
+            part.eval()
+        with (
+            torch.no_grad(),
+            loss_context(m),
+            autocast_context(self.cfg.train.precision, self.env.device),
+        ):
             for i, source in enumerate(sources):
-                for batch in self.loader.validation_batches(source, n):
-                    total, count = loss_sum_and_count(model, to_tensors(batch, self.env.device))
+                batches = [
+                    to_tensors(b, self.env.device)
+                    for b in self.loader.validation_batches(source, n)
+                ]
+                for total, count in self._eval_losses(batches):
                     sums[2 * i] += total.double()
                     sums[2 * i + 1] += count.double()
-        model.train()
-        sums = self.env.all_reduce_sum(sums)
+        reshard(m.parts)
+        for part in m.parts:
+            part.train()
+        sums = self.env.replica_sum(sums)
         out = {
             s: (sums[2 * i] / sums[2 * i + 1]).item()
             for i, s in enumerate(sources)
@@ -166,6 +177,34 @@ class Trainer:
         if sums[1::2].sum() > 0:
             out["all"] = (sums[0::2].sum() / sums[1::2].sum()).item()
         return out
+
+    def _eval_losses(
+        self, batches: list[dict[str, torch.Tensor]]
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(summed loss, labelled tokens) of each validation pass: one per micro
+        batch, or under pipeline parallelism one schedule pass per step's worth of
+        rows (the loss is counted on the last stage's ranks only)."""
+        m = self.state.model
+        if m.pipeline is None:
+            for batch in batches:
+                total, count = loss_sum_and_count(m.model, batch)
+                yield local_value(total), count
+            return
+        if not batches:
+            return
+        rows = concat(batches)
+        step_rows = max(1, self.cfg.global_batch_size // self.env.dp_size)
+        n_rows = rows["input_ids"].shape[0]
+        for start in range(0, n_rows, step_rows):
+            part = {k: v[start : start + step_rows] for k, v in rows.items()}
+            short = m.pipeline.microbatches - part["input_ids"].shape[0]
+            if short > 0:  # pad with rows that count for nothing
+                pad = {k: v[:1].expand(short, *v.shape[1:]).clone() for k, v in part.items()}
+                pad["labels"].fill_(IGNORE_INDEX)
+                part = concat([part, pad])
+            total = m.pipeline.run(part, 1.0, backward=False)
+            count = (part["labels"] != IGNORE_INDEX).sum()
+            yield (total if total is not None else torch.zeros((), device=count.device)), count
 
     # ----------------------------------------------------------------- around the loop
 
@@ -209,10 +248,10 @@ class Trainer:
     def _log_step(self, loss: float, grad_norm: float) -> bool:
         """Metrics of the window since the last log, on rank 0; returns whether a
         callback asked to stop (collectives: every rank calls this at the same steps)."""
-        agg = self.env.all_reduce_sum(
+        agg = self.env.replica_sum(
             torch.tensor([loss], dtype=torch.float64, device=self.env.device)
         )
-        self.last_loss = agg[0].item() / self.env.world_size
+        self.last_loss = agg[0].item() / self.env.dp_size
         metrics = self.meter.window(
             self.step, self.last_loss, grad_norm, time.time() - self.last_valid_at
         )
@@ -258,8 +297,7 @@ class Trainer:
 
     def weights_sha256(self) -> str | None:
         """Hash of the full model state dict on rank 0 (a collective under FSDP)."""
-        weights = self.state.model.full_weights()
-        return state_dict_sha256(weights) if self.env.is_main else None
+        return self.state.model.weights_digest()
 
     def peak_memory(self) -> int:
         """The largest peak memory of any rank (a collective)."""

@@ -58,8 +58,15 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
         device = str(ray.train.torch.get_device())
     from trainlab.data import WorkerLoader
+    from trainlab.train.mesh import MeshLayout
 
-    loader = WorkerLoader(job.data_spec, rank, world)
+    # The ranks of one tensor/pipeline group read the same rows: the stream is
+    # split by data-parallel rank.
+    layout = MeshLayout.of(job.cfg)
+    dp_rank, dp = (
+        (layout.coords(rank)[1], layout.dp) if layout.world_size == world else (rank, world)
+    )
+    loader = WorkerLoader(job.data_spec, dp_rank, dp)
     callbacks = build_callbacks(job.callbacks, job.cfg) if rank == 0 else None
     Agent(
         job,

@@ -1,0 +1,70 @@
+"""Runs the real Trainer on N local processes (gloo, no Ray) for a layout, and
+returns rank 0's per-step losses and run summary: the harness of the layout
+numerics tests (tests/unit/train/test_layouts.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from trainlab.train.callbacks import Callback
+
+
+class Losses(Callback):
+    def __init__(self, path: str):
+        self.path = path
+        self.losses: dict[int, float] = {}
+
+    def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
+        self.losses[step] = float(metrics["loss"])
+        Path(self.path).write_text(json.dumps(self.losses))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world: int, port: int, job: Any, out: str) -> None:
+    from trainlab.data import WorkerLoader
+    from trainlab.train.child import make_env
+    from trainlab.train.protocol import ChildArgs
+    from trainlab.train.trainer import Trainer
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if world > 1:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    args = ChildArgs(job, rank, world, 0, "cpu", "127.0.0.1", port)
+    env = make_env(job, args, torch.device("cpu"))
+    loader = WorkerLoader(job.data_spec, env.dp_rank, env.dp_size, backend="local")
+    callbacks = Losses(out + ".losses.json") if rank == 0 else None
+    try:
+        summary = Trainer(job, loader, env, callbacks).fit()
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        raise
+    if rank == 0:
+        Path(out).write_text(json.dumps(summary))
+    if world > 1:
+        dist.destroy_process_group()
+
+
+def run_layout(job: Any, world: int, out: Path) -> tuple[dict[int, float], dict[str, Any]]:
+    """Train `job` on `world` processes; (losses by step, run summary) of rank 0."""
+    if world == 1:
+        _worker(0, 1, _free_port(), job, str(out))
+    else:
+        mp.spawn(_worker, args=(world, _free_port(), job, str(out)), nprocs=world, join=True)
+    losses = json.loads(Path(str(out) + ".losses.json").read_text())
+    return {int(k): v for k, v in losses.items()}, json.loads(out.read_text())
