@@ -13,25 +13,49 @@ endpoint override: the `endpoint_url` argument, else the standard AWS variables
 `AWS_ENDPOINT_URL_S3` / `AWS_ENDPOINT_URL`. Credentials are never part of a
 URI or a config: the AWS SDK reads them from the environment
 (`AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_SESSION_TOKEN`) or the
-node's instance role.
+node's instance role. A location with credentials in it is refused, with a
+message saying where they go instead (docs/security.md).
+
+Also here, for everything that writes below a location:
+
+- `resolve_inside(root, name)`: a name read from storage, a manifest or a
+  checkpoint's metadata, as a path that stays inside `root` (no `..`, not
+  absolute, no symlink leading out), else `UnsafePath`.
+- `check_disk_room(run_dir, checkpoint_cfg, num_params)`: the preflight before
+  a run starts: the run directory's filesystem holds keep_last + keep_best + 1
+  checkpoints of the planned size, else a `UserError` with the numbers.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from trainlab.errors import UserError, first_line
+from trainlab.redact import redact, url_credentials
 
 ENDPOINT_ENV_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 REGION_ENV_VARS = ("AWS_REGION", "AWS_DEFAULT_REGION")
 # With an endpoint override the region is only a signing parameter; S3-compatible
 # servers accept the SDK's default one.
 DEFAULT_REGION = "us-east-1"
+# Where credentials go instead of a URL (a URL is recorded in config.yaml and MLflow).
+CREDENTIALS_ELSEWHERE = (
+    "credentials never go in a storage URL (it is recorded in config.yaml and MLflow "
+    "params): give s3://bucket/prefix and set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
+    "(or AWS_PROFILE, or an instance role) in each node's own environment"
+)
+
+
+def credentials_problem(location: str) -> str | None:
+    """Why `location` may not be used as storage because it carries credentials
+    (the CREDENTIALS_ELSEWHERE message), or None."""
+    return CREDENTIALS_ELSEWHERE if url_credentials(location) else None
 
 
 @dataclass(frozen=True)
@@ -81,13 +105,15 @@ def resolve_storage(
     text = os.fspath(location).strip()
     if not text:
         raise UserError("storage location is empty: give a path or s3://bucket/prefix")
+    if credentials_problem(text):
+        raise UserError(f"storage {redact(text)!r}: {CREDENTIALS_ELSEWHERE}")
     scheme = urlsplit(text).scheme.lower() if "://" in text else ""
     if scheme in ("", "file"):
         return _local(text.removeprefix("file://"), base_dir)
     if scheme in ("s3", "s3a"):
         return _s3(text, endpoint_url)
     raise UserError(
-        f"storage {text!r}: unsupported scheme {scheme!r}; use a filesystem "
+        f"storage {redact(text)!r}: unsupported scheme {scheme!r}; use a filesystem "
         "path (shared by every node for multi-node runs) or s3://bucket/prefix"
     )
 
@@ -118,10 +144,10 @@ def _s3(uri: str, endpoint_url: str | None) -> Storage:
     parts = urlsplit(uri)
     bucket, prefix = parts.netloc, parts.path.strip("/")
     if not bucket:
-        raise UserError(f"storage {uri!r}: no bucket; expected s3://bucket/prefix")
+        raise UserError(f"storage {redact(uri)!r}: no bucket; expected s3://bucket/prefix")
     if parts.query:
         raise UserError(
-            f"storage {uri!r}: options do not go in the URI; set the endpoint "
+            f"storage {redact(uri)!r}: options do not go in the URI; set the endpoint "
             "with AWS_ENDPOINT_URL and credentials with AWS_* variables"
         )
     endpoint = s3_endpoint(endpoint_url)
@@ -130,7 +156,7 @@ def _s3(uri: str, endpoint_url: str | None) -> Storage:
     if endpoint:
         ep = urlsplit(endpoint if "://" in endpoint else f"https://{endpoint}")
         if ep.scheme not in ("http", "https") or not ep.netloc:
-            raise UserError(f"S3 endpoint {endpoint!r}: expected http(s)://host:port")
+            raise UserError(f"S3 endpoint {redact(endpoint)!r}: expected http(s)://host:port")
         kwargs.update(endpoint_override=ep.netloc, scheme=ep.scheme)
     path = f"{bucket}/{prefix}" if prefix else bucket
     return Storage(
@@ -158,8 +184,88 @@ def check_writable(storage: Storage) -> None:
             back = inp.read()
         fs.delete_file(probe)
     except (OSError, ValueError) as e:  # pyarrow raises OSError subclasses
-        where = f" (endpoint {storage.endpoint_url})" if storage.endpoint_url else ""
-        first = first_line(e)
+        where = f" (endpoint {redact(storage.endpoint_url)})" if storage.endpoint_url else ""
+        first = redact(first_line(e))
         raise UserError(f"storage {storage.uri}{where} is not writable: {first}") from None
     if back != payload:
         raise UserError(f"storage {storage.uri}: a probe file read back differently")
+
+
+# --------------------------------------------------------------------------- names
+
+
+class UnsafePath(ValueError):
+    """A name read from storage, a manifest or a checkpoint leads outside its root."""
+
+
+def resolve_inside(root: str | os.PathLike[str], name: object, what: str = "name") -> Path:
+    """`root / name` for a `name` written by someone else (a storage copy's
+    checkpoint.json, a manifest): a non-empty relative POSIX path without `..`
+    whose resolved location, symlinks followed, stays inside `root`'s. Raises
+    `UnsafePath` naming `what` and the name otherwise."""
+    if not isinstance(name, str) or not name or "\x00" in name or "\\" in name:
+        raise UnsafePath(f"{what} {name!r} is not a plain relative file name")
+    parts = PurePosixPath(name).parts
+    if PurePosixPath(name).is_absolute() or ".." in parts or name.startswith("~"):
+        raise UnsafePath(f"{what} {name!r} leads outside {root}")
+    base = Path(root)
+    target = base.joinpath(*parts)
+    real_root, real = base.resolve(), target.resolve()
+    if real != real_root and real_root not in real.parents:
+        raise UnsafePath(f"{what} {name!r} leads outside {root} (through a symlink, to {real})")
+    return target
+
+
+# --------------------------------------------------------------------------- disk room
+
+# A checkpoint holds the fp32 weights and AdamW's two fp32 moments (12 bytes per
+# parameter in either format, trainlab.train.checkpointer) plus the trainer state
+# and every rank's RNG (well under this allowance).
+CHECKPOINT_BYTES_PER_PARAM = 12
+CHECKPOINT_OVERHEAD_BYTES = 1 << 20
+
+
+def planned_checkpoint_bytes(num_params: int) -> int:
+    """The size on disk of one checkpoint of a model with `num_params` parameters."""
+    return CHECKPOINT_BYTES_PER_PARAM * int(num_params) + CHECKPOINT_OVERHEAD_BYTES
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+
+
+def _existing_dir(path: Path) -> Path:
+    for d in (path, *path.parents):
+        if d.is_dir():
+            return d
+    return Path(path.anchor or "/")
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def check_disk_room(run_dir: str | os.PathLike[str], checkpoint_cfg: Any, num_params: int) -> None:
+    """Refuse to start a run whose directory's filesystem cannot hold
+    `keep_last + keep_best + 1` checkpoints (the retained ones and the one being
+    written) of the planned size; the checkpoints already in the run directory
+    count as room taken. `checkpoint_cfg`: the config's `train.checkpoint`."""
+    run_dir = Path(run_dir)
+    keep_last, keep_best = int(checkpoint_cfg.keep_last), int(checkpoint_cfg.keep_best)
+    count = keep_last + keep_best + 1
+    size = planned_checkpoint_bytes(num_params)
+    ckpts = run_dir / "checkpoints"
+    have = _tree_bytes(ckpts) if ckpts.is_dir() else 0
+    need = max(0, count * size - have)
+    where = _existing_dir(run_dir)
+    free = shutil.disk_usage(where).free
+    if need <= free:
+        return
+    raise UserError(
+        f"train.runs_root: the filesystem of {run_dir} (at {where}) has {gib(free)} free; "
+        f"{count} checkpoints (train.checkpoint.keep_last {keep_last} + keep_best "
+        f"{keep_best} + 1 being written) of {gib(size)} each ({num_params:,} parameters x "
+        f"{CHECKPOINT_BYTES_PER_PARAM} bytes) need {gib(need)} more"
+        + (f" (besides the {gib(have)} of checkpoints already there)" if have else "")
+        + "; free space, lower keep_last/keep_best or set train.runs_root to a larger disk"
+    )

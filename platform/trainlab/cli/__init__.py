@@ -33,6 +33,8 @@ COMMANDS: dict[str, str] = {
     "stop": "trainlab.cli.jobs_cmd:stop",
     "cluster": "trainlab.cli.jobs_cmd:cluster",
     "tune": "trainlab.cli.tune_cmd:tune",
+    "gc": "trainlab.cli.gc_cmd:gc",
+    "export": "trainlab.cli.export_cmd:export",
 }
 
 HELP = {
@@ -50,6 +52,8 @@ HELP = {
     "stop": "Stop a Ray job.",
     "cluster": "Start or stop a local Ray head node.",
     "tune": "Ray Tune search over data-mix weights.",
+    "gc": "Delete old runs and smoke rehearsals (keeps last valid + best checkpoint).",
+    "export": "Write a checkpoint as a Hugging Face model directory (transformers).",
 }
 
 

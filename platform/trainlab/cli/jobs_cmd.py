@@ -23,6 +23,15 @@ def _address_option(fn):  # noqa: ANN001, ANN202 - click decorator
     )(fn)
 
 
+def _plain_http_option(fn):  # noqa: ANN001, ANN202 - click decorator
+    return click.option(
+        "--allow-plain-http",
+        is_flag=True,
+        help="Send the cluster's auth token to a non-local http:// address (in clear "
+        "text; refused otherwise: use https:// or an SSH tunnel to 127.0.0.1).",
+    )(fn)
+
+
 def _err(msg: str) -> None:
     click.echo(msg, err=True)
 
@@ -44,6 +53,7 @@ def _err(msg: str) -> None:
     is_flag=True,
     help="The cluster image has trainlab installed: do not ship platform/trainlab.",
 )
+@_plain_http_option
 @json_option
 def submit(
     config: str,
@@ -52,6 +62,7 @@ def submit(
     smoke_first: bool,
     follow: bool,
     use_cluster_library: bool,
+    allow_plain_http: bool,
     as_json: bool,
 ) -> int:
     """Validate, plan, check and submit CONFIG as a Ray job; print its job id."""
@@ -66,6 +77,7 @@ def submit(
         smoke_first=smoke_first,
         follow=follow,
         ship_library=not use_cluster_library,
+        allow_plain_http=allow_plain_http,
         say=_err,
         write_logs=write_logs,
     )
@@ -83,12 +95,13 @@ def _write(stream, text: str) -> None:  # noqa: ANN001 - a text stream
 
 @click.command()
 @_address_option
+@_plain_http_option
 @json_option
-def jobs(address: str | None, as_json: bool) -> int:
+def jobs(address: str | None, allow_plain_http: bool, as_json: bool) -> int:
     """List the cluster's jobs, newest first, with their status."""
-    from trainlab.jobs.client import connect, list_jobs, resolve_address
+    from trainlab.jobs.client import connect, list_jobs
 
-    rows = list_jobs(connect(resolve_address(address)))
+    rows = list_jobs(connect(address, allow_plain_http=allow_plain_http))
     if as_json:
         echo_json([r.to_json() for r in rows])
         return 0
@@ -124,13 +137,14 @@ def _clock(ts: float | None) -> str:
 @click.command()
 @click.argument("job_id")
 @_address_option
+@_plain_http_option
 @json_option
-def stop(job_id: str, address: str | None, as_json: bool) -> int:
+def stop(job_id: str, address: str | None, allow_plain_http: bool, as_json: bool) -> int:
     """Stop JOB_ID (its workers are released; checkpoints already written stay)."""
     from trainlab.jobs.client import connect, resolve_address, stop_job
 
     url = resolve_address(address)
-    status = stop_job(connect(url), job_id)
+    status = stop_job(connect(url, allow_plain_http=allow_plain_http), job_id)
     if as_json:
         echo_json({"job_id": job_id, "address": url, "status": status})
     else:

@@ -39,7 +39,9 @@ def prep(
 ) -> int:
     """Clean, deduplicate and tokenize SOURCES (a sources YAML) into Parquet shards
     plus manifest.json in --out, on Ray Data. A re-run with unchanged inputs does no
-    work and says "up to date"."""
+    work and says "up to date"; a re-run after a killed run reuses the work units
+    it finished. --json prints the manifest plus units_total, units_reused and
+    driver_peak_rss_bytes."""
     from trainlab.data.prep import run_prep
 
     with _progress_bar() as progress:
@@ -47,7 +49,7 @@ def prep(
             sources, out, tokenizer=tokenizer, vocab_size=vocab_size, progress=progress
         )
     if as_json:
-        echo_json(result.manifest)
+        echo_json({**result.manifest, **result.summary()})
     else:
         _print_summary(result)
     return 0
@@ -69,7 +71,7 @@ def _progress_bar() -> Iterator:
 
     labels = {
         "sample": "reading a sample for the tokenizer",
-        "tokenize": "read/clean/tokenize/write",
+        "tokenize": "read/clean/tokenize (work units)",
     }
     bar = Progress(
         TextColumn("[bold]{task.description}"),
@@ -97,7 +99,12 @@ def _print_summary(result) -> None:  # noqa: ANN001 - PrepResult, imported lazil
 
     con = Console()
     m = result.manifest
-    status = "up to date" if result.up_to_date else f"prepared in {result.seconds:.1f} s"
+    status = (
+        "up to date"
+        if result.up_to_date
+        else f"prepared in {result.seconds:.1f} s ({result.units_reused} of "
+        f"{result.units_total} work units reused from an earlier run)"
+    )
     con.print(
         f"{result.out_dir}: {status} (fingerprint {m['fingerprint'][:16]}, "
         f"vocab {m['tokenizer']['vocab_size']}, {m['tokenizer']['dtype']})",

@@ -34,6 +34,11 @@ EXIT_INFRASTRUCTURE = 75
     is_flag=True,
     help="Continue the most recent run of this config's name from its newest valid checkpoint.",
 )
+@click.option(
+    "--keep-smoke",
+    is_flag=True,
+    help="Keep the rehearsal's run directory after it passed (a failed one is always kept).",
+)
 @json_option
 def train(
     config: str,
@@ -41,6 +46,7 @@ def train(
     smoke: bool,
     run_dir: str | None,
     resume: bool,
+    keep_smoke: bool,
     as_json: bool,
 ) -> int:
     """Train CONFIG on Ray Train: the local embedded cluster, or RAY_ADDRESS when set.
@@ -67,10 +73,31 @@ def train(
         if as_json:
             echo_json(e.summary)
         return EXIT_INFRASTRUCTURE if e.summary.get("failure_cause") == "infrastructure" else 1
+    if smoke and not keep_smoke:
+        summary = clean_up_rehearsal(summary)
     _print_done(summary)
     if as_json:
         echo_json(summary)
     return 0
+
+
+def clean_up_rehearsal(summary: dict) -> dict:
+    """Delete the run directory of a smoke rehearsal that passed (its checkpoints
+    are the size of the real run's; its MLflow record stays); a failed one is kept
+    to diagnose. Returns the summary with `run_dir_removed`."""
+    import shutil
+    from pathlib import Path
+
+    smoke = summary.get("smoke") or {}
+    passed = summary.get("status") == "completed" and all(smoke.get("checks", {}).values())
+    run_dir = Path(str(summary.get("run_dir") or ""))
+    if not (passed and smoke and run_dir.name and (run_dir / "config.yaml").is_file()):
+        return {**summary, "run_dir_removed": False}
+    shutil.rmtree(run_dir)
+    day = run_dir.parent
+    if day.is_dir() and not any(day.iterdir()):
+        day.rmdir()
+    return {**summary, "run_dir_removed": True}
 
 
 def _print_done(s: dict) -> None:
@@ -81,7 +108,11 @@ def _print_done(s: dict) -> None:
         f"{val}, restarts {s['restarts']}, {s['wall_seconds']:.0f} s)",
         err=True,
     )
-    click.echo(f"  run dir:         {s.get('run_dir')}", err=True)
+    removed = " (removed: the rehearsal passed; --keep-smoke keeps it)"
+    click.echo(
+        f"  run dir:         {s.get('run_dir')}{removed if s.get('run_dir_removed') else ''}",
+        err=True,
+    )
     click.echo(f"  last checkpoint: {s.get('last_checkpoint')}", err=True)
     click.echo(f"  best checkpoint: {s.get('best_checkpoint')}", err=True)
     if "smoke" in s:

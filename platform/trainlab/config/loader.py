@@ -193,15 +193,20 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 # --------------------------------------------------------------------------- identity
 
 # Fields that describe the record or the run's operation, not what is trained:
-# changing them does not change the experiment's identity.
+# changing them does not change the experiment's identity. The parallel layout
+# and the resources are not either: a run resumes at another layout (the
+# checkpoint reshards) as long as each step still sees the same global batch,
+# which identity_dict states explicitly in place of how it is split.
 _NOT_IDENTITY = {
     "name": None,
     "purpose": None,
     "expectation": None,
     "owner": None,
     "tracking": None,
+    "parallel": None,
+    "resource": None,
     "train": {"chaos", "checkpoint", "max_failures", "runs_root", "log_interval"},
-    "resource": {"job_retries", "local_num_cpus", "cpu_memory_gb", "peak_tflops"},
+    "data": {"micro_batch_size", "grad_accum_steps", "loader_cpus", "ray_data_metrics"},
 }
 
 
@@ -213,6 +218,7 @@ def identity_dict(cfg: ExperimentConfig) -> dict[str, Any]:
         else:
             for k in sub:
                 d[key].pop(k, None)
+    d["data"]["global_batch_size"] = cfg.global_batch_size  # however it is split
     return d
 
 

@@ -6,24 +6,32 @@ an http(s) URL, and the cluster started by `trainlab cluster up`.
 
 Ray 2.60 clusters require a token. We send it ourselves as a bearer header
 (`trainlab.jobs.auth`), so the client works without the caller having to
-export `RAY_AUTH_MODE=token`.
+export `RAY_AUTH_MODE=token`. Never in clear to another machine: with a token,
+a plain `http://` address that is not loopback is refused unless the caller
+passes `allow_plain_http` (`--allow-plain-http`), and then warned about; use
+`https://` (a TLS proxy in front of the dashboard) or an SSH tunnel to
+127.0.0.1 instead (docs/security.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from trainlab.errors import UserError, first_line
 from trainlab.jobs.auth import auth_headers
 from trainlab.jobs.localcluster import read_state
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- address
@@ -71,18 +79,50 @@ def _only_this_address(url: str) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def connect(address: str | None = None) -> Any:
-    """A `JobSubmissionClient` for the cluster; UserError when it cannot be reached."""
+def is_loopback(host: str) -> bool:
+    """True for localhost and 127.0.0.0/8, ::1."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def plain_http_problem(url: str, has_token: bool) -> str | None:
+    """Why sending the cluster's token to `url` would expose it (plain HTTP to a
+    host that is not this machine), or None."""
+    parts = urlsplit(url)
+    if not has_token or parts.scheme != "http" or is_loopback(parts.hostname or ""):
+        return None
+    return (
+        f"--address {url}: the cluster's auth token would travel in clear text (plain "
+        "http:// to another machine); use https:// (a TLS proxy in front of the "
+        "dashboard) or an SSH tunnel to 127.0.0.1, or pass --allow-plain-http on a "
+        "network you trust"
+    )
+
+
+def connect(address: str | None = None, *, allow_plain_http: bool = False) -> Any:
+    """A `JobSubmissionClient` for the cluster; UserError when it cannot be reached,
+    or when the token would go over plain HTTP to another machine (unless
+    `allow_plain_http`, then a warning)."""
+    url = resolve_address(address)
+    headers = auth_headers()
+    problem = plain_http_problem(url, bool(headers))
+    if problem and not allow_plain_http:
+        raise UserError(problem)
+    if problem:
+        log.warning("warning: sending the cluster's auth token over plain HTTP to %s", url)
     from ray.job_submission import JobSubmissionClient
 
-    url = resolve_address(address)
     # Ray's client logs every package it zips and uploads at INFO; trainlab says
     # what it does itself.
     for name in ("ray._private.runtime_env.packaging", "ray.dashboard.modules.dashboard_sdk"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
         with _only_this_address(url):
-            return JobSubmissionClient(url, headers=auth_headers())
+            return JobSubmissionClient(url, headers=headers)
     except Exception as e:  # noqa: BLE001 - ConnectionError, RuntimeError, auth errors
         raise UserError(f"cannot reach the Ray cluster at {url}: {_first_line(e)}") from None
 

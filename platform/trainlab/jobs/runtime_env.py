@@ -9,7 +9,8 @@
 - `py_modules`: the library (`platform/trainlab`), so the cluster runs the
   code being submitted, unless the cluster image has trainlab installed.
 - `env_vars`: tracking and S3 endpoint settings. Never secrets: credentials
-  come from the cluster's own environment (instance role, pod secret).
+  come from the cluster's own environment (instance role, pod secret); a
+  setting with credentials in its URL is refused (`forwarded_env`).
 
 Ray refuses a package over its gRPC message limit (512 MiB); we check the
 staged size first and name the largest entries when a tree is too large.
@@ -173,9 +174,25 @@ def library_dir() -> Path:
 
 
 def forwarded_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Environment for the job: the non-secret settings set here, then `extra`."""
+    """Environment for the job: the non-secret settings set here, then `extra`.
+
+    The job's runtime env is shown to anyone who can list the cluster's jobs
+    (`ray job list`, the dashboard): a setting that embeds credentials (e.g.
+    `MLFLOW_TRACKING_URI=https://user:pass@host`) is refused, naming the variable
+    and where credentials go instead; its value is never printed."""
+    from trainlab.redact import is_secret_name, url_credentials
+
     env = {k: os.environ[k] for k in FORWARDED_ENV_VARS if os.environ.get(k)}
     env.update(extra or {})
+    leaking = sorted(k for k, v in env.items() if is_secret_name(k) or url_credentials(v))
+    if leaking:
+        raise UserError(
+            f"{', '.join(leaking)} embeds credentials, which the job's runtime env would "
+            "show to anyone who can list the cluster's jobs: use a URL without them and "
+            "give the credentials to the cluster's nodes in their own environment "
+            "(MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN, "
+            "AWS_* variables or an instance role; docs/security.md)"
+        )
     return env
 
 

@@ -308,10 +308,13 @@ def submit(
     smoke_first: bool = False,
     follow: bool = False,
     ship_library: bool = True,
+    allow_plain_http: bool = False,
     say: Say = print,
     write_logs: Say = print,
 ) -> Submission:
-    """The whole flow; returns the submission (with status when followed)."""
+    """The whole flow; returns the submission (with status when followed).
+    `allow_plain_http`: send the token over plain HTTP to another machine
+    (trainlab.jobs.client.connect)."""
     repo = repo_root()
     url = jobclient.resolve_address(address)  # no network yet: only which cluster
     prep = prepare(config, overrides, repo)
@@ -323,7 +326,7 @@ def submit(
         wd = Path(tmp) / "working_dir"
         config_rel = stage_working_dir(prep, wd)
         runtime_env = job_runtime_env(repo, wd, ship_library=ship_library)
-        client = jobclient.connect(url)
+        client = jobclient.connect(url, allow_plain_http=allow_plain_http)
         sub = Submitter(prep, client, url, runtime_env, config_rel, say)
         say(
             f"checking that every node of {url} reaches {prep.cfg.data.path} "

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from trainlab.redact import redact
 from trainlab.track.gitinfo import git_info
 from trainlab.track.plots import loss_curve_figure, mix_share_figure, normalized_mix
 from trainlab.track.store import (
@@ -88,7 +89,7 @@ def experiment_name(cfg: Any) -> str:
 def param_value(value: Any) -> str:
     """A config value as an MLflow param: strings as they are, the rest as JSON."""
     text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
-    return text[:MAX_PARAM_VALUE]
+    return redact(text)[:MAX_PARAM_VALUE]  # a URL never carries its credentials here
 
 
 def run_params(cfg: Any, plan: dict[str, Any]) -> dict[str, str]:
@@ -132,7 +133,7 @@ def run_tags(ctx: RunContext) -> dict[str, str]:
     job_id = ctx.ray_job_id or submitted_job_id()
     if job_id:
         tags["ray_job_id"] = job_id
-    return {k: v[:MAX_TAG_VALUE] for k, v in tags.items()}
+    return {k: redact(v)[:MAX_TAG_VALUE] for k, v in tags.items()}
 
 
 def submitted_job_id() -> str | None:
@@ -244,7 +245,7 @@ class MlflowCallback(Callback):
             return
         from mlflow.entities import RunTag
 
-        items = [RunTag(k, str(v)[:MAX_TAG_VALUE]) for k, v in tags.items()]
+        items = [RunTag(k, redact(str(v))[:MAX_TAG_VALUE]) for k, v in tags.items()]
         for i in range(0, len(items), TAGS_PER_BATCH):
             self._client.log_batch(self.run_id, tags=items[i : i + TAGS_PER_BATCH])
 
@@ -279,7 +280,7 @@ class MlflowCallback(Callback):
             "MLflow run %s (%s) at %s",
             self.run_id,
             "continued" if resumed else "new",
-            self.tracking_uri,
+            redact(self.tracking_uri or ""),
         )
 
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:

@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from trainlab.errors import UserError
+from trainlab.redact import redact
 from trainlab.track.store import client_for, embedded_db_path
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ def _experiment_ids(client: MlflowClient, experiment: str | None, uri: str) -> l
     if exp is None:
         known = sorted(e.name for e in client.search_experiments())
         raise UserError(
-            f"--experiment {experiment!r}: no such experiment in {uri} "
+            f"--experiment {experiment!r}: no such experiment in {redact(uri)} "
             f"(known: {', '.join(known) or 'none'})"
         )
     return [exp.experiment_id]
@@ -102,7 +103,7 @@ def find_runs(
     client = open_store(uri)
     if client is None:
         if names:
-            raise UserError(f"no runs recorded yet in {uri}: nothing matches {', '.join(names)}")
+            raise UserError(f"no runs recorded yet in {redact(uri)}: nothing matches {', '.join(names)}")
         return []
     ids = _experiment_ids(client, experiment, uri)
     filters = ["tags.run_key != ''"]
@@ -116,7 +117,7 @@ def find_runs(
         if missing:
             where = f" in experiment {experiment!r}" if experiment else ""
             raise UserError(
-                f"no run named {', '.join(map(repr, missing))}{where} in {uri}"
+                f"no run named {', '.join(map(repr, missing))}{where} in {redact(uri)}"
                 " (see `trainlab runs`)"
             )
         runs = runs[:limit] if limit else runs

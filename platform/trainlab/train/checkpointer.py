@@ -32,7 +32,7 @@ from trainlab.train import checkpoint as ck
 from trainlab.train.distributed import DistEnv
 from trainlab.train.job import TrainJob
 from trainlab.train.rng import seed_everything
-from trainlab.train.state import TrainState, cloned, fresh_cpu_model
+from trainlab.train.state import TrainState, cloned, fill_from_full, fresh_cpu_model
 from trainlab.train.step import Batch, loss_sum_and_count, to_tensors
 
 log = logging.getLogger("trainlab.train")
@@ -53,7 +53,7 @@ class Checkpointer:
         self.job, self.env, self.state = job, env, state
         self.cfg: ExperimentConfig = job.cfg
         c = self.cfg.train.checkpoint
-        self.format = "dcp" if state.model.sharded else "torch"
+        self.format = state.model.format
         after_commit = None
         if self.cfg.resource.storage and env.is_main:
             from trainlab.train.mirror import CheckpointMirror
@@ -83,6 +83,7 @@ class Checkpointer:
             "dataset_fingerprint": self.job.dataset_fingerprint,
             "world_size": self.env.world_size,
             "strategy": self.cfg.parallel.strategy,
+            "layout": layout_of(self.cfg),
         }
 
     def save(self) -> None:
@@ -108,12 +109,18 @@ class Checkpointer:
                 ck.save_file(trainer_state, staging / TRAINER_FILE)
 
         validator = None
-        if self.env.is_main and self.cfg.train.checkpoint.validate:
+        if self.env.is_main and self.cfg.train.checkpoint.validate and self.format == "dcp":
+            validator = partial(
+                validate_sharded_checkpoint,
+                m=self.cfg.model,
+                val_loss=header["val_losses"].get("all"),
+            )
+        elif self.env.is_main and self.cfg.train.checkpoint.validate:
             validator = partial(
                 validate_checkpoint, m=self.cfg.model, fmt=self.format, batch=self.validation_batch
             )
-        # Ranked by the fixed-batch loss of validation; without validation by the
-        # latest evaluation.
+        # Ranked by the fixed-batch loss of validation (the latest evaluation's for
+        # sharded checkpoints); without validation by the latest evaluation.
         meta = {**header, "val_loss": None if validator else header["val_losses"].get("all")}
         self.writer.submit(step, write_files, meta, validator)
 
@@ -183,17 +190,32 @@ class Checkpointer:
         if problem:
             raise RuntimeError(problem)
         model = self.state.model
+        saved_layout, layout = trainer_state.get("layout"), layout_of(self.cfg)
+        if saved_layout is not None and saved_layout != layout:
+            log.warning(
+                "checkpoint %s was saved at layout %s; resharding it to %s",
+                path,
+                _describe(saved_layout),
+                _describe(layout),
+            )
         if trainer_state["format"] == "dcp":
             import torch.distributed.checkpoint as dcp
 
-            state = model.state_dict()
+            state = model.dcp_state_dict()
             dcp.load(state, checkpoint_id=str(path / DCP_DIR))
+            model.load_dcp_state_dict(state)
+        elif model.sharded:  # a full (torch) checkpoint into a sharded layout
+            full, state = full_state_as_dcp(path, self.cfg), model.dcp_state_dict()
+            for part in ("model", "optimizer"):
+                fill_from_full(state[part], full[part])
+            model.load_dcp_state_dict(state)
         else:
-            state = {
-                "model": ck.load_file(path / "model.pt"),
-                "optimizer": ck.load_file(path / "optimizer.pt"),
-            }
-        model.load_state_dict(state)
+            model.load_state_dict(
+                {
+                    "model": ck.load_file(path / "model.pt"),
+                    "optimizer": ck.load_file(path / "optimizer.pt"),
+                }
+            )
         if model.scaler is not None and trainer_state.get("scaler"):
             model.scaler.load_state_dict(trainer_state["scaler"])
         self.state.data.load_state_dict(trainer_state["data"])
@@ -207,6 +229,49 @@ class Checkpointer:
             )
             step = self.state.progress.step
             seed_everything(self.cfg.train.seed + 1 + self.env.rank + 7919 * step)
+
+
+def layout_of(cfg: ExperimentConfig) -> dict[str, Any]:
+    """What a checkpoint records of the layout that wrote it."""
+    p = cfg.parallel
+    return {
+        "tp": p.tp or 1,
+        "pp": p.pp or 1,
+        "dp": p.dp or cfg.resource.num_workers,
+        "strategy": p.strategy,
+        "zero_stage": p.zero_stage,
+    }
+
+
+def _describe(layout: dict[str, Any]) -> str:
+    return " ".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "dp", "strategy", "zero_stage"))
+
+
+def full_state_as_dcp(path: Path, cfg: ExperimentConfig) -> dict[str, Any]:
+    """A "torch" checkpoint's full model and optimizer state in the "dcp" form
+    (parameter names; optimizer state flattened), read on this host's CPU. The
+    torch format is what one-process and DDP runs write, so it fits one host."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from trainlab.train.distributed import DistEnv
+    from trainlab.train.parallel import build_optimizer
+    from trainlab.train.state import FLAT
+
+    optim_state = ck.load_file(path / "optimizer.pt")
+    if "param_groups" not in optim_state or "state" not in optim_state:
+        raise RuntimeError(f"{path}: its optimizer state (ZeRO-1?) cannot be resharded")
+    model = fresh_cpu_model(cfg.model)
+    model.load_state_dict(ck.load_file(path / "model.pt"))
+    optimizer = build_optimizer(model, cfg, DistEnv())
+    optimizer.load_state_dict(optim_state)
+    return {
+        "model": get_model_state_dict(model),
+        "optimizer": get_optimizer_state_dict(model, optimizer, options=StateDictOptions(**FLAT)),
+    }
 
 
 # --------------------------------------------------------------------------- validation
@@ -238,3 +303,41 @@ def validate_checkpoint(path: Path, m: ModelConfig, fmt: str, batch: Batch) -> c
     if not math.isfinite(loss):
         return ck.Validation(ok=False, loss=None, error=f"validation loss is {loss}")
     return ck.Validation(ok=True, loss=loss)
+
+
+def validate_sharded_checkpoint(
+    path: Path, m: ModelConfig, val_loss: float | None
+) -> ck.Validation:
+    """A sharded (dcp) checkpoint, checked without ever holding the model: every
+    parameter of the model is there with its shape, and finite, read one tensor at
+    a time (host memory: the largest tensor). Its loss is the latest evaluation's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    expected = {k: tuple(v.shape) for k, v in fresh_meta_state(m).items()}
+    reader = dcp.FileSystemReader(str(path / DCP_DIR))
+    stored = reader.read_metadata().state_dict_metadata
+    for key, shape in expected.items():
+        meta = stored.get(f"model.{key}")
+        if not isinstance(meta, TensorStorageMetadata):
+            return ck.Validation(ok=False, loss=None, error=f"model.{key} is missing")
+        if tuple(meta.size) != shape:
+            return ck.Validation(
+                ok=False, loss=None, error=f"model.{key} has shape {tuple(meta.size)}, not {shape}"
+            )
+        tensor = torch.empty(shape, dtype=meta.properties.dtype)
+        dcp.load({"model": {key: tensor}}, storage_reader=reader, no_dist=True)
+        if not bool(torch.isfinite(tensor).all()):
+            return ck.Validation(ok=False, loss=None, error=f"model.{key} holds non-finite values")
+        del tensor
+    if val_loss is not None and not math.isfinite(val_loss):
+        return ck.Validation(ok=False, loss=None, error=f"the latest val_loss is {val_loss}")
+    return ck.Validation(ok=True, loss=val_loss)
+
+
+def fresh_meta_state(m: ModelConfig) -> dict[str, torch.Tensor]:
+    """The model's state dict on the meta device (names and shapes, no memory)."""
+    from trainlab.models import build_model
+
+    with torch.device("meta"):
+        return build_model(m).state_dict()

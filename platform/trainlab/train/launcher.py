@@ -31,6 +31,7 @@ from typing import Any
 from trainlab.config import ExperimentConfig, config_hash
 from trainlab.errors import UserError
 from trainlab.plan import plan, require_fit, resolve_layout
+from trainlab.storage import check_disk_room
 from trainlab.train import checkpoint as ck
 from trainlab.train import rundir
 from trainlab.train.job import TrainJob
@@ -38,8 +39,9 @@ from trainlab.train.records import RunRecords, failed_summary
 
 log = logging.getLogger("trainlab.train")
 
-# Environment forwarded from the driver to every worker (tracking, credentials
-# for shared storage, our own settings).
+# Settings forwarded from the driver to every worker (tracking URI, S3 endpoint and
+# region, our own), never a secret: the TrainJob is the Ray Train loop config, which
+# Ray records. Credentials come from each node's own environment (docs/security.md).
 FORWARDED_ENV_PREFIXES = ("MLFLOW_", "TRAINLAB_", "AWS_")
 # Ray Train checks worker health this often; its default (2 s) is most of the
 # time a restart takes on a small run.
@@ -139,8 +141,15 @@ def restore_from_storage(cfg: ExperimentConfig, run_dir: Path) -> list[int]:
         ) from None
 
 
-def forwarded_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+def forwarded_env(cfg: ExperimentConfig | None = None) -> dict[str, str]:
+    """The driver's MLFLOW_*, TRAINLAB_*, AWS_* settings minus every secret
+    (trainlab.redact.shareable_env): no credential names, no URL with credentials,
+    not the variable `tracking.alerts.webhook_url_env` names."""
+    from trainlab.redact import shareable_env
+
+    webhook = cfg.tracking.alerts.webhook_url_env if cfg is not None else None
+    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    return shareable_env(env, also_secret=[webhook] if webhook else [])
 
 
 def ray_job_id() -> str | None:
@@ -193,6 +202,7 @@ def run(
     if cfg.resource.storage and (resume or run_dir is not None) and not smoke:
         restore_from_storage(cfg, path)
     check_resumable(path, cfg, chash, data)
+    check_disk_room(path, cfg.train.checkpoint, plan_json["num_params"])  # else UserError
     rundir.write_run_files(path, cfg, plan_json)
     _driver_log(path)
     job = TrainJob(
@@ -207,7 +217,7 @@ def run(
         session=uuid.uuid4().hex[:12],
         started_at=started,
         callbacks=tuple(callbacks),
-        env=forwarded_env(),
+        env=forwarded_env(cfg),
         torch_threads=max(1, int(cfg.resource.cpus_per_worker)),
         ray_job_id=ray_job_id(),
     )

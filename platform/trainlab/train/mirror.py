@@ -17,6 +17,14 @@ sha256 like any checkpoint, and the run resumes from them.
 
 A storage outage never stops training: a failed copy is logged and retried
 with the next checkpoint, which copies everything retention keeps.
+
+A copy is untrusted input: whoever can write to the storage wrote it. Every
+file name in its checkpoint.json must be a plain relative name that stays inside
+the copy and inside the local checkpoint (no `..`, not absolute, no symlink
+leading out, on a local or shared filesystem storage); otherwise the whole copy
+is refused, before anything is written, with a `UserError` naming the copy and
+the name (docs/security.md). The same holds for the names a local checkpoint
+lists when it is pushed.
 """
 
 from __future__ import annotations
@@ -27,7 +35,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from trainlab.errors import first_line
+from trainlab.errors import UserError, first_line
+from trainlab.storage import UnsafePath, resolve_inside
 from trainlab.train import checkpoint as ck
 
 log = logging.getLogger(__name__)
@@ -79,8 +88,10 @@ class CheckpointMirror:
         the metadata itself."""
         dest = f"{self.root}/{ck.dir_name(info.step)}"
         files = sorted(info.meta.get("files", {}))
-        for rel in files:
-            self._upload(info.path / rel, f"{dest}/{rel}")
+        what = "file name in checkpoint.json"
+        sources = [resolve_inside(info.path, rel, what) for rel in files]
+        for rel, src in zip(files, sources, strict=True):
+            self._upload(src, f"{dest}/{rel}")
         self._upload(info.path / ck.META_FILE, f"{dest}/{ck.META_FILE}")
 
     def _upload(self, src: Path, dest: str) -> None:
@@ -142,18 +153,27 @@ class CheckpointMirror:
         try:
             with self.fs.open_input_stream(f"{src}/{ck.META_FILE}") as f:
                 meta = json.loads(f.read())
+            if not isinstance(meta, dict):
+                raise ValueError("checkpoint.json is not a JSON object")
             if require_valid and meta.get("valid") is not True:
                 raise ValueError("the copy is not marked valid")
-            for rel in sorted(meta.get("files", {})):
-                target = staging / rel
+            files = self._checked_names(step, meta, staging)  # before writing anything
+            for rel, target in files:
                 target.parent.mkdir(parents=True, exist_ok=True)
-                with self.fs.open_input_stream(f"{src}/{rel}") as inp, open(target, "wb") as out:
+                with self.fs.open_input_stream(f"{src}/{rel}") as inp, open(target, "xb") as out:
                     shutil.copyfileobj(inp, out, 8 << 20)
             (staging / ck.META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
             info = ck.read_info_at(staging, step)
             problem = ck.verify(info) if info else "unreadable checkpoint.json"
             if problem:
                 raise ValueError(problem)
+        except UnsafePath as e:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise UserError(
+                f"refusing the checkpoint copy {self.uri(step)}: {e}; nothing was restored. "
+                "Whoever can write to the storage wrote this copy: check who can, and "
+                "delete the copy"
+            ) from None
         except (OSError, ValueError) as e:
             log.warning("skipping the copy %s: %s", self.uri(step), e)
             shutil.rmtree(staging, ignore_errors=True)
@@ -163,3 +183,24 @@ class CheckpointMirror:
         staging.rename(final)
         log.warning("restored checkpoint step %d from %s", step, self.uri(step))
         return True
+
+    def _checked_names(
+        self, step: int, meta: dict[str, Any], staging: Path
+    ) -> list[tuple[str, Path]]:
+        """(name, local target) of every file the copy lists, each checked to stay
+        inside the local staging directory and, on a filesystem storage, inside the
+        copy itself (symlinks followed); `UnsafePath` for the first that does not."""
+        files = meta.get("files")
+        if not isinstance(files, dict) or not files:
+            raise ValueError("checkpoint.json lists no files")
+        what = "file name in checkpoint.json"
+        out = []
+        copy_dir = Path(f"{self.root}/{ck.dir_name(step)}")
+        for rel in sorted(files, key=str):
+            if rel == ck.META_FILE:
+                raise UnsafePath(f"{what} {rel!r} would overwrite the metadata")
+            if self.storage.kind == "local":
+                resolve_inside(self.root, ck.dir_name(step), "the copy's directory")
+                resolve_inside(copy_dir, rel, what)
+            out.append((rel, resolve_inside(staging, rel, what)))
+        return out

@@ -251,10 +251,13 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Weight decay on matrices (and embeddings), none on norms and biases."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    return [
+    groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    # A pipeline stage may hold no parameters of a kind: no empty groups (their
+    # state cannot be named by parameter, which resharding needs).
+    return [g for g in groups if g["params"]]
 
 
 def build_optimizer(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> torch.optim.Optimizer:

@@ -177,6 +177,7 @@ class ModelState:
 
         from trainlab.train.pipeline import is_tied_copy
 
+        options = StateDictOptions(**FLAT)
         layouts = self._dcp_parts()
         for part, opt, (m, o) in zip(self.parts, self.optimizers, layouts, strict=True):
             model = {k: state["model"][k] for k in m}
@@ -184,7 +185,7 @@ class ModelState:
             if is_tied_copy(part):
                 optim = _renamed(optim, _TABLE, _COPY)
             set_model_state_dict(part, model)
-            set_optimizer_state_dict(part, opt, optim, options=StateDictOptions(**FLAT))
+            set_optimizer_state_dict(part, opt, optim, options=options)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.sharded:
@@ -229,6 +230,26 @@ class TrainState:
     rng: RNG = field(default_factory=RNG)
 
 
+def fill_from_full(target: dict[str, Any], full: dict[str, Any]) -> None:
+    """Copy whole tensors `full[k]` into `target[k]`, which may be shards
+    (DTensors: each rank keeps its part of the whole, which every rank holds);
+    other values are replaced."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for key, t in target.items():
+        src = full[key]
+        if isinstance(t, DTensor):
+            mesh = t.device_mesh
+            whole = DTensor.from_local(
+                src.to(t.device, t.dtype), mesh, [Replicate()] * mesh.ndim, run_check=False
+            )
+            t.to_local().copy_(whole.redistribute(mesh, t.placements).to_local())
+        elif isinstance(t, torch.Tensor):
+            t.copy_(src)
+        else:
+            target[key] = src
+
+
 def tensor_digest(t: torch.Tensor) -> str:
     """sha256 of one tensor's dtype, shape and raw bytes."""
     t = t.detach().cpu().contiguous()
@@ -268,4 +289,7 @@ def fresh_cpu_model(m: ModelConfig) -> nn.Module:
     empty, so building it draws nothing from the random generators."""
     with torch.device("meta"):
         model = build_model(m)
-    return model.to_empty(device="cpu")
+    model = model.to_empty(device="cpu")
+    if m.tie_embeddings:  # to_empty gives each module its own tensor: tie them again
+        model.output.weight = model.tok_embeddings.weight
+    return model

@@ -18,13 +18,17 @@ from trainlab.train.callbacks import Callback
 
 
 class Losses(Callback):
-    def __init__(self, path: str):
-        self.path = path
+    """Records every logged step's loss; asks the run to stop at `stop_at`."""
+
+    def __init__(self, path: str, stop_at: int | None):
+        self.path, self.stop_at = path, stop_at
         self.losses: dict[int, float] = {}
 
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         self.losses[step] = float(metrics["loss"])
         Path(self.path).write_text(json.dumps(self.losses))
+        if step == self.stop_at:
+            self.stop_requested, self.stop_reason = True, f"the test stops at step {step}"
 
 
 def _free_port() -> int:
@@ -33,7 +37,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, job: Any, out: str) -> None:
+def _worker(rank: int, world: int, port: int, job: Any, out: str, stop_at: int | None) -> None:
     from trainlab.data import WorkerLoader
     from trainlab.train.child import make_env
     from trainlab.train.protocol import ChildArgs
@@ -46,7 +50,7 @@ def _worker(rank: int, world: int, port: int, job: Any, out: str) -> None:
     args = ChildArgs(job, rank, world, 0, "cpu", "127.0.0.1", port)
     env = make_env(job, args, torch.device("cpu"))
     loader = WorkerLoader(job.data_spec, env.dp_rank, env.dp_size, backend="local")
-    callbacks = Losses(out + ".losses.json") if rank == 0 else None
+    callbacks = Losses(out + ".losses.json", stop_at) if rank == 0 else None
     try:
         summary = Trainer(job, loader, env, callbacks).fit()
     except BaseException:
@@ -60,11 +64,15 @@ def _worker(rank: int, world: int, port: int, job: Any, out: str) -> None:
         dist.destroy_process_group()
 
 
-def run_layout(job: Any, world: int, out: Path) -> tuple[dict[int, float], dict[str, Any]]:
-    """Train `job` on `world` processes; (losses by step, run summary) of rank 0."""
+def run_layout(
+    job: Any, world: int, out: Path, stop_at: int | None = None
+) -> tuple[dict[int, float], dict[str, Any]]:
+    """Train `job` on `world` processes (stopping after step `stop_at`, with a
+    checkpoint); (losses by step, run summary) of rank 0."""
+    args = (world, _free_port(), job, str(out), stop_at)
     if world == 1:
-        _worker(0, 1, _free_port(), job, str(out))
+        _worker(0, *args)
     else:
-        mp.spawn(_worker, args=(world, _free_port(), job, str(out)), nprocs=world, join=True)
+        mp.spawn(_worker, args=args, nprocs=world, join=True)
     losses = json.loads(Path(str(out) + ".losses.json").read_text())
     return {int(k): v for k, v in losses.items()}, json.loads(out.read_text())

@@ -33,6 +33,7 @@ REASONS = (
     "missing_field",
     "unreadable",
     "duplicate",
+    "near_duplicate",
 )
 
 

@@ -1,55 +1,84 @@
-"""Where the per-unit stages run: a Ray Data pipeline, or this process.
+"""Where the stages run: a Ray Data pipeline, or this process.
 
-Both yield the stage's output tables in unit order, which is what makes the
-writer's "first copy wins" deduplication deterministic. The local executor
-runs the very same functions without Ray; it serves tiny inputs and tests.
+`map_items` runs a stage (`stages`) over small work items and yields its small
+summary tables, in any order. It counts what reaches this process
+(`received`): `document_bytes` are the bytes of any document data (text or
+token columns) among them, which the stages never send (0; `make bench` and the
+tests check it). The local executor runs the very same functions without Ray;
+it serves tiny inputs and tests.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
 
-from trainlab.data.prep.units import (
-    ByRef,
-    WorkUnit,
-    read_clean_batch,
-    read_clean_unit,
-    sample_texts,
-)
+from trainlab.data.prep.units import ByRef
 
 log = logging.getLogger(__name__)
 
+# Columns that hold document data; anything else the driver receives is metadata.
+DOCUMENT_COLUMNS = ("text", "tokens")
 
-class SampleStage:
-    """The tokenizer-training sample of a unit (see `units.sample_texts`)."""
 
-    def __init__(self, fraction: float):
-        self.fraction = fraction
+@dataclass
+class Received:
+    """What the executor handed to this process."""
 
-    def __call__(self, table: pa.Table) -> pa.Table:
-        sample = sample_texts(table, self.fraction)
-        unit = table.column("unit")[0].as_py() if table.num_rows else -1
-        return sample.append_column("unit", pa.array([unit] * sample.num_rows, pa.int64()))
+    tables: int = 0
+    bytes: int = 0
+    document_bytes: int = 0
+    by_stage: dict[str, int] = field(default_factory=dict)
+
+    def count(self, stage: str, table: pa.Table) -> pa.Table:
+        self.tables += 1
+        self.bytes += table.nbytes
+        self.by_stage[stage] = self.by_stage.get(stage, 0) + table.nbytes
+        self.document_bytes += sum(
+            table.column(c).nbytes for c in DOCUMENT_COLUMNS if c in table.column_names
+        )
+        return table
+
+
+def items_table(items: list[dict[str, Any]]) -> pa.Table:
+    return pa.table({"item": pa.array([json.dumps(i) for i in items], pa.string())})
+
+
+def _stage_name(stage: type | Callable) -> str:
+    return getattr(stage, "__name__", type(stage).__name__)
 
 
 class LocalExecutor:
-    """Every unit in this process, one after the other."""
+    """Every work item in this process, one after the other."""
 
     parallelism = 1
     tokenizer_threads = True
 
-    def map_units(
-        self, units: list[WorkUnit], stage_cls: type, stage_kwargs: dict[str, Any]
-    ) -> Iterator[pa.Table]:
-        stage = stage_cls(**stage_kwargs)
-        for unit in units:
-            yield stage(read_clean_unit(unit))
+    @property
+    def received(self) -> Received:
+        if "_received" not in self.__dict__:
+            self._received = Received()
+        return self._received
+
+    def map_items(
+        self,
+        items: list[dict[str, Any]],
+        stage: type | Callable,
+        kwargs: dict[str, Any],
+    ) -> Iterable[pa.Table]:
+        """`stage`: a class (built once with `kwargs`, called per batch) or a function
+        (called as `stage(batch, **kwargs)`)."""
+        fn = stage(**kwargs) if isinstance(stage, type) else None
+        for item in items:
+            batch = items_table([item])
+            out = fn(batch) if fn is not None else stage(batch, **kwargs)
+            yield self.received.count(_stage_name(stage), out)
 
 
 @dataclass(frozen=True)
@@ -87,33 +116,63 @@ class RayDataExecutor:
         self.plan = plan_ray_resources(resources.get("CPU", 1), physical)
         self.parallelism = self.plan.stage_actors
         self.tokenizer_threads = self.plan.tokenizer_threads
+        self.received = Received()
         log.info("prep resources: %s", self.plan)
 
-    def map_units(
-        self, units: list[WorkUnit], stage_cls: type, stage_kwargs: dict[str, Any]
+    def map_items(
+        self,
+        items: list[dict[str, Any]],
+        stage: type | Callable,
+        kwargs: dict[str, Any],
     ) -> Iterator[pa.Table]:
-        import ray.data  # binds `ray` too
+        """A class runs in a fixed pool of actors (built once
+        each), a function in at most `stage_actors` concurrent tasks. Results stream
+        back as they finish; what the workers write goes straight to storage."""
+        import ray.data
 
-        items = [{"unit": u.to_json()} for u in units]
-        ds = ray.data.from_items(items, override_num_blocks=len(items))
-        ctx = ds.context
-        ctx.execution_options.preserve_order = True
-        ctx.enable_progress_bars = False
-        ds = ds.map_batches(read_clean_batch, batch_size=1, batch_format="pyarrow")
-        # Big arguments (the tokenizer JSON) go through the object store by reference.
-        kwargs = {
-            k: ByRef(ray.put(v)) if isinstance(v, str | bytes) and len(v) > 50_000 else v
-            for k, v in stage_kwargs.items()
-        }
-        ds = ds.map_batches(
-            stage_cls,
-            fn_constructor_kwargs=kwargs,
-            batch_size=None,
-            batch_format="pyarrow",
-            num_cpus=1,
-            compute=ray.data.ActorPoolStrategy(size=self.plan.stage_actors),
+        if not items:
+            return
+        # A few items per block: enough blocks to balance the workers (more for the
+        # unit stage, whose items vary most), few enough that per-task overhead
+        # stays small next to the work.
+        per_worker = 8 if isinstance(stage, type) else 2
+        ds = ray.data.from_items(
+            [{"item": json.dumps(i)} for i in items],
+            override_num_blocks=min(len(items), per_worker * self.plan.stage_actors),
         )
-        yield from ds.iter_batches(batch_size=None, batch_format="pyarrow")
+        ds.context.execution_options.preserve_order = False
+        ds.context.enable_progress_bars = False
+        kwargs = _by_ref(kwargs)
+        if isinstance(stage, type):
+            ds = ds.map_batches(
+                stage,
+                fn_constructor_kwargs=kwargs,
+                batch_size=None,
+                batch_format="pyarrow",
+                num_cpus=1,
+                compute=ray.data.ActorPoolStrategy(size=min(self.plan.stage_actors, len(items))),
+            )
+        else:
+            ds = ds.map_batches(
+                stage,
+                fn_kwargs=kwargs,
+                batch_size=None,
+                batch_format="pyarrow",
+                num_cpus=1,
+                concurrency=min(self.plan.stage_actors, len(items)),
+            )
+        for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            yield self.received.count(_stage_name(stage), table)
+
+
+def _by_ref(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Big arguments (the tokenizer JSON) go through the object store by reference."""
+    import ray
+
+    return {
+        k: ByRef(ray.put(v)) if isinstance(v, str | bytes) and len(v) > 50_000 else v
+        for k, v in kwargs.items()
+    }
 
 
 class _WarningsOnly(logging.Filter):

@@ -3,28 +3,44 @@
     check everything (sources file, paths, tokenizer, output dir)   -> UserError, no work
     up to date?  (same inputs and settings, every file intact)      -> return at once
     [train the tokenizer on a hash-sampled slice of the cleaned text]
-    read -> clean -> hash -> tokenize  (Ray Data, units in order)
-    dedup + account + write shards     (this process, in order)
-    manifest.json last, atomically
+    units:  read -> clean -> hash -> tokenize -> dedup keys   (workers; recorded)
+    dedup:  hash-partitioned shuffle of the keys             (workers)
+    settle: final reasons, accounts, kept rows per unit      (workers)
+    write:  one shard per work item                          (workers)
+    manifest.json last, atomically                           (this process)
 
-A run killed at any point leaves no manifest (the old one is removed before
-anything is overwritten), so the next run rebuilds instead of trusting a
-half-written directory; stale shards and temporary files are swept at the end.
+The driver sends paths and receives counts and file lists: no document data
+passes through it (except the tokenizer-training sample, when one is trained),
+so its memory does not grow with the corpus. Workers read and write the output
+directory directly, so on a multi-node cluster it must be shared storage.
+
+Resumable: each unit's result is recorded in `DIR/.prep-work/` as it finishes,
+under a key of its inputs and settings (`work`). A killed run (SIGKILL
+included) leaves no manifest (the old one is removed before anything is
+overwritten); the next run with the same inputs reuses every recorded unit and
+redoes the rest, and a changed input invalidates only the units it touches.
+The work directory, stale shards and temporary files are swept at the end.
 """
 
 from __future__ import annotations
 
+import json
 import re
+import resource
+import shutil
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import pyarrow as pa
 
 from trainlab.data.prep.cleaning import CLEANING_RULES, CLEANING_RULES_VERSION
-from trainlab.data.prep.executors import LocalExecutor, RayDataExecutor, SampleStage
+from trainlab.data.prep.dedup import lsh_bands, partition_bounds
+from trainlab.data.prep.executors import LocalExecutor, RayDataExecutor, Received
 from trainlab.data.prep.manifest import (
     FORMAT_VERSION,
     MANIFEST,
@@ -36,7 +52,7 @@ from trainlab.data.prep.manifest import (
     write_manifest,
 )
 from trainlab.data.prep.paths import list_source_files
-from trainlab.data.prep.shards import DatasetWriter, SourceAccount, atomic_write_bytes
+from trainlab.data.prep.shards import SHARD_NAME, SourceAccount, atomic_write_bytes
 from trainlab.data.prep.spec import (
     SOURCE_NAME_PATTERN,
     SourcesFile,
@@ -45,15 +61,23 @@ from trainlab.data.prep.spec import (
     load_sources_file,
     resolve_root,
 )
+from trainlab.data.prep.stages import (
+    UnitStage,
+    reduce_stage,
+    sample_stage,
+    settle_stage,
+    train_stage,
+    write_stage,
+)
 from trainlab.data.prep.tokenizer import (
     TokenizerInfo,
     describe,
     read_tokenizer_file,
     sha256_bytes,
-    train_bpe,
 )
-from trainlab.data.prep.units import SourceFiles, TokenizeStage, WorkUnit, plan_units
+from trainlab.data.prep.units import SourceFiles, WorkUnit, plan_units
 from trainlab.data.prep.units import unit_target_bytes as default_unit_bytes
+from trainlab.data.prep.work import WORK_DIR, WorkDir
 from trainlab.errors import UserError
 
 MB = 1 << 20
@@ -66,9 +90,10 @@ ProgressFn = Callable[[str, int, int], None]
 class Executor(Protocol):
     parallelism: int
     tokenizer_threads: bool
+    received: Received
 
-    def map_units(
-        self, units: list[WorkUnit], stage_cls: type, stage_kwargs: dict[str, Any]
+    def map_items(
+        self, items: list[dict[str, Any]], stage: type | Callable, kwargs: dict[str, Any]
     ) -> Iterable[pa.Table]: ...
 
 
@@ -79,9 +104,45 @@ class PrepResult:
     up_to_date: bool
     seconds: float
     # Wall seconds per phase: check, train_tokenizer, tokenize_write (of which
-    # dedup_write_in_driver is this process's own work), finish; and CPU seconds
-    # the workers spent in cpu_read_clean and cpu_tokenize.
+    # stage_units_s, stage_dedup_s, stage_settle_s, stage_write_s), finish; and
+    # CPU seconds the workers spent in cpu_read_clean, cpu_tokenize, cpu_dedup_keys.
     timings: dict[str, float] = field(default_factory=dict)
+    units_total: int = 0
+    units_reused: int = 0
+    # Peak resident memory of this process (the driver) so far (`peak_rss_bytes`).
+    driver_peak_rss_bytes: int = 0
+    # What the executor handed to this process: all bytes, and those of document data.
+    driver_received_bytes: int = 0
+    driver_document_bytes: int = 0
+
+    def summary(self) -> dict[str, Any]:
+        """The numbers `trainlab prep --json` reports beside the manifest."""
+        return {
+            "up_to_date": self.up_to_date,
+            "seconds": round(self.seconds, 3),
+            "units_total": self.units_total,
+            "units_reused": self.units_reused,
+            "driver_peak_rss_bytes": self.driver_peak_rss_bytes,
+            "driver_received_bytes": self.driver_received_bytes,
+            "driver_document_bytes": self.driver_document_bytes,
+            "driver_cpu_s": round(time.process_time(), 3),
+            "timings": {k: round(v, 3) for k, v in self.timings.items()},
+        }
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process: VmHWM where Linux gives it (getrusage's
+    ru_maxrss survives exec, so a child started by a big process would report its
+    parent's), else ru_maxrss (KiB on Linux, bytes on macOS)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    maxrss = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
 
 
 @dataclass(frozen=True)
@@ -122,12 +183,17 @@ def run_prep(
     timings = {"check": time.perf_counter() - t0}
     existing = current_manifest(out_dir, inputs.signature)
     if existing is not None:
-        return PrepResult(out_dir, existing, True, time.perf_counter() - t0, timings)
+        return PrepResult(
+            out_dir,
+            existing,
+            True,
+            time.perf_counter() - t0,
+            timings,
+            driver_peak_rss_bytes=peak_rss_bytes(),
+        )
 
     ex = _make_executor(executor)
-    units = plan_units(
-        inputs.sources, unit_bytes or default_unit_bytes(inputs.total_bytes, ex.parallelism)
-    )
+    units = plan_units(inputs.sources, unit_bytes or default_unit_bytes(inputs.total_bytes))
     old_manifest = read_manifest(out_dir)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # from here on the directory is unfinished
 
@@ -135,13 +201,13 @@ def run_prep(
     tokenizer_json = inputs.tokenizer_json
     if tokenizer_json is None:
         assert inputs.training is not None
-        tokenizer_json = _train_tokenizer(ex, units, inputs, progress)
+        tokenizer_json = _train_tokenizer(ex, units, inputs, out_dir, progress)
     info = describe(tokenizer_json, inputs.spec.eos_token, "trained tokenizer")
     atomic_write_bytes(out_dir / TOKENIZER_FILE, tokenizer_json)
     timings["train_tokenizer"] = time.perf_counter() - t
 
     t = time.perf_counter()
-    accounts, spent = _tokenize_and_write(
+    accounts, spent, reused = _tokenize_and_write(
         ex, units, inputs, tokenizer_json, info, out_dir, progress
     )
     timings["tokenize_write"] = time.perf_counter() - t
@@ -151,8 +217,20 @@ def run_prep(
     manifest = build_manifest(info, inputs.cleaning, accounts, inputs.signature)
     _remove_stale_files(out_dir, manifest, old_manifest)
     write_manifest(out_dir, manifest)
+    shutil.rmtree(out_dir / WORK_DIR, ignore_errors=True)
     timings["finish"] = time.perf_counter() - t
-    return PrepResult(out_dir, manifest, False, time.perf_counter() - t0, timings)
+    return PrepResult(
+        out_dir,
+        manifest,
+        False,
+        time.perf_counter() - t0,
+        timings,
+        units_total=len(units),
+        units_reused=reused,
+        driver_peak_rss_bytes=peak_rss_bytes(),
+        driver_received_bytes=ex.received.bytes,
+        driver_document_bytes=ex.received.document_bytes,
+    )
 
 
 # --------------------------------------------------------------------------- checks
@@ -183,6 +261,7 @@ def _check_inputs(sources_path: Path, tokenizer: str | None, vocab_size: int | N
         "rules_version": CLEANING_RULES_VERSION,
         "rules": CLEANING_RULES,
         "sources": {s.name: s.cleaning.model_dump() for s in sources},
+        "dedup": spec.dedup.model_dump(),
     }
     return _Inputs(
         spec,
@@ -256,29 +335,38 @@ def _make_executor(executor: str | Executor) -> Executor:
 
 
 def _train_tokenizer(
-    ex: Executor, units: list[WorkUnit], inputs: _Inputs, progress: ProgressFn | None
+    ex: Executor, units: list[WorkUnit], inputs: _Inputs, out_dir: Path, progress: ProgressFn | None
 ) -> bytes:
     """Train on the cleaned documents whose hash falls in the sampled fraction, each
-    distinct text once, in dedup order: the same inputs give the same tokenizer."""
+    distinct text once, in dedup order: the same inputs give the same tokenizer.
+    Workers sample and train; this process reads the finished tokenizer file."""
     training = inputs.training
     assert training is not None
+    work = WorkDir(out_dir)
+    work.start_run()
     fraction = min(1.0, training.sample_mb * MB / max(1, inputs.total_bytes))
-    seen: set[str] = set()
-    texts: list[str] = []
-    stream = ex.map_units(units, SampleStage, {"fraction": fraction})
-    for table in _with_progress(stream, units, "sample", progress):
-        for doc_id, text in zip(
-            table.column("doc_id").to_pylist(), table.column("text").to_pylist(), strict=True
-        ):
-            if doc_id not in seen:
-                seen.add(doc_id)
-                texts.append(text)
+    items = [
+        {"index": u.index, "unit": u.to_json(), "out": str(work.sample(u.index))} for u in units
+    ]
+    total, done = sum(u.nbytes for u in units), 0
+    if progress:
+        progress("sample", 0, total)
+    for table in ex.map_items(items, sample_stage, {"fraction": fraction}):
+        for index in table.column("index").to_pylist():
+            done += units[index].nbytes
+        if progress:
+            progress("sample", done, total)
+    train = {"index": 0, "samples": [i["out"] for i in items], "out": str(work.tokenizer())}
+    kwargs = {"training": training.model_dump(), "eos_token": inputs.spec.eos_token}
+    texts = sum(
+        sum(t.column("texts").to_pylist()) for t in ex.map_items([train], train_stage, kwargs)
+    )
     if not texts:
         raise UserError(
             "no usable document to train the tokenizer on: every record was "
             "rejected (see the sources' cleaning settings)"
         )
-    return train_bpe(texts, training, inputs.spec.eos_token)
+    return work.tokenizer().read_bytes()
 
 
 def _tokenize_and_write(
@@ -289,51 +377,168 @@ def _tokenize_and_write(
     info: TokenizerInfo,
     out_dir: Path,
     progress: ProgressFn | None,
-) -> tuple[dict[str, SourceAccount], dict[str, float]]:
-    """The main pass; returns the accounts and where the time went: CPU seconds of
-    the workers' stages, and this process's own dedup+write seconds (the rest of
-    the pass it waits for the pipeline)."""
-    writer = DatasetWriter(
-        out_dir, [s.name for s in inputs.sources], info.dtype, int(inputs.spec.shard_target_mb * MB)
+) -> tuple[dict[str, SourceAccount], dict[str, float], int]:
+    """The main pass, in four distributed stages (see `stages`): units (reusing
+    those a previous run recorded), the dedup shuffle, settling, shard writing.
+    Returns the accounts, where the time went (CPU seconds of the workers'
+    stages and wall seconds per stage) and how many units were reused."""
+    work = WorkDir(out_dir)
+    work.start_run()
+    dedup = inputs.spec.dedup
+    unit_key = work.unit_key_fn(
+        tokenizer_sha256=info.sha256,
+        eos_id=info.eos_id,
+        dtype=info.dtype,
+        dedup=dedup.model_dump(),
+        bands=lsh_bands(dedup.near.threshold, dedup.near.num_perm) if dedup.near.enabled else None,
+        cleaning_version=CLEANING_RULES_VERSION,
     )
+    keys = [unit_key(u) for u in units]
+    todo = [u for u, k in zip(units, keys, strict=True) if not work.unit_done(k)]
+    reused = len(units) - len(todo)
+    spent = dict.fromkeys(("cpu_read_clean", "cpu_tokenize", "cpu_dedup_keys"), 0.0)
+
+    t = time.perf_counter()
     stage_kwargs = {
         "tokenizer_json": tokenizer_json.decode("utf-8"),
         "eos_id": info.eos_id,
         "dtype": info.dtype,
         "threads": ex.tokenizer_threads,
+        "exact": dedup.exact,
+        "near": dedup.near.model_dump(),
     }
-    spent = dict.fromkeys(("cpu_read_clean", "cpu_tokenize", "dedup_write_in_driver"), 0.0)
-    for table in _with_progress(
-        ex.map_units(units, TokenizeStage, stage_kwargs), units, "tokenize", progress
-    ):
-        t = time.perf_counter()
-        writer.add(table)
-        spent["dedup_write_in_driver"] += time.perf_counter() - t
-        for column in ("cpu_read_clean", "cpu_tokenize"):
-            spent[column] += float(table.column(column).to_numpy().sum())
-    t = time.perf_counter()
-    accounts = writer.finish()
-    spent["dedup_write_in_driver"] += time.perf_counter() - t
-    return accounts, spent
-
-
-def _with_progress(
-    tables: Iterable[pa.Table], units: list[WorkUnit], phase: str, progress: ProgressFn | None
-) -> Iterable[pa.Table]:
+    items = [
+        {
+            "unit": u.to_json(),
+            "docs": str(work.docs(keys[u.index])),
+            "keys": str(work.keys(keys[u.index])),
+        }
+        for u in todo
+    ]
     total = sum(u.nbytes for u in units)
-    done_units: set[int] = set()
-    done = 0
+    done = total - sum(u.nbytes for u in todo)
     if progress:
-        progress(phase, 0, total)
-    for table in tables:
-        if progress and "unit" in table.column_names:
-            for u in set(table.column("unit").to_pylist()) - done_units:
-                done_units.add(u)
-                done += units[u].nbytes
-            progress(phase, done, total)
-        yield table
-    if progress:
-        progress(phase, total, total)
+        progress("tokenize", done, total)
+    for table in ex.map_items(items, UnitStage, stage_kwargs):
+        for row in table.to_pylist():
+            done += units[row["index"]].nbytes
+            for column in spent:
+                spent[column] += row[column]
+        if progress:
+            progress("tokenize", done, total)
+    spent["stage_units_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    loser_files = _dedup(
+        ex, units, keys, work, dedup.near.threshold, dedup.exact or dedup.near.enabled
+    )
+    spent["stage_dedup_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    settled = _settle(ex, units, keys, work, loser_files)
+    spent["stage_settle_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    accounts = _write_shards(ex, units, keys, work, settled, inputs, info, out_dir)
+    spent["stage_write_s"] = time.perf_counter() - t
+    return accounts, spent, reused
+
+
+def _dedup(
+    ex: Executor,
+    units: list[WorkUnit],
+    keys: list[str],
+    work: WorkDir,
+    threshold: float,
+    enabled: bool,
+) -> list[str]:
+    """The hash-partitioned shuffle: each partition's owner writes its losers."""
+    if not enabled:
+        return []
+    n = max(1, min(len(units), 4 * ex.parallelism))  # any n gives the same losers
+    unit_list = [[str(work.keys(keys[u.index])), u.source_index, u.file_offset] for u in units]
+    items = [
+        {"index": j, "lo": lo, "hi": hi, "units": unit_list, "out": str(work.losers(j))}
+        for j, (lo, hi) in enumerate(partition_bounds(n))
+    ]
+    for _ in ex.map_items(items, reduce_stage, {"threshold": threshold}):
+        pass
+    return [str(work.losers(j)) for j in range(n)]
+
+
+def _settle(
+    ex: Executor, units: list[WorkUnit], keys: list[str], work: WorkDir, loser_files: list[str]
+) -> dict[int, dict]:
+    items = [
+        {
+            "index": u.index,
+            "docs": str(work.docs(keys[u.index])),
+            "source_index": u.source_index,
+            "file_offset": u.file_offset,
+            "n_files": len(u.files),
+            "losers": loser_files,
+            "kept": str(work.kept(u.index)),
+        }
+        for u in units
+    ]
+    settled: dict[int, dict] = {}
+    for table in ex.map_items(items, settle_stage, {}):
+        for row in table.to_pylist():
+            settled[row["index"]] = row
+    return settled
+
+
+def _write_shards(
+    ex: Executor,
+    units: list[WorkUnit],
+    keys: list[str],
+    work: WorkDir,
+    settled: dict[int, dict],
+    inputs: _Inputs,
+    info: TokenizerInfo,
+    out_dir: Path,
+) -> dict[str, SourceAccount]:
+    """Accounts from the per-unit summaries (in unit order, so examples are the
+    first in dedup order); then one write item per shard, which the driver
+    derives from the per-unit token totals alone."""
+    accounts = {s.name: SourceAccount(s.name) for s in inputs.sources}
+    itemsize = np.dtype(info.dtype).itemsize
+    target = max(1, int(inputs.spec.shard_target_mb * MB))
+    spans: dict[tuple[str, int], list] = {}
+    running: dict[str, int] = dict.fromkeys(accounts, 0)
+    for u in units:
+        row = settled[u.index]
+        acc = accounts[u.source]
+        acc.merge(row["docs_in"], json.loads(row["rejected"]))
+        start = running[u.source]
+        running[u.source] += row["token_count"] * itemsize
+        if row["docs_out"]:
+            part = [str(work.docs(keys[u.index])), str(work.kept(u.index)), start]
+            for k in range(start // target, (running[u.source] - 1) // target + 1):
+                spans.setdefault((u.source, k), []).append(part)
+    items = [
+        {
+            "index": i,
+            "k": k,
+            "target": target,
+            "itemsize": itemsize,
+            "parts": parts,
+            "file": f"{source}/{SHARD_NAME.format(k)}",
+            "out": str(out_dir / source / SHARD_NAME.format(k)),
+        }
+        for i, ((source, k), parts) in enumerate(spans.items())
+    ]
+    written = {}
+    for table in ex.map_items(items, write_stage, {}):
+        for row in table.to_pylist():
+            if row["file"] is not None:
+                written[row["file"]] = row
+    for item in items:  # in source order, then k
+        row = written.get(item["file"])
+        if row is not None:
+            source = item["file"].split("/")[0]
+            accounts[source].add_shard(out_dir, row)
+    return accounts
 
 
 def _remove_stale_files(out_dir: Path, manifest: dict, old_manifest: dict | None) -> None:

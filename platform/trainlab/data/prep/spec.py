@@ -5,6 +5,7 @@ A sources file (YAML, kept in data_prep/sources/) looks like:
     root: ../../data/demo/raw          # optional; relative paths start here
     train_tokenizer: {vocab_size: 8192}  # or `tokenizer: path/to/tokenizer.json`
     cleaning: {min_chars: 16}          # defaults for every source
+    dedup: {exact: true, near: {enabled: false, threshold: 0.8, num_perm: 128, ngram: 5}}
     sources:
       - name: code
         paths: ["code/**/*.py"]        # files, directories or globs; s3:// and gs:// too
@@ -73,6 +74,29 @@ class TokenizerTraining(_Strict):
     min_frequency: int = Field(2, ge=1, le=1_000_000)
 
 
+class NearDedupSettings(_Strict):
+    """Near-duplicate removal: MinHash signatures of each document's n-grams, LSH
+    banding to find candidates, and the signatures' estimated Jaccard similarity
+    to confirm them. A document goes when an earlier one (in dedup order) is at
+    least `threshold` similar."""
+
+    enabled: bool = False
+    # Estimated Jaccard similarity of the two documents' n-gram sets.
+    threshold: float = Field(0.8, gt=0, lt=1)
+    num_perm: int = Field(128, ge=16, le=1024)
+    ngram: int = Field(5, ge=1, le=100)
+    # n-grams of words (whitespace-separated) or of characters.
+    shingle: Literal["word", "char"] = "word"
+
+
+class DedupSettings(_Strict):
+    """`exact`: drop later copies of a cleaned text (first copy wins, by source order,
+    then path, then position); `near`: drop near-copies the same way."""
+
+    exact: bool = True
+    near: NearDedupSettings = Field(default_factory=NearDedupSettings)
+
+
 class SourceSpec(_Strict):
     name: str = Field(..., min_length=1, max_length=100, pattern=SOURCE_NAME_PATTERN)
     # Files, directories (every file below, recursively) or globs (`**` allowed).
@@ -103,6 +127,7 @@ class SourcesFile(_Strict):
     # Target size of one shard, in MB of token ids (uncompressed); cut at document boundaries.
     shard_target_mb: float = Field(64.0, gt=0, le=100_000)
     cleaning: CleaningSettings = Field(default_factory=CleaningSettings)
+    dedup: DedupSettings = Field(default_factory=DedupSettings)
     sources: list[SourceSpec] = Field(..., min_length=1)
 
     @model_validator(mode="after")

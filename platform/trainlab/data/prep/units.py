@@ -1,13 +1,15 @@
-"""Work units and the per-unit stages: read -> clean -> hash, then tokenize.
+"""Work units and their per-unit work: read -> clean -> hash -> tokenize.
 
 A unit is a run of consecutive files of one source (in dedup order). Units are
-what Ray Data schedules; each stage maps one unit's Arrow table to the next,
-so the same functions run in a Ray worker or, for tiny inputs and tests, in
-the calling process. Results never depend on where units are cut.
+what Ray Data schedules and what a killed prep reuses: where they are cut
+depends only on the files themselves (a cut after a file whose path hash says
+so, about every `target_bytes`), so a changed or added file changes the units
+around it, not every unit. Results never depend on where units are cut.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -27,6 +29,9 @@ CLEANED_SCHEMA = pa.schema(
     [
         ("unit", pa.int64()),
         ("source", pa.string()),
+        # The record's place: file (index among the unit's files), row (within the file).
+        ("file", pa.int32()),
+        ("row", pa.int64()),
         ("location", pa.string()),
         ("doc_id", pa.string()),
         ("text", pa.large_string()),
@@ -48,6 +53,13 @@ class WorkUnit:
     max_chars: int
     files: tuple[str, ...]
     nbytes: int
+    # Where it sits in dedup order: the source's position in the sources file and
+    # the index of the unit's first file among the source's files.
+    source_index: int = 0
+    file_offset: int = 0
+    # Identifies the unit's inputs (files by location, size, mtime); with the
+    # settings, it names the unit's recorded result (see `work`).
+    inputs: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -69,30 +81,45 @@ class SourceFiles:
     files: list[InputFile]
 
 
-def unit_target_bytes(total_bytes: int, parallelism: int) -> int:
-    """Enough units to keep `parallelism` workers busy and balanced (about 8 each),
-    none so small that scheduling overhead dominates nor so big it hogs memory."""
-    return int(min(16 << 20, max(256 << 10, total_bytes / max(1, 8 * parallelism))))
+def unit_target_bytes(total_bytes: int) -> int:
+    """About 64 units for the corpus, between 256 KB and 16 MB each, rounded to a
+    power of two: independent of the cluster's size (so a resumed run on another
+    cluster reuses the same units) and unchanged by small changes of the corpus."""
+    wanted = min(16 << 20, max(256 << 10, total_bytes // 64))
+    return 1 << (int(wanted).bit_length() - 1)
+
+
+def _cut_after(f: InputFile, target_bytes: int) -> bool:
+    """A content-defined cut: decided by the file alone (its path's hash, weighted by
+    its size), so units are about `target_bytes` and a changed file moves no cut
+    but its own."""
+    h = int.from_bytes(hashlib.blake2b(f.location.encode(), digest_size=8).digest(), "little")
+    return h / 2**64 < f.size / max(1, target_bytes)
 
 
 def plan_units(sources: Iterable[SourceFiles], target_bytes: int) -> list[WorkUnit]:
-    """Cut every source's file list, in order, into units of about `target_bytes`."""
+    """Cut every source's file list, in order, into units of about `target_bytes`
+    (never above 4x: a hard cut then)."""
     units: list[WorkUnit] = []
-    for src in sources:
+    for source_index, src in enumerate(sources):
         batch: list[InputFile] = []
-        size = 0
+        size = offset = 0
         for f in src.files:
             batch.append(f)
             size += f.size
-            if size >= target_bytes:
-                units.append(_unit(len(units), src, batch))
+            if _cut_after(f, target_bytes) or size >= 4 * target_bytes:
+                units.append(_unit(len(units), source_index, offset, src, batch))
+                offset += len(batch)
                 batch, size = [], 0
         if batch:
-            units.append(_unit(len(units), src, batch))
+            units.append(_unit(len(units), source_index, offset, src, batch))
     return units
 
 
-def _unit(index: int, src: SourceFiles, files: list[InputFile]) -> WorkUnit:
+def _unit(
+    index: int, source_index: int, offset: int, src: SourceFiles, files: list[InputFile]
+) -> WorkUnit:
+    inputs = json.dumps([[f.location, f.size, f.mtime_ns] for f in files])
     return WorkUnit(
         index,
         src.name,
@@ -102,6 +129,9 @@ def _unit(index: int, src: SourceFiles, files: list[InputFile]) -> WorkUnit:
         src.cleaning.max_chars,
         tuple(f.location for f in files),
         sum(f.size for f in files),
+        source_index,
+        offset,
+        hashlib.sha256(inputs.encode()).hexdigest(),
     )
 
 
@@ -112,9 +142,9 @@ def read_clean_unit(unit: WorkUnit) -> pa.Table:
     """Every raw record of the unit's files, cleaned and hashed, in file order."""
     cpu_start = time.process_time()
     settings = CleaningSettings(min_chars=unit.min_chars, max_chars=unit.max_chars)
-    locations, doc_ids, texts, reasons = [], [], [], []
-    for location in unit.files:
-        for rec in read_records(location, unit.format, unit.text_field):
+    files, rows, locations, doc_ids, texts, reasons = [], [], [], [], [], []
+    for file_index, location in enumerate(unit.files):
+        for row, rec in enumerate(read_records(location, unit.format, unit.text_field)):
             text, reason, doc_id = None, rec.reason, None
             if reason is None:
                 cleaned, reason = clean_text(rec.text or "", settings)
@@ -124,6 +154,8 @@ def read_clean_unit(unit: WorkUnit) -> pa.Table:
                         reason = "bad_encoding"
                     else:
                         text = cleaned
+            files.append(file_index)
+            rows.append(row)
             locations.append(rec.location)
             doc_ids.append(doc_id)
             texts.append(text)
@@ -133,6 +165,8 @@ def read_clean_unit(unit: WorkUnit) -> pa.Table:
         [
             pa.array([unit.index] * n, pa.int64()),
             pa.array([unit.source] * n),
+            pa.array(files, pa.int32()),
+            pa.array(rows, pa.int64()),
             pa.array(locations, pa.string()),
             pa.array(doc_ids, pa.string()),
             pa.array(texts, pa.large_string()),
@@ -145,12 +179,6 @@ def read_clean_unit(unit: WorkUnit) -> pa.Table:
 
 def _first_row(value: float, n: int) -> pa.Array:
     return pa.array(([value] + [0.0] * (n - 1)) if n else [], pa.float64())
-
-
-def read_clean_batch(batch: pa.Table) -> pa.Table:
-    """Ray Data stage: a batch of serialized units -> their cleaned records."""
-    units = [WorkUnit.from_json(s) for s in batch.column("unit").to_pylist()]
-    return pa.concat_tables([read_clean_unit(u) for u in units])
 
 
 # --------------------------------------------------------------------------- tokenizer sample
@@ -199,13 +227,21 @@ class TokenizeStage:
     """Tokenize the kept documents of a unit's table; EOS appended to each.
 
     A Ray Data actor (the tokenizer is built once per actor) or a plain callable.
-    Later copies of a document within the same table are marked `duplicate`
-    here and not tokenized; duplicates across tables are found by the writer.
+    With `exact` dedup, later copies of a document within the same table are
+    marked `duplicate` here and not tokenized; copies across units are found by
+    the dedup shuffle (`dedup`).
     `threads=False` turns off the tokenizer's own thread pool, for when the
     actors already occupy every core.
     """
 
-    def __init__(self, tokenizer_json: str | ByRef, eos_id: int, dtype: str, threads: bool = True):
+    def __init__(
+        self,
+        tokenizer_json: str | ByRef,
+        eos_id: int,
+        dtype: str,
+        threads: bool = True,
+        exact: bool = True,
+    ):
         if not threads:
             os.environ["TOKENIZERS_PARALLELISM"] = "false"
         from tokenizers import Tokenizer
@@ -213,12 +249,13 @@ class TokenizeStage:
         self.tokenizer = Tokenizer.from_str(resolve(tokenizer_json))  # type: ignore[arg-type]
         self.eos_id = eos_id
         self.dtype = np.dtype(dtype)
+        self.exact = exact
 
     def __call__(self, table: pa.Table) -> pa.Table:
         cpu_start = time.process_time()
         reasons = table.column("reason").to_pylist()
         doc_ids = table.column("doc_id").to_pylist()
-        todo = _first_copies(doc_ids, reasons)
+        todo = _first_copies(doc_ids, reasons, self.exact)
         texts = table.column("text").to_pylist()
         encodings = self.tokenizer.encode_batch_fast(
             [texts[i] for i in todo], add_special_tokens=False
@@ -231,6 +268,8 @@ class TokenizeStage:
             {
                 "unit": table.column("unit"),
                 "source": table.column("source"),
+                "file": table.column("file"),
+                "row": table.column("row"),
                 "location": table.column("location"),
                 "doc_id": table.column("doc_id"),
                 "reason": pa.array(reasons, pa.string()),
@@ -252,14 +291,17 @@ class TokenizeStage:
         return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(flat))
 
 
-def _first_copies(doc_ids: list[str | None], reasons: list[str | None]) -> list[int]:
-    """Indices of kept rows to tokenize; marks later in-table copies as duplicates."""
+def _first_copies(
+    doc_ids: list[str | None], reasons: list[str | None], exact: bool = True
+) -> list[int]:
+    """Indices of kept rows to tokenize; with `exact`, marks later in-table copies
+    as duplicates."""
     seen: set[str] = set()
     todo = []
     for i, (doc_id, reason) in enumerate(zip(doc_ids, reasons, strict=True)):
         if reason is not None or doc_id is None:
             continue
-        if doc_id in seen:
+        if exact and doc_id in seen:
             reasons[i] = "duplicate"
         else:
             seen.add(doc_id)

@@ -1,0 +1,287 @@
+"""`trainlab gc [--older-than 14d] [--status failed,smoke] [--dry-run] [--force]`:
+free the disk that old runs hold.
+
+It works on the runs root layout (`{runs_root}/{YYYY-MM-DD}/{name}/`,
+trainlab.train.rundir) and reads each run with the training layer's own readers:
+its status from `run_summary.json` (trainlab.train.records; no summary means
+"unfinished"), its checkpoints from `checkpoints/` (trainlab.train.checkpoint).
+
+A run is selected when nothing in it changed for `--older-than` (default 14
+days: a running run writes its logs and progress all the time) and its status
+is one of `--status` (default: all of completed, stopped, failed, unfinished,
+smoke; `smoke` = a `--smoke` rehearsal, whatever its outcome). For a selected
+run, gc deletes everything except the run's records (config.yaml, plan.json,
+run_summary.json, logs/) and two checkpoints: the last valid one (the newest
+whose validation passed) and the best one (lowest validation loss); a run that
+has neither is deleted whole. `--force` deletes selected runs whole, those two
+checkpoints included. `--dry-run` says what would go and deletes nothing. The
+MLflow records are never touched (they are small and say what the run was).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import click
+
+from trainlab.cli.common import echo_json, json_option
+from trainlab.errors import UserError
+
+STATUSES = ("completed", "stopped", "failed", "unfinished", "smoke")
+# What a trimmed run keeps besides its two checkpoints: the record of what it was.
+RECORDS = ("config.yaml", "plan.json", "run_summary.json", "logs")
+_DATE_DIR = re.compile(r"^\d{4}-\d\d-\d\d$")
+_UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_age(text: str) -> float:
+    """'14d', '12h', '30m', '2w' (or a bare number of days) in seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([mhdw]?)\s*", text)
+    if not m:
+        raise UserError(f"--older-than {text!r}: expected a duration like 14d, 12h, 30m or 2w")
+    return float(m.group(1)) * _UNITS[m.group(2) or "d"]
+
+
+def parse_statuses(text: str | None) -> set[str]:
+    if not text:
+        return set(STATUSES)
+    wanted = {s.strip() for s in text.split(",") if s.strip()}
+    unknown = sorted(wanted - set(STATUSES))
+    if unknown or not wanted:
+        raise UserError(
+            f"--status {text!r}: unknown {', '.join(unknown) or 'empty list'}; "
+            f"choose from {','.join(STATUSES)}"
+        )
+    return wanted
+
+
+# --------------------------------------------------------------------------- reading
+
+
+@dataclass
+class RunInfo:
+    path: Path
+    status: str  # completed | stopped | failed | unfinished
+    smoke: bool
+    age_s: float  # since anything in the run directory last changed
+
+    @property
+    def statuses(self) -> set[str]:
+        return {self.status, *(["smoke"] if self.smoke else [])}
+
+
+def _tree_bytes(path: Path) -> int:
+    if path.is_symlink() or path.is_file():
+        return path.lstat().st_size
+    return sum((Path(d) / f).lstat().st_size for d, _, fs in os.walk(path) for f in fs)
+
+
+def _newest_mtime(path: Path) -> float:
+    newest = path.lstat().st_mtime
+    for d, dirs, files in os.walk(path):
+        for name in [*dirs, *files]:
+            newest = max(newest, (Path(d) / name).lstat().st_mtime)
+    return newest
+
+
+def _run_name(path: Path) -> str:
+    import yaml
+
+    try:
+        raw = yaml.safe_load((path / "config.yaml").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return path.name
+    return str(raw.get("name", path.name)) if isinstance(raw, dict) else path.name
+
+
+def read_run(path: Path, now: float) -> RunInfo:
+    from trainlab.train.records import RunRecords
+
+    summary = RunRecords(path).read_summary() or {}
+    status = str(summary.get("status") or "unfinished")
+    smoke = "smoke" in summary or _run_name(path).endswith("-smoke")
+    return RunInfo(path, status, smoke, max(0.0, now - _newest_mtime(path)))
+
+
+def find_runs(runs_root: Path, now: float | None = None) -> list[RunInfo]:
+    """Every run directory `{runs_root}/{YYYY-MM-DD}/{name}/` holding a config.yaml
+    (symlinks are never followed), oldest date first."""
+    now = time.time() if now is None else now
+    out = []
+    if not runs_root.is_dir():
+        return out
+    for day in sorted(runs_root.iterdir()):
+        if not _DATE_DIR.match(day.name) or day.is_symlink() or not day.is_dir():
+            continue
+        for run in sorted(day.iterdir()):
+            if run.is_dir() and not run.is_symlink() and (run / "config.yaml").is_file():
+                out.append(read_run(run, now))
+    return out
+
+
+# --------------------------------------------------------------------------- deciding
+
+
+@dataclass
+class Action:
+    run: RunInfo
+    whole: bool  # delete the run directory itself
+    remove: list[Path] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)  # checkpoint dir name -> why
+    freed_bytes: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run_dir": str(self.run.path),
+            "status": self.run.status,
+            "smoke": self.run.smoke,
+            "age_days": round(self.run.age_s / 86400, 2),
+            "action": "delete" if self.whole else "trim",
+            "removed": [str(p) for p in self.remove],
+            "kept_checkpoints": self.kept,
+            "freed_bytes": self.freed_bytes,
+        }
+
+
+def kept_checkpoints(run_dir: Path) -> dict[str, str]:
+    """The checkpoints gc keeps without --force: the last valid (newest whose
+    validation passed) and the best (lowest validation loss), by directory name."""
+    from trainlab.train import checkpoint as ck
+
+    infos = ck.committed(run_dir / "checkpoints")
+    valid = [i for i in infos if i.valid]
+    kept: dict[str, str] = {}
+    best = ck.best(infos)
+    if best is not None:
+        kept[best.path.name] = "best"
+    if valid:
+        last = valid[-1].path.name
+        kept[last] = "last valid and best" if kept.get(last) == "best" else "last valid"
+    return kept
+
+
+def decide(run: RunInfo, force: bool) -> Action:
+    kept = {} if force else kept_checkpoints(run.path)
+    if not kept:
+        return Action(run, whole=True, remove=[run.path], freed_bytes=_tree_bytes(run.path))
+    remove = []
+    for child in sorted(run.path.iterdir()):
+        if child.name in RECORDS:
+            continue
+        if child.name == "checkpoints" and child.is_dir() and not child.is_symlink():
+            remove += [c for c in sorted(child.iterdir()) if c.name not in kept]
+        else:
+            remove.append(child)
+    freed = sum(_tree_bytes(p) for p in remove)
+    return Action(run, whole=False, remove=remove, kept=kept, freed_bytes=freed)
+
+
+def plan_gc(
+    runs: list[RunInfo], older_than_s: float, statuses: set[str], force: bool
+) -> list[Action]:
+    chosen = [r for r in runs if r.age_s >= older_than_s and r.statuses & statuses]
+    return [a for a in (decide(r, force) for r in chosen) if a.whole or a.remove]
+
+
+def apply(actions: list[Action]) -> None:
+    for action in actions:
+        for path in action.remove:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink(missing_ok=True)
+        day = action.run.path.parent
+        if action.whole and day.is_dir() and not any(day.iterdir()):
+            day.rmdir()
+
+
+# --------------------------------------------------------------------------- command
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _describe(a: Action, root: Path) -> str:
+    rel = a.run.path.relative_to(root) if a.run.path.is_relative_to(root) else a.run.path
+    what = ", ".join(sorted(a.run.statuses))
+    head = f"{'delete' if a.whole else 'trim'} {rel} ({what}, {a.run.age_s / 86400:.1f} days)"
+    if a.whole:
+        return f"{head}: {_size(a.freed_bytes)}"
+    kept = ", ".join(f"{name} ({why})" for name, why in sorted(a.kept.items()))
+    return f"{head}: {len(a.remove)} entries, {_size(a.freed_bytes)}; keeps {kept} and the records"
+
+
+@click.command()
+@click.option(
+    "--runs-root",
+    default="runs",
+    show_default=True,
+    type=click.Path(file_okay=False),
+    help="The runs root (train.runs_root) to clean.",
+)
+@click.option(
+    "--older-than",
+    default="14d",
+    show_default=True,
+    metavar="AGE",
+    help="Only runs unchanged for this long (30m, 12h, 14d, 2w).",
+)
+@click.option(
+    "--status",
+    "statuses",
+    default=None,
+    metavar="S[,S...]",
+    help=f"Only runs with one of these statuses ({','.join(STATUSES)}; default: all).",
+)
+@click.option("--dry-run", is_flag=True, help="Say what would be deleted; delete nothing.")
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Delete selected runs whole, their last valid and best checkpoints included.",
+)
+@json_option
+def gc(
+    runs_root: str,
+    older_than: str,
+    statuses: str | None,
+    dry_run: bool,
+    force: bool,
+    as_json: bool,
+) -> int:
+    """Delete old run directories and smoke rehearsals, keeping each run's last
+    valid and best checkpoint (and its records) unless --force."""
+    root = Path(runs_root).expanduser().resolve()
+    age, wanted = parse_age(older_than), parse_statuses(statuses)
+    if not root.is_dir():
+        raise UserError(f"--runs-root {runs_root}: no such directory")
+    actions = plan_gc(find_runs(root), age, wanted, force)
+    if not dry_run:
+        apply(actions)
+    freed = sum(a.freed_bytes for a in actions)
+    if as_json:
+        echo_json(
+            {
+                "runs_root": str(root),
+                "dry_run": dry_run,
+                "force": force,
+                "runs": [a.to_json() for a in actions],
+                "freed_bytes": freed,
+            }
+        )
+        return 0
+    for a in actions:
+        click.echo(_describe(a, root))
+    verb = "would free" if dry_run else "freed"
+    click.echo(f"{len(actions)} run(s); {verb} {_size(freed)}" + (" (dry run)" if dry_run else ""))
+    return 0

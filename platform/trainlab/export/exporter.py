@@ -1,0 +1,149 @@
+"""The whole export: checkpoint -> Hugging Face model directory (see the package
+docstring and docs/export.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trainlab.data.prep.spec import DEFAULT_EOS_TOKEN
+from trainlab.errors import UserError
+from trainlab.export import hf
+from trainlab.export.safetensors_out import Entry, write_all
+from trainlab.export.source import CheckpointTensors, locate
+from trainlab.export.tokenizer import dataset_tokenizer, eos_of, write_tokenizer
+from trainlab.fileutil import sha256_file
+
+RECORD_FILE = "export.json"
+DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+
+
+def parse_size(text: str) -> int:
+    """'5GB', '500MiB', '1000000' -> bytes."""
+    s = text.strip().upper().replace(" ", "")
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if s.endswith(unit):
+            number, scale = s[: -len(unit)], UNITS[unit]
+            break
+    else:
+        number, scale = s, 1
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise UserError(f"--max-shard-size {text!r}: expected a size such as 5GB or 500MiB")
+    return value
+
+
+def _prepare_out(out: Path) -> Path:
+    """A fresh staging directory beside `out` (renamed into place at the end)."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out}: exists and is not empty; choose another directory")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    return staging
+
+
+def export_model(
+    path: str | Path,
+    out: str | Path,
+    step: int | None = None,
+    dtype: str = "fp32",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    tokenizer: str | Path | None = None,
+    track: bool = True,
+) -> dict[str, Any]:
+    """Export a checkpoint of the run (or checkpoint directory) at `path` to `out`.
+    Returns the record also written as `out/export.json` (plus `mlflow_run_id`)."""
+    if dtype not in hf.DTYPES:
+        raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(hf.DTYPES)}")
+    t0 = time.perf_counter()
+    found = locate(path, step)
+    m = found.cfg.model
+    hf.check_exportable(m)
+    if tokenizer is not None:
+        tok_file = Path(tokenizer).expanduser().resolve()
+        if not tok_file.is_file():
+            raise UserError(f"--tokenizer {tokenizer}: no such file")
+        try:
+            _, eos_token = dataset_tokenizer(found.cfg.data.path, None)
+        except UserError:  # the dataset is gone: prep's default end-of-document token
+            eos_token = DEFAULT_EOS_TOKEN
+    else:
+        fingerprint = found.checkpoint.meta.get("dataset_fingerprint")
+        tok_file, eos_token = dataset_tokenizer(found.cfg.data.path, fingerprint)
+    eos_id = eos_of(tok_file, eos_token)
+
+    source = CheckpointTensors(found.checkpoint)
+    plan = hf.hf_tensors(m, set(source.specs))
+    target = hf.DTYPES[dtype]
+    entries, by_name = [], {}
+    for t in plan:
+        metas = [torch.empty(source.specs[s].shape, device="meta") for s in t.sources]
+        entry = Entry(t.name, tuple(t.build(metas).shape), target)
+        entries.append(entry)
+        by_name[t.name] = t
+
+    def tensor(e: Entry) -> torch.Tensor:
+        t = by_name[e.name]
+        return t.build([source.get(s).float() for s in t.sources]).to(target)
+
+    out_dir = Path(out).expanduser().resolve()
+    staging = _prepare_out(out_dir)
+    try:
+        files = write_all(staging, entries, tensor, max_shard_bytes)
+        config = hf.hf_config(m, eos_id, dtype)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        gen = hf.generation_config(eos_id)
+        (staging / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+        files += ["config.json", "generation_config.json"]
+        files += write_tokenizer(staging, tok_file, eos_token, m.max_seq_len)
+        checksums = {
+            name: {"bytes": (staging / name).stat().st_size, "sha256": sha256_file(staging / name)}
+            for name in sorted(files)
+        }
+        record = {
+            "format_version": 1,
+            "run_dir": str(found.run_dir),
+            "checkpoint": str(found.checkpoint.path),
+            "step": found.checkpoint.step,
+            "checkpoint_format": source.format,
+            "arch": m.arch,
+            "hf_class": hf.HF_CLASS[m.arch],
+            "dtype": dtype,
+            "num_tensors": len(entries),
+            "weights_bytes": sum(e.nbytes for e in entries),
+            "files": checksums,
+            "sha256": hashlib.sha256(
+                json.dumps(checksums, sort_keys=True).encode()
+            ).hexdigest(),
+        }
+        (staging / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
+        if out_dir.exists():
+            out_dir.rmdir()  # empty (checked above)
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    run_id = None
+    if track:
+        from trainlab.export.record import log_export
+
+        run_id = log_export(found.cfg, found.run_dir, out_dir, record)
+    return {
+        **record,
+        "out": str(out_dir),
+        "mlflow_run_id": run_id,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }

@@ -1,0 +1,160 @@
+"""Which checkpoint to export, and its model tensors read one at a time.
+
+A path is a run directory (`{runs_root}/{date}/{name}/`, holding config.yaml
+and checkpoints/) or one checkpoint directory in it (`checkpoints/step-N/`).
+The run's newest valid checkpoint whose files match their checksums is taken
+(`trainlab.train.checkpoint.find_resume`), or the one of `step`.
+
+Both formats the trainer writes (trainlab.train.checkpointer) are read
+without the training layout or a process group:
+
+- "torch": `model.pt`, the full state dict, memory-mapped (weights_only);
+- "dcp": `state/`, torch.distributed.checkpoint shards. The model's entries
+  are stored under `model.<name>` with the same names as the unsharded
+  model's state dict, whatever the layout (FSDP, tensor or pipeline
+  parallelism); each is read alone from the metadata's description, so host
+  memory stays near the largest tensor.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+from trainlab.config import ExperimentConfig, config_hash
+from trainlab.config.loader import validate_raw
+from trainlab.errors import UserError
+from trainlab.train import checkpoint as ck
+from trainlab.train.checkpointer import DCP_DIR
+
+MODEL_PREFIX = "model."
+
+
+@dataclass(frozen=True)
+class Located:
+    run_dir: Path
+    checkpoint: ck.CheckpointInfo
+    cfg: ExperimentConfig
+
+
+def _run_config(run_dir: Path) -> ExperimentConfig:
+    path = run_dir / "config.yaml"
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UserError(f"{path}: not found; is {run_dir} a trainlab run directory?") from None
+    except (OSError, yaml.YAMLError) as e:
+        raise UserError(f"{path}: cannot read the run's config ({type(e).__name__})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: top level must be a mapping")
+    return validate_raw(raw, source=str(path))
+
+
+def locate(path: str | Path, step: int | None = None) -> Located:
+    """The run directory, checkpoint and config that `path` (a run directory or a
+    checkpoint directory) and `step` name; UserError when there is none."""
+    p = Path(path).expanduser().resolve()
+    if not p.is_dir():
+        raise UserError(f"{path}: no such directory (give a run directory or a checkpoint)")
+    if (p / ck.META_FILE).is_file():  # one checkpoint: {run_dir}/checkpoints/step-N
+        info = ck.read_info(p)
+        if info is None:
+            raise UserError(f"{p}: unreadable {ck.META_FILE} (not a committed checkpoint)")
+        if step is not None and step != info.step:
+            raise UserError(f"--step {step}: {p} is the checkpoint of step {info.step}")
+        return _located(p.parents[1], _checked(info))
+    root = p / "checkpoints"
+    if step is None:
+        cfg = _run_config(p)
+        info = ck.find_resume(root, require_valid=cfg.train.checkpoint.validate)
+        if info is None:
+            raise UserError(f"{root}: no valid checkpoint to export")
+        return _located(p, info)
+    match = [i for i in ck.committed(root) if i.step == step]
+    if not match:
+        have = ", ".join(str(i.step) for i in ck.committed(root)) or "none"
+        raise UserError(f"--step {step}: {root} has no checkpoint of that step (steps: {have})")
+    return _located(p, _checked(match[0]))
+
+
+def _located(run_dir: Path, info: ck.CheckpointInfo) -> Located:
+    """The checkpoint with the run's config, which must be the one it was trained with."""
+    cfg = _run_config(run_dir)
+    theirs, ours = info.meta.get("config_hash"), config_hash(cfg)
+    if theirs is not None and theirs != ours:
+        raise UserError(
+            f"{info.path}: trained with config hash {theirs}, but {run_dir / 'config.yaml'} "
+            f"hashes to {ours}; the run's config does not describe this checkpoint"
+        )
+    return Located(run_dir, info, cfg)
+
+
+def _checked(info: ck.CheckpointInfo) -> ck.CheckpointInfo:
+    """`info` when it is valid and intact (the same rules as resuming)."""
+    if info.meta.get("validated") and not info.valid:
+        reason = info.meta.get("error") or "it failed validation"
+        raise UserError(f"{info.path}: not a valid checkpoint ({reason})")
+    problem = ck.verify(info)
+    if problem:
+        raise UserError(f"{info.path}: {problem}")
+    return info
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class CheckpointTensors:
+    """The model's tensors in one checkpoint, by their state-dict name; `get`
+    reads one tensor (fp32 CPU as stored)."""
+
+    def __init__(self, info: ck.CheckpointInfo):
+        self.path = info.path
+        self.format = str(info.meta.get("format") or "torch")
+        self._full: dict[str, torch.Tensor] | None = None
+        if self.format == "dcp":
+            self.specs = self._dcp_specs()
+        elif self.format == "torch":
+            # mmap: pages are read when a tensor is used, never the whole file at once.
+            full = torch.load(
+                info.path / "model.pt", map_location="cpu", weights_only=True, mmap=True
+            )
+            if not isinstance(full, dict):
+                raise UserError(f"{info.path / 'model.pt'}: not a state dict")
+            self._full = full
+            self.specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in full.items()}
+        else:
+            raise UserError(f"{info.path}: unknown checkpoint format {self.format!r}")
+
+    def _dcp_specs(self) -> dict[str, TensorSpec]:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        meta = FileSystemReader(str(self.path / DCP_DIR)).read_metadata()
+        out = {}
+        for key, md in meta.state_dict_metadata.items():
+            if key.startswith(MODEL_PREFIX) and isinstance(md, TensorStorageMetadata):
+                out[key[len(MODEL_PREFIX) :]] = TensorSpec(tuple(md.size), md.properties.dtype)
+        if not out:
+            raise UserError(f"{self.path / DCP_DIR}: holds no model tensors")
+        return out
+
+    def get(self, name: str) -> torch.Tensor:
+        spec = self.specs[name]
+        if self._full is not None:
+            return self._full[name]
+        import torch.distributed.checkpoint as dcp
+
+        tensor = torch.empty(spec.shape, dtype=spec.dtype)
+        state: dict[str, Any] = {"model": {name: tensor}}
+        with warnings.catch_warnings():  # "assuming ... a single process": it is one
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, checkpoint_id=str(self.path / DCP_DIR), no_dist=True)
+        return state["model"][name]
