@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ from trainlab.data.prep.spec import DEFAULT_EOS_TOKEN
 from trainlab.errors import UserError
 from trainlab.export import hf
 from trainlab.export.safetensors_out import Entry, write_all
-from trainlab.export.source import CheckpointTensors, locate
+from trainlab.export.source import CheckpointTensors, Located, locate
 from trainlab.export.tokenizer import dataset_tokenizer, eos_of, write_tokenizer
 from trainlab.fileutil import sha256_file
 
@@ -55,6 +56,49 @@ def _prepare_out(out: Path) -> Path:
     return staging
 
 
+def _tokenizer(found: Located, given: str | Path | None) -> tuple[Path, str]:
+    """The tokenizer file to ship and its end-of-document token: the run dataset's
+    (checked against the checkpoint's dataset fingerprint), or `given`."""
+    if given is None:
+        fingerprint = found.checkpoint.meta.get("dataset_fingerprint")
+        return dataset_tokenizer(found.cfg.data.path, fingerprint)
+    tok_file = Path(given).expanduser().resolve()
+    if not tok_file.is_file():
+        raise UserError(f"--tokenizer {given}: no such file")
+    try:
+        _, eos_token = dataset_tokenizer(found.cfg.data.path, None)
+    except UserError:  # the dataset is gone: prep's default end-of-document token
+        eos_token = DEFAULT_EOS_TOKEN
+    return tok_file, eos_token
+
+
+def _weights(
+    source: CheckpointTensors, plan: list[hf.HFTensor], target: torch.dtype
+) -> tuple[list[Entry], Callable[[Entry], torch.Tensor]]:
+    """The safetensors entries (shapes from the checkpoint's metadata, built on the
+    meta device) and the function that builds one entry's tensor when written."""
+    by_name = {t.name: t for t in plan}
+
+    def shape(t: hf.HFTensor) -> tuple[int, ...]:
+        metas = [torch.empty(source.specs[s].shape, device="meta") for s in t.sources]
+        return tuple(t.build(metas).shape)
+
+    entries = [Entry(t.name, shape(t), target) for t in plan]
+
+    def tensor(e: Entry) -> torch.Tensor:
+        t = by_name[e.name]
+        return t.build([source.get(s).float() for s in t.sources]).to(target)
+
+    return entries, tensor
+
+
+def _checksums(directory: Path, files: list[str]) -> dict[str, dict[str, Any]]:
+    return {
+        name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
+        for name in sorted(files)
+    }
+
+
 def export_model(
     path: str | Path,
     out: str | Path,
@@ -65,54 +109,31 @@ def export_model(
     track: bool = True,
 ) -> dict[str, Any]:
     """Export a checkpoint of the run (or checkpoint directory) at `path` to `out`.
-    Returns the record also written as `out/export.json` (plus `mlflow_run_id`)."""
+    Returns the record also written as `out/export.json` (plus `out`,
+    `mlflow_run_id` and `seconds`)."""
     if dtype not in hf.DTYPES:
         raise UserError(f"--dtype {dtype!r}: choose one of {', '.join(hf.DTYPES)}")
     t0 = time.perf_counter()
     found = locate(path, step)
     m = found.cfg.model
     hf.check_exportable(m)
-    if tokenizer is not None:
-        tok_file = Path(tokenizer).expanduser().resolve()
-        if not tok_file.is_file():
-            raise UserError(f"--tokenizer {tokenizer}: no such file")
-        try:
-            _, eos_token = dataset_tokenizer(found.cfg.data.path, None)
-        except UserError:  # the dataset is gone: prep's default end-of-document token
-            eos_token = DEFAULT_EOS_TOKEN
-    else:
-        fingerprint = found.checkpoint.meta.get("dataset_fingerprint")
-        tok_file, eos_token = dataset_tokenizer(found.cfg.data.path, fingerprint)
+    tok_file, eos_token = _tokenizer(found, tokenizer)
     eos_id = eos_of(tok_file, eos_token)
-
     source = CheckpointTensors(found.checkpoint)
-    plan = hf.hf_tensors(m, set(source.specs))
-    target = hf.DTYPES[dtype]
-    entries, by_name = [], {}
-    for t in plan:
-        metas = [torch.empty(source.specs[s].shape, device="meta") for s in t.sources]
-        entry = Entry(t.name, tuple(t.build(metas).shape), target)
-        entries.append(entry)
-        by_name[t.name] = t
-
-    def tensor(e: Entry) -> torch.Tensor:
-        t = by_name[e.name]
-        return t.build([source.get(s).float() for s in t.sources]).to(target)
+    entries, tensor = _weights(source, hf.hf_tensors(m, {k: v.shape for k, v in source.specs.items()}), hf.DTYPES[dtype])
 
     out_dir = Path(out).expanduser().resolve()
     staging = _prepare_out(out_dir)
     try:
         files = write_all(staging, entries, tensor, max_shard_bytes)
-        config = hf.hf_config(m, eos_id, dtype)
-        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        gen = hf.generation_config(eos_id)
-        (staging / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-        files += ["config.json", "generation_config.json"]
+        for name, content in (
+            ("config.json", hf.hf_config(m, eos_id, dtype)),
+            ("generation_config.json", hf.generation_config(eos_id)),
+        ):
+            (staging / name).write_text(json.dumps(content, indent=2) + "\n")
+            files.append(name)
         files += write_tokenizer(staging, tok_file, eos_token, m.max_seq_len)
-        checksums = {
-            name: {"bytes": (staging / name).stat().st_size, "sha256": sha256_file(staging / name)}
-            for name in sorted(files)
-        }
+        checksums = _checksums(staging, files)
         record = {
             "format_version": 1,
             "run_dir": str(found.run_dir),
@@ -125,9 +146,8 @@ def export_model(
             "num_tensors": len(entries),
             "weights_bytes": sum(e.nbytes for e in entries),
             "files": checksums,
-            "sha256": hashlib.sha256(
-                json.dumps(checksums, sort_keys=True).encode()
-            ).hexdigest(),
+            # the export's checksum: one hash over every file's size and sha256
+            "sha256": hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest(),
         }
         (staging / RECORD_FILE).write_text(json.dumps(record, indent=2) + "\n")
         if out_dir.exists():

@@ -202,20 +202,31 @@ def _gpt2_tensors(m: ModelConfig) -> Iterator[HFTensor]:
         yield HFTensor("lm_head.weight", ("output.weight",), _same)
 
 
-def hf_tensors(m: ModelConfig, available: set[str]) -> list[HFTensor]:
-    """The transformers tensors of `m`, in checkpoint order. Every trainlab tensor
-    in `available` must be used (a tied output projection is the embedding):
-    one left over means the model has something this mapping does not know, and
-    the export is refused rather than silently dropping it."""
+def hf_tensors(m: ModelConfig, available: dict[str, tuple[int, ...]]) -> list[HFTensor]:
+    """The transformers tensors of `m`, in checkpoint order, from the checkpoint's
+    tensors `available` (name -> shape). Each must have the shape the model
+    section gives, and every one must be used (a tied output projection is the
+    embedding): one left over means the model has something this mapping does
+    not know, and the export is refused rather than silently dropping it."""
+    from trainlab.models.registry import get_arch
+
+    for p in get_arch(m.arch).param_shapes(m):
+        shape = available.get(p.name)
+        if shape is not None and tuple(shape) != p.shape:
+            raise UserError(
+                f"checkpoint tensor {p.name!r} has shape {list(shape)}, but the run's model "
+                f"section gives {list(p.shape)}: config.yaml does not describe this checkpoint"
+            )
     plan = list(_gpt2_tensors(m) if m.arch == "gpt2" else _llama_tensors(m))
     needed = {s for t in plan for s in t.sources}
-    missing = sorted(needed - available)
+    missing = sorted(needed - set(available))
     if missing:
         raise UserError(
             f"checkpoint lacks {len(missing)} tensor(s) model.arch {m.arch!r} has, "
-            f"e.g. {missing[0]!r}: it does not match the run's config"
+            f"e.g. {missing[0]!r}: it was written by another model layout (an older "
+            "trainlab, or another config)"
         )
-    extra = sorted(available - needed - ({"output.weight"} if m.tie_embeddings else set()))
+    extra = sorted(set(available) - needed - ({"output.weight"} if m.tie_embeddings else set()))
     if extra:
         raise UserError(
             f"model.arch = {m.arch!r}: checkpoint tensor {extra[0]!r} (and {len(extra) - 1} "

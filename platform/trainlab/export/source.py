@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import yaml
 
-from trainlab.config import ExperimentConfig, config_hash
+from trainlab.config import ExperimentConfig
 from trainlab.config.loader import validate_raw
 from trainlab.errors import UserError
 from trainlab.train import checkpoint as ck
@@ -83,15 +83,11 @@ def locate(path: str | Path, step: int | None = None) -> Located:
 
 
 def _located(run_dir: Path, info: ck.CheckpointInfo) -> Located:
-    """The checkpoint with the run's config, which must be the one it was trained with."""
-    cfg = _run_config(run_dir)
-    theirs, ours = info.meta.get("config_hash"), config_hash(cfg)
-    if theirs is not None and theirs != ours:
-        raise UserError(
-            f"{info.path}: trained with config hash {theirs}, but {run_dir / 'config.yaml'} "
-            f"hashes to {ours}; the run's config does not describe this checkpoint"
-        )
-    return Located(run_dir, info, cfg)
+    # Not checked against the checkpoint's config hash: a newer trainlab adds config
+    # fields (with defaults) that change the hash of an old run's config.yaml. What
+    # matters, that every tensor has the shape the model section says, is checked
+    # by trainlab.export.hf.hf_tensors.
+    return Located(run_dir, info, _run_config(run_dir))
 
 
 def _checked(info: ck.CheckpointInfo) -> ck.CheckpointInfo:

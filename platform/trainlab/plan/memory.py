@@ -73,10 +73,12 @@ twice) and, under DDP, Adam's state, all on the GPU; ZeRO-1 consolidates Adam
 on the host first (torch does). FSDP's DCP async save stages to host memory:
 0 on the device. Without async_save nothing is copied on the device.
 
-Tensor and pipeline parallelism are not executed yet; for tp/pp > 1 the
-estimate divides the model state by tp*pp and the blocks' internal activations
-by tp (norms and residual replicated), and holds pp micro batches of L/pp
-layers on the first stage, like the paper model it replaced. Not traced.
+Tensor and pipeline parallelism (trainlab.train.tensor_parallel, .pipeline):
+the estimate divides the model state by tp*pp and the blocks' internal
+activations by tp (norms and residual replicated without sequence
+parallelism), and holds pp micro batches of L/pp layers on the first stage
+(1F1B). It is the paper model, not yet checked against a trace: `trainlab plan
+--trace` traces data-parallel layouts only (docs/parallelism.md).
 """
 
 from __future__ import annotations
@@ -316,9 +318,9 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
     gpu = cfg.resource.use_gpu
     d = step_dtypes(t.precision, fsdp, gpu)
     notes: list[str] = []
-    mp = tp * pp  # model-parallel split (not executed: see the module docstring)
+    mp = tp * pp  # model-parallel split (see the module docstring)
     if mp > 1:
-        notes.append("tp/pp > 1: estimated, not executed or traced by this trainlab")
+        notes.append("tp/pp > 1: estimated by the paper model, not traced")
 
     if gpu and m.attention == "sdpa" and (m.num_kv_heads or m.num_heads) != m.num_heads:
         notes.append(

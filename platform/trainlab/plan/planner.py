@@ -14,9 +14,8 @@ it open; an explicit value is respected):
    accumulation in its place: costs a little kernel efficiency, no compute;
 3. recomputation (`parallel.activation_checkpointing: auto`): none -> selective
    -> full, which costs up to one more forward per step;
-4. tensor and pipeline parallelism: planned but not executed yet, so `auto`
-   never chooses them; when only they would fit, the plan says `fits: false`,
-   names that layout and what to change now.
+4. tensor parallelism (within a node), then pipeline parallelism (across
+   nodes), composed with FSDP over what is left of the devices.
 
 The global batch is the experiment's (`data.global_batch_size`): every layout
 keeps it by choosing grad_accum_steps = global / (micro_batch x dp). Without it,
@@ -62,8 +61,9 @@ class Layout:
 
     @property
     def executes(self) -> bool:
-        """Whether the trainer runs it today (data parallelism only)."""
-        return self.tp == 1 and self.pp == 1
+        """Whether the trainer runs it: every layout but ZeRO-1 beside tp/pp over
+        more than one replica (trainlab.train.parallel)."""
+        return not (self.zero_stage == 1 and self.dp > 1 and (self.tp > 1 or self.pp > 1))
 
     def describe(self) -> str:
         return (
@@ -174,7 +174,7 @@ def candidate_layouts(cfg: ExperimentConfig) -> list[Layout]:
     parallelism (per-layer all-reduces, within a node), then ZeRO sharding of
     data parallelism (one reduce-scatter/all-gather per step). So sort by
     (pp, tp, zero_stage). Values the user set in `parallel` are constraints.
-    Includes layouts the trainer does not execute yet (`Layout.executes`).
+    Includes the few layouts the trainer does not execute (`Layout.executes`).
     """
     m, p, r = cfg.model, cfg.parallel, cfg.resource
     world = r.num_workers
@@ -183,6 +183,8 @@ def candidate_layouts(cfg: ExperimentConfig) -> list[Layout]:
     out = []
     for tp in _divisors(world):
         if tp > per_node or m.num_heads % tp or kv % tp or (p.tp and tp != p.tp):
+            continue
+        if m.vocab_size % tp or (m.ffn_hidden_size or 0) % tp:
             continue
         for pp in _divisors(world // tp):
             if m.num_layers % pp or (p.pp and pp != p.pp):
@@ -223,7 +225,27 @@ def _memory(cfg: ExperimentConfig, lay: Layout, micro_batch: int) -> dict[str, f
     return memory_breakdown(cfg, lay, micro_batch)
 
 
-def _batch_splits(cfg: ExperimentConfig, dp: int) -> tuple[list[tuple[int, int]], str]:
+def _batch_splits(cfg: ExperimentConfig, dp: int, pp: int = 1) -> tuple[list[tuple[int, int]], str]:
+    """(micro batch, grad_accum_steps) pairs for `dp` replicas (of `pp` pipeline
+    stages: each pair must give the pipeline at least pp micro batches), largest
+    micro batch first, and why there are none when the list is empty."""
+    splits, why = _dp_batch_splits(cfg, dp)
+    if pp == 1 or not splits:
+        return splits, why
+    from trainlab.config.rules import pipeline_microbatches
+
+    given = cfg.parallel.pp_microbatches
+    piped = [(m, a) for m, a in splits if pipeline_microbatches(m * a, m, pp, given) is not None]
+    if not piped:
+        rows = splits[0][0] * splits[0][1]
+        return [], (
+            f"{rows} sequences per data-parallel rank cannot fill a pipeline of pp={pp} "
+            "stages (set data.global_batch_size)"
+        )
+    return piped, ""
+
+
+def _dp_batch_splits(cfg: ExperimentConfig, dp: int) -> tuple[list[tuple[int, int]], str]:
     """(micro batch, grad_accum_steps) pairs for `dp` ranks, largest micro batch
     first, and why there are none when the list is empty.
 
@@ -288,7 +310,7 @@ class _Search:
     def iter_settings(self, group: list[Layout]) -> Iterator[Setting]:
         """Every setting of a (tp, pp, dp) group in lever order: recomputation is the
         outer loop, then the micro batch (largest first), then the ZeRO stage."""
-        splits, _ = _batch_splits(self.cfg, group[0].dp)
+        splits, _ = _batch_splits(self.cfg, group[0].dp, group[0].pp)
         for mode in self.modes:
             for mb, ga in splits:
                 for lay in group:
@@ -308,7 +330,7 @@ class _Search:
         and the most sharded stage, at every micro batch. Memory grows with the micro
         batch and with gradient accumulation (the carried gradients), and shrinks with
         recomputation and sharding, so the group's minimum is among these."""
-        splits, _ = _batch_splits(self.cfg, group[0].dp)
+        splits, _ = _batch_splits(self.cfg, group[0].dp, group[0].pp)
         mode, lay = self.modes[-1], group[-1]
         return [Setting(lay, mode, mb, ga, self.memory(lay, mb, mode, ga)) for mb, ga in splits]
 
@@ -318,7 +340,7 @@ class _Search:
         accumulation) or the smallest (least activation memory). Between them memory
         only grows, so a group whose corners do not fit has no setting that does; this
         spares walking every lever (the memory model is not free)."""
-        splits, _ = _batch_splits(self.cfg, group[0].dp)
+        splits, _ = _batch_splits(self.cfg, group[0].dp, group[0].pp)
         if not splits:
             return False
         mode, lay = self.modes[-1], group[-1]
@@ -365,7 +387,7 @@ def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 
 def _executable_groups(cfg: ExperimentConfig) -> list[list[Layout]]:
-    """The layouts the trainer runs (tp = pp = 1), as the planner would consider them."""
+    """The layouts the trainer runs, as the planner would consider them."""
     p, world = cfg.parallel, cfg.resource.num_workers
     if p.strategy != "auto":
         return [[Layout(p.tp or 1, p.pp or 1, p.dp or world, p.zero_stage or 0)]]
@@ -428,9 +450,8 @@ def _what_to_change(cfg: ExperimentConfig) -> list[str]:
                 break
     if not fixes:
         return [
-            "no data-parallel layout fits with more devices, ZeRO sharding, a smaller micro "
-            "batch or more recomputation: the model needs tensor/pipeline parallelism (not "
-            "executed yet) or devices with more memory"
+            "no layout fits with more devices, ZeRO sharding, a smaller micro batch or "
+            "more recomputation: the model needs devices with more memory"
         ]
     return ["to fit now, change one of: " + "; ".join(fixes)]
 
@@ -515,8 +536,13 @@ def plan(cfg: ExperimentConfig) -> Plan:
     search = _Search(cfg, usable)
     groups = _executable_groups(cfg)
     for group in groups:
-        if not _batch_splits(cfg, group[0].dp)[0]:
-            notes.append(f"skipped dp={group[0].dp}: {_batch_splits(cfg, group[0].dp)[1]}")
+        splits, why = _batch_splits(cfg, group[0].dp, group[0].pp)
+        if not splits:
+            lay = group[0]
+            where = (
+                f"dp={lay.dp}" if lay.tp * lay.pp == 1 else f"tp={lay.tp} pp={lay.pp} dp={lay.dp}"
+            )
+            notes.append(f"skipped {where}: {why}")
     chosen = search.first_fit(groups)
     fits = chosen is not None
     hypothetical: Setting | None = None
@@ -533,7 +559,7 @@ def plan(cfg: ExperimentConfig) -> Plan:
         if shown is None:
             lay = groups[0][0] if groups else Layout(1, 1, r.num_workers, 0)
             if not groups:
-                notes.append("no legal data-parallel layout for the given constraints")
+                notes.append("no legal layout for the given constraints")
             shown = _fallback(cfg, search, lay)
         chosen = shown
         what = "as configured" if cfg.parallel.strategy != "auto" else "the smallest footprint"
@@ -551,8 +577,7 @@ def plan(cfg: ExperimentConfig) -> Plan:
                 notes.append(
                     f"would fit as {h.layout.describe()} with activation_checkpointing "
                     f"{h.recompute} and micro batch {h.micro_batch} ({_gib(h.total)}) if "
-                    "tensor/pipeline parallelism ran; trainlab executes data parallelism only "
-                    "(tp = pp = 1)"
+                    "ZeRO-1 composed with tensor/pipeline parallelism, which trainlab does not run"
                 )
         notes.extend(_what_to_change(cfg))
 

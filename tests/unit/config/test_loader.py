@@ -217,7 +217,7 @@ def test_bounds(base: Path):
         ),
         (
             ["parallel.pp=3", "resource.num_workers=3", "parallel.dp=1"],
-            "parallel.pp = 3: must divide model.num_layers (4)",
+            "parallel.pp_microbatches = None: no count >= pp (3) divides the 2 rows",
         ),
         (["model.num_heads=3"], "model.num_heads = 3: must divide model.hidden_size (64)"),
         (["model.num_kv_heads=3"], "model.num_kv_heads = 3: must divide model.num_heads (4)"),
@@ -253,7 +253,7 @@ def test_bounds(base: Path):
             ],
             "must be <= resource.gpus_per_node (2)",
         ),
-        (["parallel.sequence_parallel=true"], "needs tensor parallelism (parallel.tp > 1)"),
+        (["parallel.sequence_parallel=true"], "needs parallel.tp > 1"),
     ],
 )
 def test_cross_field_rule(base: Path, overrides: list[str], expected: str):

@@ -5,9 +5,12 @@ Parquet shards + manifest.json (docs/contracts.md, contract 2), on Ray Data.
     result = run_prep("data_prep/sources/demo.yaml", "data/demo/prepared")
 
 Modules: `spec` (the sources YAML), `paths` (listing files, local or s3/gs),
-`readers` (records of one file), `cleaning`, `tokenizer`, `units` (per-unit
-stages), `executors` (Ray Data or in-process), `shards` (dedup, accounting,
-shard writing), `manifest`, `pipeline` (`run_prep`). The demo corpus builder is
+`readers` (records of one file), `cleaning`, `tokenizer`, `units` (work units;
+read, clean, tokenize one), `dedup` (exact and MinHash/LSH near dedup as a
+hash-partitioned shuffle), `stages` (what the workers run), `work` (recorded
+units, for resuming), `executors` (Ray Data or in-process), `shards`
+(accounting, shard writing), `manifest`, `pipeline` (`run_prep`). How it
+scales, dedups and resumes: docs/prep.md. The demo corpus builder is
 devtools/demo_corpus.py, outside the package.
 """
 

@@ -36,8 +36,9 @@ import pyarrow.parquet as pq
 from trainlab.data.prep.spec import NearDedupSettings
 
 MINHASH_SEED = 1
-# Candidates in one bucket checked against at most this many earlier members (a
-# bucket of thousands is boilerplate; its first members decide it).
+# A member of a bucket is checked against at most this many members just before
+# it (a bucket of thousands is boilerplate; a near-copy among its neighbours
+# decides it, and the cost stays linear).
 MAX_BUCKET_COMPARISONS = 256
 EXACT, BAND = 0, 1
 

@@ -1,4 +1,4 @@
-"""The four distributed stages of prep, each run by workers on small work items
+"""The distributed stages of prep, each run by workers on small work items
 (JSON dicts) and answering with one small summary row: the driver sends
 paths and receives counts, never document data.
 
