@@ -56,8 +56,13 @@ def test_run_dir_of_another_experiment_is_refused(dataset, tmp_path):
     changed = tiny_config(dataset, train={"lr": 1e-4})
     with pytest.raises(UserError, match="holds a different experiment"):
         rundir.check_same_experiment(tmp_path, changed)
-    # operational settings are not the experiment's identity
+    # operational settings are not the experiment's identity, nor is the layout
     rundir.check_same_experiment(tmp_path, tiny_config(dataset, train={"max_failures": 9}))
+    relaid = tiny_config(dataset, parallel={"tp": 2, "dp": 1}, resource={"num_workers": 2})
+    rundir.check_same_experiment(tmp_path, relaid)
+    # ... as long as each step sees the same global batch (2 replicas would double it)
+    with pytest.raises(UserError, match="holds a different experiment"):
+        rundir.check_same_experiment(tmp_path, tiny_config(dataset, resource={"num_workers": 2}))
 
 
 def test_checkpoint_of_another_dataset_is_refused_unless_allowed(dataset, tmp_path):
@@ -95,17 +100,13 @@ def test_smoke_rehearses_a_kill_and_a_validated_resume(dataset):
     assert smoke.model == cfg.model and smoke.data == cfg.data and smoke.parallel == cfg.parallel
 
 
-@pytest.mark.parametrize(
-    ("parallel", "message"),
-    [
-        ({"strategy": "ddp", "tp": 2}, "tensor parallelism is planned but not executed yet"),
-        ({"strategy": "fsdp", "pp": 2}, "pipeline parallelism is planned but not executed yet"),
-    ],
-)
-def test_tp_and_pp_are_refused_at_validation(dataset, parallel, message):
-    """`trainlab validate` refuses them, so nothing reaches the launcher."""
-    with pytest.raises(ValueError, match=message):
-        tiny_config(dataset, resource={"num_workers": 2}, parallel=parallel)
+def test_tensor_and_pipeline_layouts_reach_the_launcher_resolved(dataset):
+    """What validates runs: the launcher resolves tp/pp layouts as configured."""
+    for parallel in ({"strategy": "ddp", "tp": 2}, {"strategy": "fsdp", "pp": 2}):
+        cfg = tiny_config(dataset, resource={"num_workers": 2}, parallel=parallel)
+        resolved, plan_json = launcher.prepare_layout(cfg)
+        assert (resolved.parallel.tp or 1) * (resolved.parallel.pp or 1) == 2
+        assert plan_json["parallel"]["dp"] == 1
 
 
 def test_a_plan_that_does_not_fit_is_refused(dataset):

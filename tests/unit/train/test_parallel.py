@@ -46,9 +46,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         handle = block.register_forward_pre_hook(
             lambda m, args, seen=gathered: seen.append(str(m.attn_norm.weight.dtype))
         )
-        loss, norm = train_step(
-            state.model, state.optimizer, None, cfg, 0, [_batch(rank)], env.device
-        )
+        loss, norm = train_step(state, cfg, 0, [_batch(rank)], env.device)
         handle.remove()
         sharded = {str(p.to_local().dtype) for p in state.model.parameters()}
         moments = {str(s["exp_avg"].to_local().dtype) for s in state.optimizer.state.values()}
