@@ -15,7 +15,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR := false
 
-.PHONY: setup test test-fast lint demo bench clean gpu-wheels gpu-check
+.PHONY: setup test test-fast lint demo bench clean gpu-wheels gpu-check notebook
 
 setup: $(STAMP)
 
@@ -40,6 +40,23 @@ demo: setup
 
 bench: setup
 	$(PY) -m devtools.bench
+
+# JupyterLab over .venv (its python3 kernel imports trainlab), on 127.0.0.1 with
+# token auth (Jupyter's default: the URL it prints carries a fresh token),
+# notebooks/ open. The `notebook` extra is installed on first use only, so
+# `make test`/`make demo` stay lean. Notebooks: docs/notebooks.md.
+NOTEBOOK_PORT  ?= 8888
+NOTEBOOK_TOKEN ?= $(shell $(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(24))')
+NOTEBOOK_STAMP := $(VENV)/.notebook-installed
+
+$(NOTEBOOK_STAMP): $(STAMP)
+	$(PIP) install --quiet -e ".[dev,notebook]"
+	touch $(NOTEBOOK_STAMP)
+
+notebook: $(NOTEBOOK_STAMP)
+	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(NOTEBOOK_PORT) \
+		--ServerApp.open_browser=False --ServerApp.root_dir=notebooks \
+		--IdentityProvider.token=$(NOTEBOOK_TOKEN) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # The prepared GPU check (devtools/gpu_check.py; README "GPU check"). The GPU
 # machine has no network and only its own python3 (3.12) with torch, numpy,

@@ -1,7 +1,7 @@
 """Training on the shared local Ray cluster, on a real prepared dataset read by
-the real loader (Ray Data): DDP (through `trainlab train --smoke`) and FSDP
-with 2 workers, a chaos kill that resumes bitwise-identically, and
-max_failures exhausted.
+the real loader (Ray Data): DDP (through `trainlab train --smoke`) and tensor
+parallelism with 2 workers, a chaos kill that resumes bitwise-identically,
+no secret leaked, and max_failures exhausted.
 
 Tiny model and few steps: the cost is starting Ray Train worker groups."""
 
@@ -17,10 +17,21 @@ from click.testing import CliRunner
 from tests.train_helpers import dataset_dir, tiny_config
 from trainlab.cli import cli
 from trainlab.config import to_yaml
+from trainlab.storage import planned_checkpoint_bytes
 from trainlab.train import TrainingFailed, run
 from trainlab.train.launcher import SMOKE_STEPS, smoke_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
+HOOK_VAR = "TRAINLAB_SECRETS_TEST_HOOK"  # named by the config; not secret by its name
+FAKE_SECRETS = {
+    "AWS_ACCESS_KEY_ID": "AKIAFAKERUNKEY0042",
+    "AWS_SECRET_ACCESS_KEY": "fake-run-aws-secret-e41f",
+    "AWS_SESSION_TOKEN": "fake-run-session-token-0a9",
+    "MLFLOW_TRACKING_PASSWORD": "fake-run-mlflow-password-3c",
+    HOOK_VAR: "http://127.0.0.1:9/fake-run-hook-path-5d",
+    "TRAINLAB_MIRROR_URL": "https://reader:fake-run-url-password-77@mirror.example/x",
+}
 
 SUMMARY_KEYS = {
     "name",
@@ -79,6 +90,7 @@ def test_ddp_smoke_kill_and_resume_match_an_uninterrupted_run(ray_cluster, datas
             "train",
             str(config_file),
             "--smoke",
+            "--keep-smoke",
             "--json",
             "--set",
             f"train.runs_root={tmp_path / 'smoke'}",
@@ -130,25 +142,86 @@ def test_ddp_smoke_kill_and_resume_match_an_uninterrupted_run(ray_cluster, datas
     assert kept[-1] == f"step-{SMOKE_STEPS:08d}" and len(kept) <= 3  # keep_last 2 + best 1
 
 
-def test_fsdp_two_workers_saves_sharded_and_resumes(ray_cluster, dataset, tmp_path):
-    """FSDP (ZeRO-3) with asynchronous sharded checkpoints; rank 0 killed at step 5.
-    The step-2 checkpoint is committed before the step-4 one starts (one in flight
-    at a time); the step-4 one may still be in flight when the kill comes."""
+def test_tensor_parallel_run_saves_sharded_resumes_and_leaks_no_secret(
+    ray_cluster, dataset, tmp_path, monkeypatch, capfd
+):
+    """`trainlab train CONFIG --set parallel.tp=2 --set parallel.dp=1 --json` on 2 Ray
+    Train workers: asynchronous sharded (DCP) checkpoints, rank 0 killed at step 5,
+    resumed. The same run carries fake secrets in the driver's environment and
+    leaves none of them in the MLflow store, the run directory (config, logs) or
+    what is printed, and the workers do not receive them through the loop config
+    (docs/security.md): the shared cluster started before they were set, so a
+    worker sees one only if the driver shipped it; the alert webhook variable the
+    config names is the witness (rank 0 logs that it is not in its environment)."""
+    for k, v in FAKE_SECRETS.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = two_workers(
         dataset,
-        parallel={"strategy": "fsdp", "zero_stage": 3},
+        parallel={"strategy": "ddp"},
         total_steps=8,
         chaos={"kill_at_steps": [5], "kill_rank": 0},
         checkpoint={"every_steps": 2, "async_save": True, "keep_last": 1, "keep_best": 0},
     )
-    summary = train(cfg, tmp_path)
+    cfg = cfg.model_copy(
+        update={
+            "tracking": cfg.tracking.model_copy(
+                update={
+                    "system_metrics": False,
+                    "alerts": cfg.tracking.alerts.model_copy(
+                        update={"webhook_url_env": HOOK_VAR}
+                    ),
+                }
+            )
+        }
+    )
+    config_file = tmp_path / "exp.yaml"
+    config_file.write_text(to_yaml(cfg))
+    runs_root = tmp_path / "runs"
+    result = CliRunner().invoke(
+        cli,
+        [
+            "train",
+            str(config_file),
+            "--json",
+            "--set",
+            "parallel.tp=2",
+            "--set",
+            "parallel.dp=1",
+            "--set",
+            f"train.runs_root={runs_root}",
+        ],
+        standalone_mode=False,
+    )
+    assert result.exception is None and result.return_value == 0, result.output[-3000:]
+    summary = last_json_line(result.stdout)
     assert summary["status"] == "completed" and summary["final_step"] == 8
     assert summary["restarts"] == 1 and summary["start_step"] in (2, 4)
     last = Path(summary["last_checkpoint"])
     assert sorted(p.name for p in last.parent.iterdir()) == ["step-00000008"]  # keep_last 1
     meta = json.loads((last / "checkpoint.json").read_text())
     assert meta["format"] == "dcp" and meta["valid"]
+    assert meta["layout"]["tp"] == 2 and meta["layout"]["dp"] == 1
     assert any(f.startswith("state/") and f.endswith(".distcp") for f in meta["files"])
+    # The disk preflight's size model (trainlab.storage): a real checkpoint holds 12
+    # bytes per parameter (fp32 weights, Adam's two moments) plus less than 1 MiB.
+    params = json.loads((Path(summary["run_dir"]) / "plan.json").read_text())["num_params"]
+    size = sum(p.stat().st_size for p in last.rglob("*") if p.is_file())
+    assert 12 * params <= size <= planned_checkpoint_bytes(params)
+
+    # No secret anywhere the run wrote or printed.
+    out, err = capfd.readouterr()
+    run_dir = Path(summary["run_dir"])
+    files = [p for p in runs_root.rglob("*") if p.is_file()]
+    assert runs_root / "mlflow.db" in files and run_dir / "config.yaml" in files
+    for path in files:
+        blob = path.read_bytes()
+        leaked = [k for k, v in FAKE_SECRETS.items() if v.encode() in blob]
+        assert not leaked, f"{path}: {leaked}"
+    printed = [k for k, v in FAKE_SECRETS.items() if v in out + err + result.output]
+    assert not printed, printed
+    rank0 = (run_dir / "logs" / "rank0.log").read_text()
+    assert f"names ${HOOK_VAR}, which is not set in this process's environment" in rank0
 
 
 def test_max_failures_exhausted_ends_with_a_failure_summary(ray_cluster, dataset, tmp_path):

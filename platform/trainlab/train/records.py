@@ -111,18 +111,27 @@ class RunRecords:
 
     # ------------------------------------------------------------------ attempts
 
-    def attempt_started(self, session: str, start_step: int, world_size: int) -> None:
-        _append_jsonl(
-            self.logs / ATTEMPTS,
-            [
-                {
-                    "session": session,
-                    "start_step": start_step,
-                    "world_size": world_size,
-                    "time": time.time(),
-                }
-            ],
-        )
+    def attempt_started(
+        self,
+        session: str,
+        start_step: int,
+        world_size: int,
+        layout: dict[str, Any] | None = None,
+        resharded_from: dict[str, Any] | None = None,
+    ) -> None:
+        """An attempt began at `start_step` on `layout` (tp/pp/dp/strategy/zero_stage);
+        `resharded_from`: the layout of the checkpoint it resumed, when different."""
+        record = {
+            "session": session,
+            "start_step": start_step,
+            "world_size": world_size,
+            "time": time.time(),
+        }
+        if layout is not None:
+            record["layout"] = layout
+        if resharded_from is not None:
+            record["resharded_from"] = resharded_from
+        _append_jsonl(self.logs / ATTEMPTS, [record])
 
     def first_step_done(self, session: str, step: int) -> None:
         """When an attempt completed its first step (recovery time = this minus the

@@ -25,7 +25,7 @@ import torch
 
 from trainlab.train import checkpoint as ck
 from trainlab.train.callbacks import Callback, CallbackList, RunContext
-from trainlab.train.checkpointer import Checkpointer
+from trainlab.train.checkpointer import Checkpointer, layout_of
 from trainlab.train.distributed import DistEnv
 from trainlab.train.job import TrainJob
 from trainlab.train.metrics import Meter, memory_gap, peak_memory_bytes, progress_line
@@ -219,7 +219,15 @@ class Trainer:
     def _announce_start(self, start: int) -> None:
         if not self.env.is_main:
             return
-        self.records.attempt_started(self.job.session, start, self.env.world_size)
+        layout = layout_of(self.cfg)
+        saved = (self.last_checkpoint.meta.get("layout") if self.last_checkpoint else None) or None
+        self.records.attempt_started(
+            self.job.session,
+            start,
+            self.env.world_size,
+            layout,
+            resharded_from=saved if saved and saved != layout else None,
+        )
         self.restarts = self.records.restarts()
         log.info(
             "%s from step %d of %d (%d worker%s, %s, restarts so far: %d)",

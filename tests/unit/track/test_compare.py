@@ -153,28 +153,3 @@ def test_an_empty_runs_root_is_not_an_error_and_stays_empty(tmp_path, capsys, mo
     code, out, _ = trainlab(capsys, "runs", "--runs-root", str(root))
     assert code == 0 and "no runs recorded" in out
     assert not root.exists()  # reading never creates a store
-
-
-def test_compare_notebook_runs_against_the_store(runs_root, monkeypatch):
-    """notebooks/compare_runs.ipynb is valid notebook JSON and its code runs top to
-    bottom (as a kernel would) against a real store."""
-    from pathlib import Path
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    path = Path(__file__).resolve().parents[3] / "notebooks" / "compare_runs.ipynb"
-    notebook = json.loads(path.read_text())
-    assert notebook["nbformat"] == 4 and notebook["metadata"]["kernelspec"]["language"] == "python"
-    code = ["".join(c["source"]) for c in notebook["cells"] if c["cell_type"] == "code"]
-    assert all(c["outputs"] == [] for c in notebook["cells"] if c["cell_type"] == "code")
-    monkeypatch.setenv("TRAINLAB_RUNS_ROOT", str(runs_root))
-    namespace: dict = {}
-    for i, source in enumerate(code):
-        exec(compile(source, f"{path.name}[{i}]", "exec"), namespace)  # noqa: S102
-    assert [r["name"] for r in namespace["rows"]] == ["hot", "base"]
-    assert list(namespace["table"].columns[-2:]) == ["data.mix.code", "train.lr"]
-    import matplotlib.pyplot as plt
-
-    assert len(plt.get_fignums()) == 2  # loss curves, mix shares
-    plt.close("all")

@@ -1,0 +1,177 @@
+"""`trainlab gc`: old runs and rehearsals go, each run's last valid and best
+checkpoint stay (unless --force). Run directories are made with the training
+layer's own writers (checkpoint commits, run_summary.json)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from trainlab.cli import main
+from trainlab.train import checkpoint as ck
+from trainlab.train.records import RunRecords
+
+DAY = 86400.0
+
+
+def _checkpoint(run: Path, step: int, val_loss: float | None, valid: bool = True) -> None:
+    staging = run / "checkpoints" / f"{ck.STAGING_PREFIX}{ck.dir_name(step)}"
+    staging.mkdir(parents=True)
+    (staging / "model.pt").write_bytes(os.urandom(4096))
+
+    def validator(_: Path) -> ck.Validation:
+        return ck.Validation(ok=valid, loss=val_loss, error=None if valid else "loss is nan")
+
+    ck.commit(staging, run / "checkpoints" / ck.dir_name(step), {"step": step}, validator)
+
+
+def make_run(
+    root: Path,
+    day: str,
+    name: str,
+    status: str | None,
+    checkpoints: list[tuple[int, float | None, bool]] = (),
+    age_days: float = 30,
+    smoke: bool = False,
+) -> Path:
+    run = root / day / name
+    (run / "logs").mkdir(parents=True)
+    (run / "config.yaml").write_text(f"name: {name}\n")
+    (run / "logs" / "rank0.log").write_text("step 1\n")
+    (run / "ray" / "ray-abc").mkdir(parents=True)  # Ray Train's bookkeeping
+    (run / "ray" / "ray-abc" / "state.json").write_text("{}")
+    for step, loss, valid in checkpoints:
+        _checkpoint(run, step, loss, valid)
+    if status is not None:
+        summary = {"name": name, "status": status, **({"smoke": {"checks": {}}} if smoke else {})}
+        RunRecords(run).write_summary(summary)
+    then = time.time() - age_days * DAY
+    for d, dirs, files in os.walk(run):
+        for p in [d, *(os.path.join(d, x) for x in dirs + files)]:
+            os.utime(p, (then, then))
+    return run
+
+
+def gc(capsys, *args: str) -> tuple[int, dict]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["gc", *args, "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    return exit_info.value.code, (json.loads(out[-1]) if out else {})
+
+
+@pytest.fixture
+def runs(tmp_path):
+    root = tmp_path / "runs"
+    root.mkdir()
+    (root / "mlflow.db").write_bytes(b"records")  # never touched
+    done = make_run(
+        root,
+        "2026-10-01",
+        "tiny",
+        "completed",
+        [(10, 2.0, True), (20, 1.5, True), (30, 1.8, True), (40, None, False)],
+    )
+    failed = make_run(root, "2026-10-02", "crashy", "failed", [(5, None, False)])
+    smoke = make_run(
+        root, "2026-10-03", "tiny-smoke", "completed", [(3, 2.5, True), (6, 2.4, True)], smoke=True
+    )
+    recent = make_run(root, "2026-12-01", "fresh", "failed", [(2, 3.0, True)], age_days=1)
+    return root, {"done": done, "failed": failed, "smoke": smoke, "recent": recent}
+
+
+def _left(run: Path) -> set[str]:
+    return {p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file()}
+
+
+def test_gc_keeps_each_runs_last_valid_and_best_checkpoint_and_its_records(runs, capsys):
+    root, r = runs
+    code, report = gc(capsys, "--runs-root", str(root))
+    assert code == 0
+    by_dir = {Path(x["run_dir"]).name: x for x in report["runs"]}
+    assert set(by_dir) == {"tiny", "crashy", "tiny-smoke"}  # "fresh" is 1 day old
+
+    # The completed run: step 20 (best) and 30 (last valid) and the records stay.
+    assert by_dir["tiny"]["action"] == "trim"
+    assert by_dir["tiny"]["kept_checkpoints"] == {
+        "step-00000020": "best",
+        "step-00000030": "last valid",
+    }
+    left = _left(r["done"])
+    assert {p.split("/")[1] for p in left if p.startswith("checkpoints/")} == {
+        "step-00000020",
+        "step-00000030",
+    }
+    assert {"config.yaml", "run_summary.json", "logs/rank0.log"} <= left
+    assert not (r["done"] / "ray").exists()
+    assert ck.verify(ck.read_info(r["done"] / "checkpoints" / "step-00000030")) is None
+
+    # A failed run with no valid checkpoint goes whole, and its empty date folder.
+    assert by_dir["crashy"]["action"] == "delete" and not r["failed"].parent.exists()
+    # The rehearsal keeps its best = last valid checkpoint too (no --force).
+    assert by_dir["tiny-smoke"]["kept_checkpoints"] == {"step-00000006": "last valid and best"}
+    assert _left(r["recent"]) and (root / "mlflow.db").read_bytes() == b"records"
+    assert report["freed_bytes"] == sum(x["freed_bytes"] for x in report["runs"]) > 4096 * 3
+
+
+def test_status_filter_dry_run_and_force(runs, capsys):
+    root, r = runs
+    before = {k: _left(v) for k, v in r.items()}
+    code, report = gc(capsys, "--runs-root", str(root), "--status", "failed,smoke", "--dry-run")
+    assert code == 0 and report["dry_run"] is True
+    assert {Path(x["run_dir"]).name for x in report["runs"]} == {"crashy", "tiny-smoke"}
+    assert {k: _left(v) for k, v in r.items()} == before  # a dry run deletes nothing
+
+    code, report = gc(capsys, "--runs-root", str(root), "--status", "smoke", "--force")
+    assert code == 0 and [x["action"] for x in report["runs"]] == ["delete"]
+    assert not r["smoke"].exists() and r["done"].exists() and r["failed"].exists()
+
+    code, report = gc(capsys, "--runs-root", str(root), "--older-than", "2d", "--force")
+    assert code == 0 and {x["action"] for x in report["runs"]} == {"delete"}
+    assert not r["done"].exists() and not r["failed"].exists() and r["recent"].exists()
+    code, report = gc(capsys, "--runs-root", str(root), "--older-than", "12h", "--force")
+    assert code == 0 and not r["recent"].exists()
+    assert sorted(p.name for p in root.iterdir()) == ["mlflow.db"]
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--older-than", "14 days", "--older-than '14 days': expected a duration"),
+        ("--status", "failed,old", "--status 'failed,old': unknown old"),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(runs, capsys, flag, value, message):
+    root, _ = runs
+    with pytest.raises(SystemExit) as exit_info:
+        main(["gc", "--runs-root", str(root), flag, value])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err == [f"error: {err[0][7:]}"]
+    assert message in err[0]
+
+
+def test_a_passed_rehearsal_is_removed_and_a_failed_one_kept(tmp_path):
+    """`trainlab train --smoke` cleans up after itself when the rehearsal passed
+    (trainlab.cli.train_cmd.clean_up_rehearsal; --keep-smoke skips it)."""
+    from trainlab.cli.train_cmd import clean_up_rehearsal
+
+    root = tmp_path / "runs"
+    ok = make_run(root, "2026-12-04", "tiny-smoke", "completed", [(3, 2.0, True)], smoke=True)
+    bad = make_run(root, "2026-12-04", "tiny-smoke-2", "failed", [(3, 2.0, True)], smoke=True)
+    checks = {"completed": True, "resumed_from_checkpoint": True}
+    passed = {"status": "completed", "run_dir": str(ok), "smoke": {"checks": checks}}
+    failed = {
+        "status": "failed",
+        "run_dir": str(bad),
+        "smoke": {"checks": {**checks, "resumed_from_checkpoint": False}},
+    }
+    assert clean_up_rehearsal(failed)["run_dir_removed"] is False and _left(bad)
+    assert clean_up_rehearsal(passed)["run_dir_removed"] is True
+    assert not ok.exists() and bad.exists()
+    # Not a rehearsal's summary (no smoke checks): never removed.
+    real = make_run(root, "2026-12-04", "tiny", "completed", [(3, 2.0, True)])
+    summary = {"status": "completed", "run_dir": str(real)}
+    assert clean_up_rehearsal(summary)["run_dir_removed"] is False and real.exists()
