@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tests.train_helpers import dataset_dir, tiny_config
+from tests.train_helpers import dataset_dir, make_job, tiny_config
+from tests.unit.train.layout_runner import run_layout
 from trainlab.cli import cli
 from trainlab.config import to_yaml
 from trainlab.storage import planned_checkpoint_bytes
@@ -222,6 +223,17 @@ def test_tensor_parallel_run_saves_sharded_resumes_and_leaks_no_secret(
     assert not printed, printed
     rank0 = (run_dir / "logs" / "rank0.log").read_text()
     assert f"names ${HOOK_VAR}, which is not set in this process's environment" in rank0
+
+    # Killed and resumed at the same layout: the same bits as an uninterrupted run
+    # of that layout (here on 2 local processes, tests/unit/train/layout_runner.py).
+    clean_cfg = two_workers(
+        dataset,
+        parallel={"strategy": "ddp", "tp": 2, "dp": 1},
+        total_steps=8,
+        checkpoint={"every_steps": 2, "keep_last": 1, "keep_best": 0},
+    )
+    _, clean = run_layout(make_job(clean_cfg, tmp_path / "clean"), 2, tmp_path / "clean.json")
+    assert clean["weights_sha256"] == summary["weights_sha256"]
 
 
 def test_max_failures_exhausted_ends_with_a_failure_summary(ray_cluster, dataset, tmp_path):
