@@ -38,6 +38,7 @@ class BenchResult:
 BENCHMARKS: list[str] = [
     "devtools.bench.plan_bench:bench_plan",
     "devtools.bench.prep_bench:bench_prep",
+    "devtools.bench.prep_bench:bench_near_dedup",
     "devtools.bench.loader_bench:bench_loader",
     "devtools.bench.track_bench:bench_tracking",
     "devtools.bench.train_bench:bench_train_step_throughput",

@@ -8,6 +8,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+import ray
 
 from trainlab.cli import main
 from trainlab.data.prep import run_prep
@@ -46,6 +47,7 @@ def test_ray_pipeline_matches_the_local_path_byte_for_byte(ray_cluster, sources,
     ray_result = run_prep(sources, tmp_path / "ray", executor=ex, unit_bytes=64 << 10)
     local = run_prep(sources, tmp_path / "local", executor="local")
     assert ray_result.manifest == local.manifest
+    assert ray_result.units_total > 3 and ray_result.units_reused == 0
     m = ray_result.manifest
     assert m["sources"]["table"]["rejected"]["duplicate"]["count"] == 10
     assert m["sources"]["lines"]["rejected"]["duplicate"]["count"] == 10
@@ -61,8 +63,12 @@ def test_cli_prints_the_manifest_and_then_is_up_to_date(ray_cluster, sources, tm
         main(["prep", str(sources), "--out", str(out), "--tokenizer", tokenizer, "--json"])
     assert code.value.code == 0
     stdout = capsys.readouterr().out
-    manifest = json.loads(stdout.strip().splitlines()[-1])
-    assert manifest == json.loads((out / "manifest.json").read_text())
+    report = json.loads(stdout.strip().splitlines()[-1])
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert {k: report[k] for k in manifest} == manifest
+    # The driver received counts and file lists only: no document data.
+    assert report["units_total"] >= 1 and report["units_reused"] == 0
+    assert report["driver_document_bytes"] == 0 and report["driver_peak_rss_bytes"] > 10 << 20
     assert manifest["fingerprint"] == local.manifest["fingerprint"]
     for s in manifest["sources"].values():
         assert s["docs_in"] == s["docs_out"] + sum(r["count"] for r in s["rejected"].values())
@@ -72,6 +78,29 @@ def test_cli_prints_the_manifest_and_then_is_up_to_date(ray_cluster, sources, tm
     assert code.value.code == 0
     text = capsys.readouterr().out
     assert "up to date" in text and "code" in text and "docs in" in text
+
+
+def test_near_dedup_on_ray_matches_the_local_path(ray_cluster, sources, tmp_path):
+    """The dedup shuffle on Ray Data workers (several partitions, units and actors)
+    decides exactly what the in-process path decides."""
+    copies = [p.read_text() + "\n# a line appended\n" for p in sorted(STDLIB.glob("json/*.py"))]
+    (tmp_path / "near.jsonl").write_text("".join(json.dumps({"text": c}) + "\n" for c in copies))
+    near = tmp_path / "near.yaml"
+    near.write_text(
+        sources.read_text()
+        + f"  - {{name: near, paths: [{tmp_path}/near.jsonl], format: jsonl, text_field: text}}\n"
+        + "dedup: {near: {enabled: true}}\n"
+    )
+    local = run_prep(near, tmp_path / "local", executor="local")
+    tokenizer = str(tmp_path / "local" / "tokenizer.json")
+    ray_result = run_prep(
+        near, tmp_path / "ray", tokenizer=tokenizer, executor=RayDataExecutor(), unit_bytes=64 << 10
+    )
+    assert ray_result.manifest["sources"] == local.manifest["sources"]
+    assert ray_result.driver_document_bytes == 0
+    assert ray_result.unit_nodes == len([n for n in ray.nodes() if n["Alive"]])
+    rejected = local.manifest["sources"]["near"]["rejected"]["near_duplicate"]
+    assert rejected["count"] == len(copies)
 
 
 def test_resource_plan_leaves_room_on_small_clusters():

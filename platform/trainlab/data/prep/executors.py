@@ -83,13 +83,13 @@ class LocalExecutor:
 
 @dataclass(frozen=True)
 class RayPlan:
-    """CPUs the stage may hold: one actor per real core, and never every logical CPU
-    of the cluster, so other operators (and a training run beside it) are not
-    starved (see docs/ray-resources.md). Ray Data fuses the read/clean map into the actors,
-    so each actor reads, cleans, hashes and tokenizes its unit in one process."""
+    """CPUs a stage may hold: one worker (a 1-CPU task, or actor) per real core, and
+    never every logical CPU of the cluster, so other operators (and a training run
+    beside it) are not starved (see docs/ray-resources.md). Each unit task reads,
+    cleans, hashes, tokenizes and writes its units in one process."""
 
     stage_actors: int
-    # Tokenizer threads inside an actor only help when actors leave cores idle.
+    # Tokenizer threads inside a worker only help when workers leave cores idle.
     tokenizer_threads: bool
 
 
@@ -100,7 +100,7 @@ def plan_ray_resources(cluster_cpus: float, physical_cpus: int) -> RayPlan:
 
 
 class RayDataExecutor:
-    """read/clean map tasks -> a fixed actor pool running the stage, order preserved."""
+    """Each stage: one Ray Data dataset of work items mapped by capped workers."""
 
     def __init__(self) -> None:
         import ray
@@ -125,20 +125,18 @@ class RayDataExecutor:
         stage: type | Callable,
         kwargs: dict[str, Any],
     ) -> Iterator[pa.Table]:
-        """A class runs in a fixed pool of actors (built once
-        each), a function in at most `stage_actors` concurrent tasks. Results stream
-        back as they finish; what the workers write goes straight to storage."""
+        """A class runs in a fixed pool of actors (built once each), a function in
+        at most `stage_actors` concurrent tasks. Results stream back as they
+        finish; what the workers write goes straight to storage."""
         import ray.data
 
         if not items:
             return
-        # A few items per block: enough blocks to balance the workers (more for the
-        # unit stage, whose items vary most), few enough that per-task overhead
-        # stays small next to the work.
-        per_worker = 8 if isinstance(stage, type) else 2
+        # A few items per block: enough blocks to balance the workers, few enough
+        # that per-task overhead stays small next to the work.
         ds = ray.data.from_items(
             [{"item": json.dumps(i)} for i in items],
-            override_num_blocks=min(len(items), per_worker * self.plan.stage_actors),
+            override_num_blocks=min(len(items), 4 * self.plan.stage_actors),
         )
         ds.context.execution_options.preserve_order = False
         ds.context.enable_progress_bars = False
@@ -159,7 +157,7 @@ class RayDataExecutor:
                 batch_size=None,
                 batch_format="pyarrow",
                 num_cpus=1,
-                concurrency=min(self.plan.stage_actors, len(items)),
+                compute=ray.data.TaskPoolStrategy(size=min(self.plan.stage_actors, len(items))),
             )
         for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             yield self.received.count(_stage_name(stage), table)

@@ -62,11 +62,11 @@ from trainlab.data.prep.spec import (
     resolve_root,
 )
 from trainlab.data.prep.stages import (
-    UnitStage,
     reduce_stage,
     sample_stage,
     settle_stage,
     train_stage,
+    unit_stage,
     write_stage,
 )
 from trainlab.data.prep.tokenizer import (
@@ -109,6 +109,8 @@ class PrepResult:
     timings: dict[str, float] = field(default_factory=dict)
     units_total: int = 0
     units_reused: int = 0
+    # Ray nodes whose workers prepared the units this run did (0: all reused).
+    unit_nodes: int = 0
     # Peak resident memory of this process (the driver) so far (`peak_rss_bytes`).
     driver_peak_rss_bytes: int = 0
     # What the executor handed to this process: all bytes, and those of document data.
@@ -122,6 +124,7 @@ class PrepResult:
             "seconds": round(self.seconds, 3),
             "units_total": self.units_total,
             "units_reused": self.units_reused,
+            "unit_nodes": self.unit_nodes,
             "driver_peak_rss_bytes": self.driver_peak_rss_bytes,
             "driver_received_bytes": self.driver_received_bytes,
             "driver_document_bytes": self.driver_document_bytes,
@@ -212,6 +215,7 @@ def run_prep(
     )
     timings["tokenize_write"] = time.perf_counter() - t
     timings.update(spent)
+    unit_nodes = int(timings.pop("unit_nodes"))
 
     t = time.perf_counter()
     manifest = build_manifest(info, inputs.cleaning, accounts, inputs.signature)
@@ -227,6 +231,7 @@ def run_prep(
         timings,
         units_total=len(units),
         units_reused=reused,
+        unit_nodes=unit_nodes,
         driver_peak_rss_bytes=peak_rss_bytes(),
         driver_received_bytes=ex.received.bytes,
         driver_document_bytes=ex.received.document_bytes,
@@ -419,14 +424,17 @@ def _tokenize_and_write(
     done = total - sum(u.nbytes for u in todo)
     if progress:
         progress("tokenize", done, total)
-    for table in ex.map_items(items, UnitStage, stage_kwargs):
+    nodes: set[str] = set()
+    for table in ex.map_items(items, unit_stage, stage_kwargs):
         for row in table.to_pylist():
+            nodes.add(row["node"])
             done += units[row["index"]].nbytes
             for column in spent:
                 spent[column] += row[column]
         if progress:
             progress("tokenize", done, total)
     spent["stage_units_s"] = time.perf_counter() - t
+    spent["unit_nodes"] = len(nodes)  # nodes whose workers did the units of this run
 
     t = time.perf_counter()
     loser_files = _dedup(

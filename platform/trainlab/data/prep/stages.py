@@ -138,7 +138,22 @@ class UnitStage:
             "cpu_read_clean": float(tokenized.column("cpu_read_clean").to_numpy().sum()),
             "cpu_tokenize": float(tokenized.column("cpu_tokenize").to_numpy().sum()),
             "cpu_dedup_keys": time.process_time() - cpu,
+            "node": _node_id(),
         }
+
+
+def unit_stage(batch: pa.Table, **kwargs: Any) -> pa.Table:
+    """`UnitStage` as a plain task: the tokenizer is built once per block of units,
+    and the stages after it reuse the same pool of task workers (an actor pool
+    would start worker processes of its own, which costs seconds per stage)."""
+    return UnitStage(**kwargs)(batch)
+
+
+def _node_id() -> str:
+    """The Ray node this worker runs on ("local" outside Ray)."""
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else "local"
 
 
 # --------------------------------------------------------------------------- reduce
