@@ -1,4 +1,9 @@
-"""`trainlab train CONFIG [--set K=V ...] [--smoke] [--run-dir DIR | --resume] [--json]`."""
+"""`trainlab train CONFIG [--set K=V ...] [--smoke] [--run-dir DIR | --resume] [--extend] [--json]`.
+
+CONFIG is a config file, or with --resume a run directory (its config.yaml,
+with --set overrides on top). Resuming a run that already completed prints so
+and exits 0 without touching it; --extend continues it to a larger
+train.total_steps (trainlab.train.rundir)."""
 
 from __future__ import annotations
 
@@ -6,7 +11,7 @@ import sys
 
 import click
 
-from trainlab.cli.common import config_args, echo_json, json_option
+from trainlab.cli.common import echo_json, json_option
 
 # EX_TEMPFAIL: workers or nodes were lost beyond train.max_failures; a job retry may
 # succeed (docs/contracts.md, section 6).
@@ -14,7 +19,14 @@ EXIT_INFRASTRUCTURE = 75
 
 
 @click.command()
-@config_args
+@click.argument("config", type=click.Path())
+@click.option(
+    "--set",
+    "overrides",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Override a config value, e.g. --set train.lr=1e-4 (repeatable).",
+)
 @click.option(
     "--smoke",
     is_flag=True,
@@ -32,7 +44,14 @@ EXIT_INFRASTRUCTURE = 75
 @click.option(
     "--resume",
     is_flag=True,
-    help="Continue the most recent run of this config's name from its newest valid checkpoint.",
+    help="Continue the most recent run of this config's name (or the run directory "
+    "given as CONFIG) from its newest valid checkpoint; a completed run is left as it is.",
+)
+@click.option(
+    "--extend",
+    is_flag=True,
+    help="With --resume/--run-dir: train the run past its total_steps, to the larger "
+    "--set train.total_steps=N (recorded in logs/extensions.jsonl).",
 )
 @click.option(
     "--keep-smoke",
@@ -46,10 +65,12 @@ def train(
     smoke: bool,
     run_dir: str | None,
     resume: bool,
+    extend: bool,
     keep_smoke: bool,
     as_json: bool,
 ) -> int:
     """Train CONFIG on Ray Train: the local embedded cluster, or RAY_ADDRESS when set.
+    CONFIG may be a run directory with --resume (its config.yaml is used).
 
     Progress (step, loss, tokens/s, ETA) goes to stderr; with --json the last line
     of stdout is the run summary. Exit codes: 0 completed, 2 bad input, 1 failed
@@ -65,20 +86,61 @@ def train(
         raise UserError(
             "--smoke always rehearses in a fresh run directory; drop --run-dir/--resume"
         )
+    if extend and not (run_dir or resume):
+        raise UserError("--extend continues an existing run: add --resume or --run-dir DIR")
+    config, run_dir, resume = _config_of(config, run_dir, resume)
     cfg = load_config(config, overrides)
     try:
-        summary = run(cfg, run_dir=run_dir, resume=resume, smoke=smoke)
+        summary = run(cfg, run_dir=run_dir, resume=resume, smoke=smoke, extend=extend)
     except TrainingFailed as e:
         _print_failure(e.summary)
         if as_json:
             echo_json(e.summary)
         return EXIT_INFRASTRUCTURE if e.summary.get("failure_cause") == "infrastructure" else 1
+    if summary.get("already_complete"):
+        _print_complete(summary, cfg.train.total_steps)
+        if as_json:
+            echo_json(summary)
+        return 0
     if smoke and not keep_smoke:
         summary = clean_up_rehearsal(summary)
     _print_done(summary)
     if as_json:
         echo_json(summary)
     return 0
+
+
+def _config_of(config: str, run_dir: str | None, resume: bool) -> tuple[str, str | None, bool]:
+    """(config file, --run-dir, --resume) for CONFIG: a run directory given with
+    --resume stands for `DIR/config.yaml --run-dir DIR`."""
+    from pathlib import Path
+
+    from trainlab.errors import UserError
+
+    path = Path(config)
+    if not path.is_dir():
+        return config, run_dir, resume
+    if not resume:
+        raise UserError(
+            f"{config}: is a directory; to continue the run in it: trainlab train {config} --resume"
+        )
+    if not (path / "config.yaml").is_file():
+        raise UserError(f"{config}: no config.yaml here; not a run directory")
+    return str(path / "config.yaml"), str(path), False
+
+
+def _print_complete(s: dict, total_steps: int) -> None:
+    click.echo(
+        f"{s.get('name')}: already completed at step {s.get('final_step')} of {total_steps}; "
+        "nothing to do, the run is left as it is",
+        err=True,
+    )
+    click.echo(f"  run dir: {s.get('run_dir')}", err=True)
+    click.echo(
+        f"  to train it longer: trainlab train {s.get('run_dir')} --resume --extend "
+        "--set train.total_steps=N",
+        err=True,
+    )
 
 
 def clean_up_rehearsal(summary: dict) -> dict:

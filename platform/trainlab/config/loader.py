@@ -228,6 +228,13 @@ def config_hash(cfg: ExperimentConfig) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def identity_diff(old: ExperimentConfig, new: ExperimentConfig) -> dict[str, tuple[Any, Any]]:
+    """The flattened identity keys on which two configs differ: {key: (old, new)}
+    (a key one of them lacks reads as None), sorted by key."""
+    a, b = flatten(identity_dict(old)), flatten(identity_dict(new))
+    return {k: (a.get(k), b.get(k)) for k in sorted(a.keys() | b.keys()) if a.get(k) != b.get(k)}
+
+
 def to_yaml(cfg: ExperimentConfig) -> str:
     """The fully resolved config as YAML; loading it back gives the same config."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, allow_unicode=True)

@@ -3,9 +3,11 @@
 `run(cfg)` does, in order: plan the layout and refuse what does not fit or
 cannot be executed (tp/pp > 1), check the data (`trainlab.data.prepare_run_data`),
 choose the run directory (see trainlab.train.rundir for new / --run-dir /
---resume), refuse to resume a checkpoint of another experiment or dataset,
-connect to Ray (`trainlab.raycluster.ensure_ray`), and run a `TorchTrainer`
-whose workers execute `trainlab.train.worker.train_loop_per_worker`.
+--resume / --extend), return the run's own summary untouched (with
+`already_complete`) when that run already completed, refuse to resume a
+checkpoint of another experiment or dataset, connect to Ray
+(`trainlab.raycluster.ensure_ray`), and run a `TorchTrainer` whose workers
+execute `trainlab.train.worker.train_loop_per_worker`.
 
 A worker failure restarts the whole group (`FailureConfig(max_failures)`),
 which resumes from the newest valid checkpoint. When the retries are used up,
@@ -28,7 +30,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from trainlab.config import ExperimentConfig, config_hash
+from trainlab.config import ExperimentConfig
 from trainlab.errors import UserError
 from trainlab.plan import plan, require_fit, resolve_layout
 from trainlab.storage import check_disk_room
@@ -113,10 +115,10 @@ def prepare_data(cfg: ExperimentConfig) -> DataInfo:
 
 
 def check_resumable(run_dir: Path, cfg: ExperimentConfig, chash: str, data: DataInfo) -> None:
-    """A checkpoint in run_dir must be of this experiment and (unless allowed) dataset."""
+    """A checkpoint in run_dir must be of this experiment (`chash`: the run's, see
+    rundir.check_same_experiment) and (unless allowed) dataset."""
     from trainlab.data import check_resume
 
-    rundir.check_same_experiment(run_dir, cfg)
     info = ck.find_resume(run_dir / "checkpoints", require_valid=cfg.train.checkpoint.validate)
     if info is None:
         return
@@ -181,6 +183,7 @@ def run(
     run_dir: str | Path | None = None,
     resume: bool = False,
     smoke: bool = False,
+    extend: bool = False,
     base_dir: Path | None = None,
     callbacks: tuple[str, ...] = DEFAULT_CALLBACKS,
 ) -> dict[str, Any]:
@@ -190,19 +193,27 @@ def run(
     current directory); `callbacks` are import paths ("module:function") of
     factories `function(cfg) -> list[Callback]` run on rank 0. Raises UserError before anything starts for what the user
     must fix, and TrainingFailed when the run fails after `train.max_failures`
-    restarts.
+    restarts. A run directory whose run already completed is returned as its
+    summary plus `already_complete: True`, untouched; `extend` continues it to a
+    larger train.total_steps (rundir.check_same_experiment).
     """
     started = time.time()
     if smoke:
         cfg = smoke_config(cfg)
     cfg, plan_json = prepare_layout(cfg)
     data = prepare_data(cfg)
-    chash = config_hash(cfg)
     path = rundir.choose_run_dir(cfg, run_dir, resume and not smoke, base_dir)
+    identity = rundir.check_same_experiment(path, cfg, extend=extend)  # reads only
+    done = rundir.completed_summary(path, cfg)
+    if done is not None:  # nothing to do: not one file of the run is touched
+        return {**done, "already_complete": True}
+    chash = identity.config_hash
     if cfg.resource.storage and (resume or run_dir is not None) and not smoke:
         restore_from_storage(cfg, path)
     check_resumable(path, cfg, chash, data)
     check_disk_room(path, cfg.train.checkpoint, plan_json["num_params"])  # else UserError
+    if identity.extension is not None:
+        RunRecords(path).add_extension(identity.extension)
     rundir.write_run_files(path, cfg, plan_json)
     _driver_log(path)
     job = TrainJob(

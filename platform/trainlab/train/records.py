@@ -5,6 +5,7 @@
     {run_dir}/logs/attempts.jsonl   each start of the training processes, and when
                                     each attempt completed its first step
     {run_dir}/logs/progress.json    rank 0's newest logged step
+    {run_dir}/logs/extensions.jsonl each `--extend` of the run past its total_steps
 
 Summary keys checked from outside (keep them): name, status, final_step,
 final_loss, val_loss, tokens_seen, restarts, weights_sha256, last_checkpoint,
@@ -30,6 +31,7 @@ SUMMARY = "run_summary.json"
 FAILURES = "failures.jsonl"
 ATTEMPTS = "attempts.jsonl"
 PROGRESS = "progress.json"
+EXTENSIONS = "extensions.jsonl"
 
 # Kinds of failure: infrastructure (the process or worker was killed or lost; a
 # retry can succeed), code (an exception that would happen again), peer (a side
@@ -163,6 +165,16 @@ class RunRecords:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
+    # ------------------------------------------------------------------ extensions
+
+    def add_extension(self, record: dict[str, Any]) -> None:
+        """The run was continued past its total_steps (`trainlab train --extend`):
+        what changed, the config hashes before and after, the hash the run keeps."""
+        _append_jsonl(self.logs / EXTENSIONS, [{**record, "time": time.time()}])
+
+    def extensions(self) -> list[dict[str, Any]]:
+        return _read_jsonl(self.logs / EXTENSIONS)
+
     # ------------------------------------------------------------------ chaos
 
     def chaos_marker(self, step: int) -> Path:
@@ -254,6 +266,9 @@ def run_summary(
     if status == "failed":
         summary["error"] = error
         summary["failure_cause"] = failure_cause(failures)
+    extensions = RunRecords(job.run_dir).extensions()
+    if extensions:
+        summary["extensions"] = extensions
     return summary
 
 

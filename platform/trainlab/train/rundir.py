@@ -11,11 +11,20 @@ How a run directory is chosen (`trainlab train`, `trainers/pretrain.py`):
   under runs_root (any date), resumed from its newest valid checkpoint.
 
 A directory whose config.yaml has a different config hash is refused: resuming
-it would mix two experiments in one record.
+it would mix two experiments in one record. The refusal lists each differing
+key of the experiment's identity with both values.
+
+A run whose run_summary.json says it completed its `train.total_steps` is done:
+`--resume` / `--run-dir` of it changes nothing (`completed_summary`). Training
+it longer is `--extend` with a larger `--set train.total_steps=N`, the only
+identity key it may change: the run keeps the config hash it started with (its
+checkpoints carry it), config.yaml takes the new length, and
+logs/extensions.jsonl records what changed (`check_same_experiment`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import json
 from pathlib import Path
@@ -24,7 +33,11 @@ from typing import Any
 import yaml
 
 from trainlab.config import ExperimentConfig, config_hash, to_yaml
+from trainlab.config.loader import identity_diff
 from trainlab.errors import UserError
+from trainlab.train.records import RunRecords
+
+EXTEND_KEY = "train.total_steps"
 
 
 def runs_root(cfg: ExperimentConfig, base_dir: Path | None = None) -> Path:
@@ -84,23 +97,99 @@ def choose_run_dir(
     return new_run_dir(cfg, base_dir)
 
 
-def check_same_experiment(run_dir: Path, cfg: ExperimentConfig) -> None:
-    """Refuse to continue a run directory that holds a different experiment."""
+@dataclasses.dataclass(frozen=True)
+class RunIdentity:
+    """What a run directory continues as: the config hash its checkpoints and
+    records carry, and the extension to record when `--extend` changes its length."""
+
+    config_hash: str
+    extension: dict[str, Any] | None = None
+
+
+def read_run_config(run_dir: Path) -> ExperimentConfig | None:
+    """The config.yaml of a run directory (None when it has none yet)."""
     existing = run_dir / "config.yaml"
     if not existing.exists():
-        return
+        return None
     try:
-        old = ExperimentConfig.model_validate(yaml.safe_load(existing.read_text()))
+        return ExperimentConfig.model_validate(yaml.safe_load(existing.read_text()))
     except Exception as e:  # noqa: BLE001 - an unreadable record is the user's to fix
         raise UserError(
             f"{existing}: cannot read the run's config ({e}); choose another --run-dir"
         ) from None
-    if config_hash(old) != config_hash(cfg):
+
+
+def check_same_experiment(
+    run_dir: Path, cfg: ExperimentConfig, extend: bool = False
+) -> RunIdentity:
+    """Refuse to continue a run directory that holds a different experiment; with
+    `extend`, allow (and describe) a larger train.total_steps and nothing else.
+    Reads only."""
+    old = read_run_config(run_dir)
+    if old is None:
+        if extend:
+            raise UserError(f"--extend: {run_dir} holds no run to extend")
+        return RunIdentity(config_hash(cfg))
+    run_hash = _run_hash(run_dir, config_hash(old))
+    diff = identity_diff(old, cfg)
+    if not extend:
+        if diff:
+            longer = EXTEND_KEY in diff and diff[EXTEND_KEY][1] > diff[EXTEND_KEY][0]
+            hint = "; to train the run longer add --extend" if longer else ""
+            raise UserError(
+                f"{run_dir}: holds a different experiment (config hash {config_hash(old)} "
+                f"!= {config_hash(cfg)}; {_describe(diff)}); choose another --run-dir, or "
+                f"run without --run-dir/--resume to start a new run{hint}"
+            )
+        return RunIdentity(run_hash)
+    if not diff and run_hash != config_hash(old):
+        return RunIdentity(run_hash)  # an earlier --extend already made it this long
+    before, after = diff.get(EXTEND_KEY, (old.train.total_steps, old.train.total_steps))
+    others = {k: v for k, v in diff.items() if k != EXTEND_KEY}
+    if others:
         raise UserError(
-            f"{run_dir}: holds a different experiment (config hash "
-            f"{config_hash(old)} != {config_hash(cfg)}); choose another --run-dir, "
-            "or run without --run-dir/--resume to start a new run"
+            f"--extend: only {EXTEND_KEY} may change, {run_dir} holds a run that also "
+            f"differs in {_describe(others)}"
         )
+    if after <= before:
+        raise UserError(
+            f"--extend: give a longer run with --set {EXTEND_KEY}=N, N > {before} "
+            f"(the run's {EXTEND_KEY}; this config says {after})"
+        )
+    extension = {
+        "changed": {EXTEND_KEY: [before, after]},
+        "at_step": (RunRecords(run_dir).read_summary() or {}).get("final_step"),
+        "from_config_hash": config_hash(old),
+        "config_hash": config_hash(cfg),
+        "run_config_hash": run_hash,
+    }
+    return RunIdentity(run_hash, extension)
+
+
+def _run_hash(run_dir: Path, current: str) -> str:
+    """The config hash the run started with when config.yaml (hash `current`) is
+    the result of its latest --extend, else `current`."""
+    extensions = RunRecords(run_dir).extensions()
+    if extensions and extensions[-1].get("config_hash") == current:
+        return str(extensions[-1].get("run_config_hash") or current)
+    return current
+
+
+def _describe(diff: dict[str, tuple[Any, Any]]) -> str:
+    return ", ".join(f"{k}: {a!r} in the run, {b!r} now" for k, (a, b) in diff.items())
+
+
+def completed_summary(run_dir: Path, cfg: ExperimentConfig) -> dict[str, Any] | None:
+    """run_summary.json of `run_dir` when it says the run completed cfg's
+    train.total_steps (nothing is left to do), else None. Reads only."""
+    summary = RunRecords(run_dir).read_summary()
+    if (
+        summary
+        and summary.get("status") == "completed"
+        and summary.get("final_step") == cfg.train.total_steps
+    ):
+        return summary
+    return None
 
 
 def write_run_files(run_dir: Path, cfg: ExperimentConfig, plan_json: dict[str, Any]) -> None:

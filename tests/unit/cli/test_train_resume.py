@@ -1,0 +1,108 @@
+"""`trainlab train` on an existing run, as a user types it: CONFIG --resume or the
+run directory itself (`trainlab train RUN_DIR --resume`, its config.yaml with
+--set on top), a completed run left byte-identical (exit 0), a different
+experiment refused with the differing keys (exit 2, one line), --extend.
+The runs are real; only Ray Train's part (`launcher._fit`) runs in this process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tests.train_helpers import dataset_dir, local_loader, tiny_config
+from tests.unit.train.test_rundir_lifecycle import STEPS, must_not_train, snapshot
+from trainlab.cli import cli, main
+from trainlab.config import to_yaml
+from trainlab.errors import UserError
+from trainlab.train import launcher
+from trainlab.train.distributed import DistEnv
+from trainlab.train.trainer import Trainer
+
+
+def fit_in_process(cfg, job):
+    return Trainer(job, local_loader(job), DistEnv()).fit()
+
+
+def train(*args: str) -> tuple[object, str, str]:
+    """(return value or exception, stdout, stderr) of `trainlab train ARGS`."""
+    res = CliRunner().invoke(cli, ["train", *args], standalone_mode=False)
+    return (res.exception or res.return_value), res.stdout, res.stderr
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """(config file, run directory) of a completed 4-step run made by `trainlab train`."""
+    base = tmp_path_factory.mktemp("cli-resume")
+    cfg = tiny_config(
+        dataset_dir(tmp_path_factory), train={**STEPS, "runs_root": str(base / "runs")}
+    )
+    config = base / "unit.yaml"
+    config.write_text(to_yaml(cfg))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(launcher, "_fit", fit_in_process)
+        rv, out, _ = train(str(config), "--json")
+    assert rv == 0, rv
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["status"] == "completed"
+    return config, Path(summary["run_dir"])
+
+
+def test_resuming_a_completed_run_says_so_and_leaves_it_alone(run, monkeypatch):
+    config, run_dir = run
+    monkeypatch.setattr(launcher, "_fit", must_not_train)
+    before = snapshot(run_dir)
+    relayout = ["--set", "parallel.tp=2", "--set", "parallel.dp=1"]
+    outs = []
+    for args in (
+        [str(config), "--resume"],
+        [str(config), "--run-dir", str(run_dir)],
+        [str(run_dir), "--resume", "--json"],
+        # the layout is not the experiment's identity: still the same run
+        [str(run_dir), "--resume", *relayout, "--set", "resource.num_workers=2"],
+    ):
+        rv, out, err = train(*args)
+        assert rv == 0, (args, rv)
+        assert "unit: already completed at step 4 of 4; nothing to do" in err
+        assert f"trainlab train {run_dir} --resume --extend" in err
+        outs.append(out)
+    assert json.loads(outs[2].strip().splitlines()[-1])["already_complete"] is True
+    assert snapshot(run_dir) == before
+
+
+def test_a_different_experiment_is_refused_with_its_differing_keys(run, monkeypatch, capsys):
+    _, run_dir = run
+    monkeypatch.setattr(launcher, "_fit", must_not_train)
+    before = snapshot(run_dir)
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(run_dir), "--resume", "--set", "train.lr=1e-4", "--set", "train.seed=7"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "holds a different experiment (config hash" in err
+    assert "train.seed: 0 in the run, 7 now" in err and "train.lr: 0.003 in the run, 0.0001 now" in err
+    assert "Traceback" not in err
+    assert snapshot(run_dir) == before
+
+
+def test_run_dir_as_config_needs_resume_and_extend_needs_a_run(run):
+    config, run_dir = run
+    rv, _, _ = train(str(run_dir))
+    assert isinstance(rv, UserError) and "is a directory" in str(rv) and "--resume" in str(rv)
+    rv, _, _ = train(str(config.parent), "--resume")
+    assert isinstance(rv, UserError) and "no config.yaml" in str(rv)
+    rv, _, _ = train(str(config), "--extend", "--set", "train.total_steps=6")
+    assert isinstance(rv, UserError) and "--extend continues an existing run" in str(rv)
+
+
+def test_run_dir_resume_with_set_extends_the_run(run, monkeypatch):
+    _, run_dir = run
+    monkeypatch.setattr(launcher, "_fit", fit_in_process)
+    rv, out, _ = train(
+        str(run_dir), "--resume", "--extend", "--set", "train.total_steps=6", "--json"
+    )
+    assert rv == 0, rv
+    summary = json.loads(out.strip().splitlines()[-1])
+    assert summary["final_step"] == 6 and summary["start_step"] == 4
+    assert summary["extensions"][0]["changed"] == {"train.total_steps": [4, 6]}
