@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import RECIPES, REPO
-from trainlab.config import ExperimentConfig, load_config, to_yaml
+from trainlab.config import load_config, to_yaml
 from trainlab.errors import ConfigError
 
 TINY = str(RECIPES / "tiny.yaml")
