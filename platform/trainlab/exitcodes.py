@@ -1,0 +1,20 @@
+"""Process exit codes of trainlab commands, one table for the CLI, the job
+wrapper and `submit` (README "Failures" lists them for users).
+
+- 0  done (also: a completed run asked to resume, left untouched)
+- 1  an error that would happen again (code, numerics outside an alert's action)
+- 2  bad input: config, data, files, flags; nothing was started
+- 4  stopped by an alert's action (`tracking.alerts.on_p0: checkpoint_and_stop`):
+     deliberate, never retried
+- 75 the cluster lost processes or workers the run needed (EX_TEMPFAIL): a retry may succeed
+- 130 interrupted by the user (Ctrl-C / SIGINT): resume with the printed command
+"""
+
+from __future__ import annotations
+
+OK = 0
+ERROR = 1
+BAD_INPUT = 2
+STOPPED_BY_ALERT = 4
+INFRASTRUCTURE = 75
+INTERRUPTED = 130
