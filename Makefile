@@ -19,12 +19,18 @@ export MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR := false
 
 setup: $(STAMP)
 
+# Each step says what it does first: the whole setup takes a minute or two.
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PIP) install --quiet --upgrade pip
-	$(PIP) install --quiet "$(TORCH_SPEC)"
-	$(PIP) install --quiet -e ".[dev]"
-	touch $(STAMP)
+	@echo "setup 1/4: creating $(VENV) (Python: $(PYTHON))"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "setup 2/4: upgrading pip"
+	@$(PIP) install --quiet --upgrade pip
+	@echo "setup 3/4: installing $(TORCH_SPEC) (the largest step)"
+	@$(PIP) install --quiet "$(TORCH_SPEC)"
+	@echo "setup 4/4: installing trainlab and its dependencies (ray, mlflow, ...)"
+	@$(PIP) install --quiet -e ".[dev]"
+	@touch $(STAMP)
+	@echo "setup done: $(VENV)"
 
 test: setup
 	$(VENV)/bin/pytest $(PYTEST_ARGS)

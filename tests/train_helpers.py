@@ -23,6 +23,8 @@ from trainlab.train.job import TrainJob
 
 TINY: dict[str, Any] = {
     "name": "unit",
+    "purpose": "test",  # a real run (not --smoke) needs both
+    "expectation": "it trains",
     "model": {
         "arch": "llama",
         "hidden_size": 32,

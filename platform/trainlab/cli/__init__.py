@@ -10,12 +10,16 @@ problem as `error: ...` and exits 2, without a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import sys
 
 import click
 
 from trainlab.errors import UserError
+
+RAY_TOKEN_NOTICE = "ray._private.authentication.authentication_token_setup"
 
 # command name -> "module:attribute" of a click command
 COMMANDS: dict[str, str] = {
@@ -35,6 +39,7 @@ COMMANDS: dict[str, str] = {
     "tune": "trainlab.cli.tune_cmd:tune",
     "gc": "trainlab.cli.gc_cmd:gc",
     "export": "trainlab.cli.export_cmd:export",
+    "mix": "trainlab.cli.mix_cmd:mix",
 }
 
 HELP = {
@@ -54,6 +59,7 @@ HELP = {
     "tune": "Ray Tune search over data-mix weights.",
     "gc": "Delete old runs and smoke rehearsals (keeps last valid + best checkpoint).",
     "export": "Write a checkpoint as a Hugging Face model directory (transformers).",
+    "mix": "Mixture laws: proxy swarm (Ray Tune), fit, propose, confirm.",
 }
 
 
@@ -81,8 +87,22 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from trainlab.cli.common import stdout_for_json_only
+
+    # Ray's notice that token authentication is on (the secure default every
+    # trainlab cluster uses) is printed by every Ray-backed command: not news.
+    logging.getLogger(RAY_TOKEN_NOTICE).setLevel(logging.ERROR)
+    args = sys.argv[1:] if argv is None else argv
+    json_only = stdout_for_json_only() if "--json" in args else contextlib.nullcontext()
+    with json_only:  # with --json, stdout is the JSON document's alone
+        _run(args)
+
+
+def _run(args: list[str]) -> None:
+    """Run the command and exit with its code; user errors and interrupts as one
+    line on stderr (SystemExit leaves `main`'s --json block, which restores stdout)."""
     try:
-        rv = cli.main(args=argv, prog_name="trainlab", standalone_mode=False)
+        rv = cli.main(args=args, prog_name="trainlab", standalone_mode=False)
     except UserError as e:
         for line in e.lines:
             click.echo(f"error: {line}", err=True)

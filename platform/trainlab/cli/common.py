@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
-from typing import Any
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
 
 import click
 
 F = Callable[..., Any]
+
+# With --json: the process's real stdout, which only the JSON document goes to.
+_json_out: TextIO | None = None
 
 
 def config_args(fn: F) -> F:
@@ -23,6 +29,36 @@ def json_option(fn: F) -> F:
                         help="Print machine-readable JSON on stdout.")(fn)
 
 
+@contextlib.contextmanager
+def stdout_for_json_only() -> Iterator[None]:
+    """With --json, stdout carries nothing but the JSON: inside this block
+    whatever else writes to file descriptor 1 (Ray's and Tune's banners, worker
+    output Ray forwards to the driver, MLflow, child processes) goes to stderr,
+    and `echo_json` writes to the real stdout. Used by `trainlab.cli.main` for a
+    command line with --json; a no-op where sys.stdout is not the process's own
+    (a test runner capturing it)."""
+    global _json_out
+    if _json_out is not None or sys.stdout is not sys.__stdout__:
+        yield
+        return
+    sys.stdout.flush()
+    real = os.dup(1)
+    os.dup2(2, 1)
+    _json_out = os.fdopen(real, "w")
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(real, 1)
+        _json_out.close()
+        _json_out = None
+
+
 def echo_json(obj: Any) -> None:
     """One JSON document on stdout (the last line is the object)."""
-    click.echo(json.dumps(obj, indent=None, sort_keys=False, default=str))
+    text = json.dumps(obj, indent=None, sort_keys=False, default=str)
+    if _json_out is None:
+        click.echo(text)
+        return
+    _json_out.write(text + "\n")
+    _json_out.flush()

@@ -11,10 +11,30 @@ from trainlab.config import load_config, to_yaml
 @click.command()
 @config_args
 def validate(config: str, overrides: tuple[str, ...]) -> int:
-    """Check CONFIG; print `ok <name>` or every problem (exit 2)."""
+    """Check CONFIG; print `ok <name>` or every problem (exit 2). When the prepared
+    dataset at data.path exists, the mix's sources are checked against it too."""
     cfg = load_config(config, overrides)
+    check_mix_sources(cfg)
     click.echo(f"ok {cfg.name}")
     return 0
+
+
+def check_mix_sources(cfg) -> None:  # noqa: ANN001 - ExperimentConfig
+    """Every data.mix source must be in the prepared dataset, when there is one
+    here (reads manifest.json only: validate stays instant). A dataset not
+    prepared yet is not an error of the config: `train` and `data inspect` say so."""
+    from trainlab.data.manifest import load_manifest, resolve_dataset_dir
+    from trainlab.data.mix import normalize_mix
+    from trainlab.errors import UserError
+
+    if "://" in cfg.data.path:
+        return
+    try:
+        root = resolve_dataset_dir(cfg.data.path)
+    except UserError:
+        return
+    sources = load_manifest(root).sources
+    normalize_mix(cfg.data.mix, {name: 1 for name in sources})
 
 
 @click.command()

@@ -67,3 +67,39 @@ def _print_report(name: str, r: dict[str, Any]) -> None:
         f"(backend {r['backend']}, first step after {r['startup_seconds']:.1f} s)",
         highlight=False,
     )
+
+
+@data.command("at-step")
+@click.argument("config_or_run_dir", metavar="CONFIG_OR_RUN_DIR", type=click.Path(exists=True))
+@click.argument("step", type=int)
+@click.option("--rows", type=click.IntRange(min=1), default=None, help="Show the first N rows.")
+@click.option("--decode", is_flag=True, help="Add each row's text (the dataset's tokenizer).")
+@json_option
+def at_step(
+    config_or_run_dir: str, step: int, rows: int | None, decode: bool, as_json: bool
+) -> int:
+    """The rows training step STEP (as logged: the STEP-th optimizer step) trained
+    on: per row its source, document ids, shard file and row, tokens per document
+    piece. CONFIG_OR_RUN_DIR: a config (before training) or a run directory (its
+    config, and the steps its run skipped: train.skip_steps and P0 rollbacks)."""
+    from trainlab.data.at_step import config_of, rows_at_step
+
+    config, run_dir = config_of(config_or_run_dir)
+    cfg = load_config(config)
+    report = rows_at_step(cfg, step, rows=rows, decode=decode, run_dir=run_dir)
+    if as_json:
+        echo_json(report)
+        return 0
+    skipped = " (skipped by its run: never trained on)" if report.get("skipped") else ""
+    click.echo(f"step {report['step']}: {len(report['rows'])} rows{skipped}")
+    for i, r in enumerate(report["rows"]):
+        docs = ", ".join(
+            f"{d} ({shard} row {row}, {n} tokens)"
+            for d, shard, row, n in zip(
+                r["doc_ids"], r["shard"], r["row"], r["tokens"], strict=True
+            )
+        )
+        click.echo(f"[{i}] {r['source']}: {docs}")
+        if "text" in r:
+            click.echo(r["text"])
+    return 0

@@ -18,7 +18,8 @@ def _address_option(fn):  # noqa: ANN001, ANN202 - click decorator
         "--address",
         default=None,
         metavar="URL",
-        help="Jobs API of the cluster, e.g. http://127.0.0.1:8265 (default: "
+        help="Jobs API of the cluster, e.g. http://127.0.0.1:8290 (`trainlab cluster up`'s "
+        "port; 8265 for `ray start`) (default: "
         "RAY_API_SERVER_ADDRESS, RAY_ADDRESS if a URL, or `trainlab cluster up`'s).",
     )(fn)
 
@@ -140,16 +141,38 @@ def _clock(ts: float | None) -> str:
 @_plain_http_option
 @json_option
 def stop(job_id: str, address: str | None, allow_plain_http: bool, as_json: bool) -> int:
-    """Stop JOB_ID (its workers are released; checkpoints already written stay)."""
-    from trainlab.jobs.client import connect, resolve_address, stop_job
+    """Stop JOB_ID (its workers are released; checkpoints already written stay).
+    The run it trained is marked `stopped` (run_summary.json; MLflow status KILLED)."""
+    from trainlab.jobs.client import connect, job_info, resolve_address, stop_job
 
     url = resolve_address(address)
-    status = stop_job(connect(url, allow_plain_http=allow_plain_http), job_id)
+    client = connect(url, allow_plain_http=allow_plain_http)
+    status = stop_job(client, job_id)
+    run = _end_stopped_run(job_info(client, job_id), job_id) if status == "STOPPED" else None
     if as_json:
-        echo_json({"job_id": job_id, "address": url, "status": status})
+        echo_json({"job_id": job_id, "address": url, "status": status, "run": run})
     else:
         click.echo(f"{job_id} {status}")
+        if run is not None:
+            click.echo(
+                f"  run {run['run_dir']}: marked stopped at step {run['final_step']}; "
+                f"resume with: trainlab train {run['run_dir']} --resume"
+            )
     return 0
+
+
+def _end_stopped_run(info: object, job_id: str) -> dict | None:
+    """The stopped job's run, marked `stopped` (its killed processes could not)."""
+    from trainlab.track.lifecycle import end_run, run_dir_of_job
+
+    run_dir = run_dir_of_job(getattr(info, "metadata", None))
+    if run_dir is None:
+        return None
+    try:
+        return end_run(run_dir, "stopped", f"stopped by trainlab stop {job_id}")
+    except OSError as e:  # the run directory is on storage this machine does not see
+        click.echo(f"  could not mark the run in {run_dir} stopped: {e}", err=True)
+        return None
 
 
 @click.group()

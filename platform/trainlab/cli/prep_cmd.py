@@ -42,6 +42,7 @@ def prep(
     work and says "up to date"; a re-run after a killed run reuses the work units
     it finished. --json prints the manifest plus units_total, units_reused and
     driver_peak_rss_bytes."""
+    click.echo(f"prep: {sources} -> {out} (starting Ray Data; the bars follow)", err=True)
     from trainlab.data.prep import run_prep
 
     with _progress_bar() as progress:

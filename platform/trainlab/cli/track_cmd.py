@@ -156,8 +156,6 @@ def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
         ("mix", "left"),
     ):
         table.add_column(column, justify=justify)  # type: ignore[arg-type]
-    for key in differing:
-        table.add_column(key, style="bold yellow", header_style="bold yellow")
     for r in rows:
         table.add_row(
             r["name"],
@@ -169,13 +167,29 @@ def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
             _num(r["peak_memory_gb"], ".2f"),
             _num(r["wall_time_s"], ".0f"),
             _mix(r["mix"]),
-            *(_cell(r["differing"][k]) for k in differing),
         )
     console = _console()
     console.print(table)
+    if len(rows) > 1 and differing:
+        console.print(_differing_table(rows, differing))
     if len(rows) > 1:
         note = ", ".join(differing) if differing else "none: same config"
         console.print(f"differing config keys (highlighted): {note}", highlight=False)
+
+
+def _differing_table(rows: list[dict[str, Any]], differing: list[str]) -> Any:
+    """The differing config keys, one per row (full names, never cut), one column
+    per run: readable with many keys, where a column per key would squeeze its
+    header to `train.…`."""
+    from rich.table import Table
+
+    table = Table(title="differing config keys", title_justify="left")
+    table.add_column("key", style="bold yellow", no_wrap=True)
+    for r in rows:
+        table.add_column(f"{r['name']}\n{r['run_id'][:8]}", overflow="fold")
+    for key in differing:
+        table.add_row(key, *(_cell(r["differing"][key]) for r in rows))
+    return table
 
 
 # --------------------------------------------------------------------------- runs
@@ -197,7 +211,9 @@ def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
 def runs(
     experiment: str | None, since: str | None, limit: int, as_json: bool, runs_root: str
 ) -> int:
-    """List recent runs, newest first: name, status, started, duration."""
+    """List recent runs, newest first: name, status, started, active training
+    time and wall time (a resumed run's wall time includes the idle time between
+    its starts). A run whose processes vanished shows as `lost`."""
     from trainlab.track import tracking_uri
     from trainlab.track.query import list_runs, parse_since
 
@@ -212,8 +228,8 @@ def runs(
     from rich.table import Table
 
     table = Table(title=f"recent runs in {uri}", title_justify="left")
-    for column in ("name", "run_id", "experiment", "status", "started", "duration"):
-        table.add_column(column, justify="right" if column == "duration" else "left")
+    for column in ("name", "run_id", "experiment", "status", "started", "active", "wall"):
+        table.add_column(column, justify="right" if column in ("active", "wall") else "left")
     for r in rows:
         table.add_row(
             r["name"],
@@ -221,6 +237,7 @@ def runs(
             r["experiment"],
             r["status"],
             r["started"] or "-",
+            _duration(r["active_s"]) if r.get("active_s") is not None else "-",
             _duration(r["duration_s"]),
         )
     _console().print(table)

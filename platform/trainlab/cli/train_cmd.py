@@ -12,6 +12,7 @@ import sys
 import click
 
 from trainlab.cli.common import echo_json, json_option
+from trainlab.exitcodes import INTERRUPTED, STOPPED_BY_ALERT
 
 # EX_TEMPFAIL: workers or nodes were lost beyond train.max_failures; a job retry may
 # succeed (docs/contracts.md, section 6).
@@ -75,8 +76,11 @@ def train(
     Progress (step, loss, tokens/s, ETA) goes to stderr; with --json the last line
     of stdout is the run summary. Exit codes: 0 completed, 2 bad input, 1 failed
     (an error that would happen again), 75 failed because processes or workers
-    were lost more often than train.max_failures allows (a retry may succeed)."""
+    were lost more often than train.max_failures allows (a retry may succeed), 130
+    interrupted (Ctrl-C: the first stops at the next logged step with a checkpoint
+    and prints the command that resumes the run; a second stops at once)."""
     from trainlab.config import load_config
+    from trainlab.config.loader import require_record
     from trainlab.errors import UserError
     from trainlab.train import TrainingFailed, run
 
@@ -89,7 +93,10 @@ def train(
     if extend and not (run_dir or resume):
         raise UserError("--extend continues an existing run: add --resume or --run-dir DIR")
     config, run_dir, resume = _config_of(config, run_dir, resume)
-    cfg = load_config(config, overrides)
+    # A new run with --set changes is named after them; a continued run keeps its name.
+    cfg = load_config(config, overrides, name_from_overrides=not (run_dir or resume))
+    if not smoke:
+        require_record(cfg, config, "trainlab train")
     try:
         summary = run(cfg, run_dir=run_dir, resume=resume, smoke=smoke, extend=extend)
     except TrainingFailed as e:
@@ -102,11 +109,19 @@ def train(
         if as_json:
             echo_json(summary)
         return 0
+    if summary.get("status") == "interrupted":
+        _print_interrupted(summary)
+        if as_json:
+            echo_json(summary)
+        return INTERRUPTED
     if smoke and not keep_smoke:
         summary = clean_up_rehearsal(summary)
     _print_done(summary)
     if as_json:
         echo_json(summary)
+    if summary.get("status") == "stopped_by_alert":  # deliberate: never retried
+        click.echo(f"  stopped by alert: {summary.get('stop_reason')}", err=True)
+        return STOPPED_BY_ALERT
     return 0
 
 
@@ -185,6 +200,15 @@ def _print_done(s: dict) -> None:
         gap = memory_gap(s.get("planned_memory_bytes"), s.get("peak_memory_bytes"))
         if gap:
             click.echo(f"  memory per device: {gap}", err=True)
+
+
+def _print_interrupted(s: dict) -> None:
+    """A Ctrl-C'd run: where it stopped and the exact command that continues it."""
+    checkpoint = s.get("last_checkpoint") or "none yet (a resume starts from step 0)"
+    click.echo(f"{s.get('name')}: interrupted at step {s.get('final_step')}", err=True)
+    click.echo(f"  run dir:         {s.get('run_dir')}", err=True)
+    click.echo(f"  last checkpoint: {checkpoint}", err=True)
+    click.echo(f"  resume with:     trainlab train {s.get('run_dir')} --resume", err=True)
 
 
 def _print_failure(s: dict) -> None:

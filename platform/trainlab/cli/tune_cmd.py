@@ -11,16 +11,18 @@ from trainlab.cli.common import config_args, echo_json, json_option
 @config_args
 @click.option("--search", "search", multiple=True, required=True, metavar="data.mix.SRC=SPEC",
               help="A mix weight to search: LOW:HIGH (uniform) or V1,V2,... (grid). Repeatable.")
-@click.option("--samples", type=click.IntRange(1, 10_000), default=4, show_default=True,
-              help="Trials to sample (each grid point is tried this many times).")
+@click.option("--samples", type=click.IntRange(1, 10_000), default=None,
+              help="Draws of the LOW:HIGH dimensions per grid point (default 4; "
+              "refused when every --search is a grid: the trials would be identical).")
 @click.option("--metric", default="val_loss", show_default=True,
               help="Rank trials by this run-summary value: val_loss, val_loss/SOURCE, final_loss.")
-@click.option("--max-concurrent", type=click.IntRange(1, 1000), default=1, show_default=True,
-              help="Trials running at once (each is a full Ray Train run).")
+@click.option("--max-concurrent", type=click.IntRange(1, 1000), default=None,
+              help="Trials running at once (each is a full Ray Train run); default: as "
+              "many as the cluster's resources fit (one at a time on a 2-core machine).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of the sampler.")
 @json_option
-def tune(config: str, overrides: tuple[str, ...], search: tuple[str, ...], samples: int,
-         metric: str, max_concurrent: int, seed: int, as_json: bool) -> int:
+def tune(config: str, overrides: tuple[str, ...], search: tuple[str, ...], samples: int | None,
+         metric: str, max_concurrent: int | None, seed: int, as_json: bool) -> int:
     """Search data-mix weights of CONFIG with Ray Tune; one trial = one trainlab run."""
     from trainlab.tune import parse_search, run_search
 

@@ -11,6 +11,8 @@ import copy
 import difflib
 import hashlib
 import json
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -171,12 +173,19 @@ def validate_raw(raw: dict[str, Any], source: str | None = None) -> ExperimentCo
     raise ConfigError([prefix + line for line in unique])
 
 
-def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+def load_config(
+    path: str | Path,
+    overrides: list[str] | tuple[str, ...] = (),
+    name_from_overrides: bool = False,
+) -> ExperimentConfig:
     """Read `path` (following `extends`), apply `--set` overrides, validate.
 
     `name` defaults to the file's stem and `tracking.experiment` to the recipe
     family (the top-level file's stem), so variants made with `--set` stay in
-    their family's MLflow experiment.
+    their family's MLflow experiment. With `name_from_overrides` (a new run, not
+    a resume), overrides of what is trained rename the run to say so
+    (`override_name`). Relative paths become absolute against the config's
+    anchor (`config_anchor`), so no path depends on the current directory.
     """
     path = Path(path)
     if not path.exists():
@@ -187,7 +196,110 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     if isinstance(tracking, dict):
         tracking.setdefault("experiment", path.stem)
     raw = apply_overrides(raw, overrides)
+    if name_from_overrides and isinstance(raw.get("name"), str):
+        raw["name"] = override_name(raw["name"], overrides)
+    anchor_paths(raw, config_anchor(path))
     return validate_raw(raw, source=str(path))
+
+
+RECORD_REQUIRED = ("purpose", "expectation")
+
+
+def require_record(cfg: ExperimentConfig, source: str, command: str) -> None:
+    """Refuse a real run (`trainlab train` without --smoke, `trainlab submit`) whose
+    config does not say why it runs and what it should show: the record a run
+    leaves is only comparable with both. validate, plan and --smoke do not ask."""
+    missing = [k for k in RECORD_REQUIRED if not str(getattr(cfg, k)).strip()]
+    if missing:
+        raise ConfigError(
+            f"{source}: {' and '.join(missing)}: required for {command} (say why the run "
+            "exists and what result you expect, in the config or with --set "
+            f"{missing[0]}=...); optional for validate, plan and train --smoke"
+        )
+
+
+# --------------------------------------------------------------------------- paths
+
+# The config keys holding a local path (or a URL, left as it is).
+PATH_KEYS = (("data", "path"), ("train", "runs_root"), ("resource", "storage"))
+ANCHOR_MARKERS = (".git", "pyproject.toml")
+
+
+def config_anchor(config_file: str | Path) -> Path:
+    """What relative paths in a config file are relative to: the repository root of
+    the file (the nearest directory at or above it holding .git or pyproject.toml),
+    or, outside any repository, the file's own directory. Never the current
+    directory: the same config means the same paths wherever it is run from."""
+    start = Path(config_file).resolve().parent
+    for d in (start, *start.parents):
+        if any((d / marker).exists() for marker in ANCHOR_MARKERS):
+            return d
+    return start
+
+
+def anchor_path(value: str, anchor: Path) -> str:
+    """`value` as an absolute local path (`~` expanded, relative to `anchor`); a URL
+    (`s3://...`) as it is."""
+    if "://" in value:
+        return value
+    p = Path(value).expanduser()
+    return os.path.normpath(p if p.is_absolute() else anchor / p)
+
+
+def anchor_paths(raw: dict[str, Any], anchor: Path) -> None:
+    """Make every local path of a raw config absolute against `anchor`, in place;
+    a key left out gets its schema default anchored too (the record shows where)."""
+    for section, key in PATH_KEYS:
+        node = raw.get(section, {})
+        if not isinstance(node, dict):
+            continue  # a wrong type: validation reports it
+        value = node.get(key, _default(section, key))
+        if isinstance(value, str) and value:
+            raw[section] = {**node, key: anchor_path(value, anchor)}
+
+
+def _default(section: str, key: str) -> Any:
+    return SECTIONS[section].model_fields[key].default
+
+
+# --------------------------------------------------------------------------- run names
+
+NAME_MAX = 100  # schema's limit on `name`
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
+
+
+def override_name(name: str, overrides: list[str] | tuple[str, ...]) -> str:
+    """The name of a run that changes its config with `--set`: `tiny` with
+    `--set train.lr=1e-3` is `tiny_lr-1e-3`. Each override of what is trained adds
+    `_{last key part}-{value as typed}` in the order given, filesystem-safe; an
+    explicit `--set name=...`, and overrides that do not change what is trained
+    (layout, resources, paths, record, tracking), leave the name alone. Too long
+    a name keeps its head and ends in a hash of the whole, so it stays unique
+    and deterministic."""
+    parts = []
+    for item in overrides:
+        keys, _ = parse_override(item)
+        if keys == ["name"]:
+            return name
+        if not _is_identity_key(keys) or tuple(keys) in PATH_KEYS:
+            continue  # not what is trained, or where (a path says nothing about it)
+        value = _UNSAFE.sub("-", item.partition("=")[2]).strip("-.")
+        parts.append(f"{keys[-1]}-{value}" if value else keys[-1])
+    if not parts:
+        return name
+    full = "_".join([name, *parts])
+    if len(full) <= NAME_MAX:
+        return full
+    digest = hashlib.sha256(full.encode()).hexdigest()[:8]
+    return f"{full[: NAME_MAX - 9].rstrip('-._')}-{digest}"
+
+
+def _is_identity_key(keys: list[str]) -> bool:
+    """Whether the config key `keys` is part of the experiment's identity."""
+    if keys[0] not in _NOT_IDENTITY:
+        return True
+    skip = _NOT_IDENTITY[keys[0]]
+    return skip is not None and len(keys) > 1 and keys[1] not in skip
 
 
 # --------------------------------------------------------------------------- identity

@@ -179,6 +179,48 @@ def _chaos_within_run(cfg: dict[str, Any]) -> Iterator[Problem]:
             yield Problem(
                 "train.chaos.kill_at_steps", k, f"must be < train.total_steps ({t['total_steps']})"
             )
+    for key in ("nan_at_steps", "spike_at_steps"):
+        for k in t["chaos"][key]:
+            if k > t["total_steps"]:
+                yield Problem(
+                    f"train.chaos.{key}", k, f"must be <= train.total_steps ({t['total_steps']})"
+                )
+
+
+@rule("tracking")
+def _alert_routes(cfg: dict[str, Any]) -> Iterator[Problem]:
+    alerts = cfg["tracking"]["alerts"]
+    known = {"log", "mlflow", *alerts["hooks"]}
+    for severity, names in alerts["routes"].items():
+        for name in names:
+            if name not in known:
+                yield Problem(
+                    f"tracking.alerts.routes.{severity}",
+                    name,
+                    f"not a destination (log, mlflow or a hook: {', '.join(sorted(known))})",
+                )
+    for name, hook in alerts["hooks"].items():
+        if name in ("log", "mlflow") or (hook["webhook_url_env"] is None) == (
+            hook["command"] is None
+        ):
+            yield Problem(
+                f"tracking.alerts.hooks.{name}",
+                "...",
+                "a hook (not named log or mlflow) has one of webhook_url_env or command",
+            )
+
+
+@rule("train")
+def _skip_windows(cfg: dict[str, Any]) -> Iterator[Problem]:
+    t = cfg["train"]
+    for first, last in t["skip_steps"]:
+        if first > last or last >= t["total_steps"]:
+            yield Problem(
+                "train.skip_steps",
+                [first, last],
+                f"a window is [first, last] with first <= last < train.total_steps "
+                f"({t['total_steps']})",
+            )
 
 
 @rule("train", "resource")

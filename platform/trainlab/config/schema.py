@@ -104,8 +104,8 @@ class DataConfig(Section):
     # Logical CPUs the Ray Data read/mix/pack pipeline may use (caps its resources).
     loader_cpus: float = Field(1.0, gt=0, le=1024)
     # Ray Data's per-dataset metrics (the dashboard's Data panel), pushed by the
-    # training loader every few seconds. Off by default: on 2 cores the pushes and
-    # the stats actor's work cost ~9% of training throughput (`make bench`).
+    # training loader every few seconds. Off by default: the pushes and the stats
+    # actor's work take CPU from training on a small machine.
     ray_data_metrics: bool = False
     # Resume even if the prepared dataset's fingerprint differs from the checkpoint's.
     allow_fingerprint_change: bool = False
@@ -132,6 +132,11 @@ class ChaosConfig(Section):
     # Hard-kill one worker process the first time each of these steps is reached.
     kill_at_steps: list[PosInt] = Field(default_factory=list)
     kill_rank: int = Field(0, ge=0)
+    # Rehearse P0 handling: step k's loss becomes NaN (every rank), or is multiplied by
+    # spike_factor (a gradient-norm spike); each fires once per run directory.
+    nan_at_steps: list[PosInt] = Field(default_factory=list)
+    spike_at_steps: list[PosInt] = Field(default_factory=list)
+    spike_factor: float = Field(1000.0, gt=1.0)
 
 
 class TrainConfig(Section):
@@ -156,9 +161,14 @@ class TrainConfig(Section):
     deterministic: bool = False
     # Worker-group restarts Ray Train may do before the run fails.
     max_failures: int = Field(3, ge=0, le=1000)
-    # Where run directories go: {runs_root}/{date}/{name}/. Relative to the repo root.
+    # Where run directories go: {runs_root}/{date}/{name}/. Relative paths here and in
+    # data.path / resource.storage: to the config file's repository root (config.loader).
     runs_root: str = "runs"
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    # Windows [first, last] of steps (1-based, inclusive) whose batches are not trained
+    # on: the step counter passes over them, the data stream stays addressed by step.
+    # What rollback_and_skip does after an anomaly, given up front (docs/monitoring.md).
+    skip_steps: list[tuple[PosInt, PosInt]] = Field(default_factory=list)
     chaos: ChaosConfig = Field(default_factory=ChaosConfig)
 
 
@@ -285,17 +295,74 @@ class StaleCheckpointRule(AlertRule):
     minutes: float = Field(30.0, gt=0)
 
 
+class LowDiskRule(AlertRule):
+    severity: Severity = "P1"
+    # Fires when the run directory's filesystem has less than this many GiB free
+    # (measured on every logged step; trainlab.monitor.disk).
+    min_free_gb: float = Field(5.0, ge=0)
+
+
+ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+
+
+class AlertHook(Section):
+    """An alert destination besides the run log and MLflow: a webhook whose URL is in
+    the environment variable named here, or a command (argv, no shell) that gets the
+    alert as JSON on stdin. Variables named here are secrets: `submit` carries them
+    to the job outside its runtime env, and they are never recorded."""
+
+    webhook_url_env: str | None = Field(None, pattern=ENV_NAME)
+    command: list[str] | None = Field(None, min_length=1)
+    # Variables the command needs from the submitting machine (carried like the URL).
+    env: list[Annotated[str, Field(pattern=ENV_NAME)]] = Field(default_factory=list)
+
+
+def _default_hooks() -> dict[str, AlertHook]:
+    return {
+        "page": AlertHook(webhook_url_env="TRAINLAB_PAGE_WEBHOOK"),
+        "message": AlertHook(webhook_url_env="TRAINLAB_MESSAGE_WEBHOOK"),
+    }
+
+
+def _default_routes() -> dict[str, list[str]]:
+    return {
+        "P0": ["log", "mlflow", "page", "message"],
+        "P1": ["log", "mlflow", "message"],
+        "P2": ["log", "mlflow"],
+    }
+
+
 class AlertsConfig(Section):
     non_finite: NonFiniteRule = Field(default_factory=NonFiniteRule)
     loss_rising: LossRisingRule = Field(default_factory=LossRisingRule)
     grad_spike: GradSpikeRule = Field(default_factory=GradSpikeRule)
     throughput_drop: ThroughputDropRule = Field(default_factory=ThroughputDropRule)
     stale_checkpoint: StaleCheckpointRule = Field(default_factory=StaleCheckpointRule)
+    low_disk: LowDiskRule = Field(default_factory=LowDiskRule)
     # HTTP POST target for alerts. Give the *name* of an environment variable holding
     # the URL (secrets stay out of configs), e.g. TRAINLAB_ALERT_WEBHOOK.
-    webhook_url_env: str | None = Field(None, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")
-    # What a P0 alert does besides notifying: nothing, or checkpoint and stop cleanly.
-    on_p0: Literal["notify", "checkpoint_and_stop"] = "notify"
+    webhook_url_env: str | None = Field(None, pattern=ENV_NAME)
+    # Named destinations, and which go to each severity ("log" and "mlflow" are
+    # built in): P0 pages, P1 sends a message, P2 is only recorded. A webhook whose
+    # variable is unset delivers nothing (logged once). webhook_url_env, when set,
+    # is the "message" hook's variable.
+    hooks: dict[str, AlertHook] = Field(default_factory=_default_hooks)
+    routes: dict[Severity, list[str]] = Field(default_factory=_default_routes)
+    # What a P0 alert does besides notifying (decided on every rank at the same step):
+    # nothing; stop (resume point: the newest valid checkpoint; exit code 4); or reload
+    # the newest valid checkpoint before the anomaly and skip the steps since.
+    on_p0: Literal["notify", "checkpoint_and_stop", "rollback_and_skip"] = "notify"
+    # rollback_and_skip: rollbacks allowed per run; the next P0 stops the run.
+    max_rollbacks: int = Field(3, ge=0, le=1000)
+
+    def secret_env_names(self) -> list[str]:
+        """The environment variables the hooks name: secrets, carried to a submitted
+        job outside its runtime env and never recorded (trainlab.redact)."""
+        names = [self.webhook_url_env] if self.webhook_url_env else []
+        for hook in self.hooks.values():
+            names += [hook.webhook_url_env] if hook.webhook_url_env else []
+            names += list(hook.env)
+        return sorted(set(names))
 
 
 class TrackingConfig(Section):

@@ -49,12 +49,14 @@ def resolve_address(address: str | None = None) -> str:
         address = state.dashboard_url if state else None
     if not address:
         raise UserError(
-            "no Ray cluster given: pass --address http://HOST:8265, set "
-            "RAY_API_SERVER_ADDRESS, or start one with `trainlab cluster up`"
+            "no Ray cluster given: start one with `trainlab cluster up` (its Jobs API "
+            "is http://127.0.0.1:8290), or pass --address http://HOST:PORT (8265 for a "
+            "cluster from `ray start`), or set RAY_API_SERVER_ADDRESS"
         )
     if address.startswith("ray://"):
         raise UserError(
-            f"--address {address}: give the dashboard URL (http://HOST:8265), "
+            f"--address {address}: give the dashboard URL (http://HOST:PORT: 8290 for "
+            "`trainlab cluster up`, 8265 for `ray start`), "
             "not a Ray Client address"
         )
     if "://" not in address:

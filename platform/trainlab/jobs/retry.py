@@ -16,17 +16,33 @@ Two places retry, with the same rule:
   wrapper died with it, so it could not retry).
 A re-run is the same command with the same config, so the trainer resumes from
 the run's newest valid checkpoint.
+
+A re-run avoids the nodes blamed for the failure. When Ray Train gives up, the
+trainer looks up where its training workers died (Ray's actor table: a worker
+process or its node died, not a worker Ray Train stopped itself) and records
+those node ids as `lost_nodes` in run_summary.json. The wrapper reads them from
+the command's `--run-dir`, adds them to the nodes excluded so far, says which,
+and gives them to the re-run in TRAINLAB_EXCLUDE_NODES; the trainer places its
+workers with the label selector `ray.io/node-id: !in(...)`
+(trainlab.train.placement).
+A machine whose raylet restarts comes back under a new node id and is used again.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+from trainlab.train.placement import EXCLUDE_ENV, excluded_nodes
 
 EXIT_INFRASTRUCTURE = 75  # EX_TEMPFAIL: the trainer's "the cluster failed me"
+STOPPED_BY_ALERT = 4  # trainlab.exitcodes: a P0 action stopped the run, never retried
 # Ray job error types that mean the job's own supervisor was lost, not the code.
 INFRASTRUCTURE_JOB_ERRORS = frozenset(
     {
@@ -59,7 +75,31 @@ def describe_exit(returncode: int) -> str:
             return f"killed by signal {-returncode}"
     if returncode == EXIT_INFRASTRUCTURE:
         return "the cluster lost resources the run needed (exit 75)"
+    if returncode == STOPPED_BY_ALERT:
+        return "stopped by an alert's action (exit 4): deliberate, not retried"
     return f"exit code {returncode}"
+
+
+def run_dir_of(cmd: list[str]) -> Path | None:
+    """The `--run-dir` a trainer command was given (what a job retry passes)."""
+    for i, arg in enumerate(cmd):
+        if arg == "--run-dir" and i + 1 < len(cmd):
+            return Path(cmd[i + 1])
+        if arg.startswith("--run-dir="):
+            return Path(arg.split("=", 1)[1])
+    return None
+
+
+def blamed_in(run_dir: Path | None) -> list[str]:
+    """`lost_nodes` of the run's summary after a failed attempt ([] when none)."""
+    if run_dir is None:
+        return []
+    try:
+        summary = json.loads((run_dir / "run_summary.json").read_text())
+    except (OSError, ValueError):
+        return []
+    nodes = summary.get("lost_nodes") if isinstance(summary, dict) else None
+    return [str(n) for n in nodes] if isinstance(nodes, list) else []
 
 
 class _Stop:
@@ -80,9 +120,11 @@ def supervise(cmd: list[str], retries: int, pause_s: float = 5.0) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     attempt = 0
+    excluded = set(excluded_nodes())
     while True:
         attempt += 1
-        child = subprocess.Popen(cmd)
+        env = {**os.environ, **({EXCLUDE_ENV: ",".join(sorted(excluded))} if excluded else {})}
+        child = subprocess.Popen(cmd, env=env)
         rc = child.wait()
         if rc == 0 or _Stop.requested:
             return rc
@@ -98,9 +140,17 @@ def supervise(cmd: list[str], retries: int, pause_s: float = 5.0) -> int:
                 f"resource.job_retries={retries} used up"
             )
             return 128 - rc if rc < 0 else rc  # a signal, as a shell reports it
+        blamed = [n for n in blamed_in(run_dir_of(cmd)) if n not in excluded]
+        excluded.update(blamed)
+        avoid = (
+            f"; excluding node(s) {', '.join(sorted(excluded))}"
+            + (f" (lost attempt {attempt}'s workers: {', '.join(blamed)})" if blamed else "")
+            if excluded
+            else "; no node blamed"
+        )
         _say(
             f"attempt {attempt} failed ({describe_exit(rc)}): infrastructure failure; "
-            f"retry {attempt}/{retries} from the newest checkpoint in {pause_s:.0f} s"
+            f"retry {attempt}/{retries} from the newest checkpoint in {pause_s:.0f} s{avoid}"
         )
         time.sleep(pause_s)
 

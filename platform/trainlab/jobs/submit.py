@@ -53,13 +53,6 @@ def repo_root(start: Path | None = None) -> Path:
     )
 
 
-def _absolute(path: str, base: Path) -> str:
-    if "://" in path:
-        return path
-    p = Path(path).expanduser()
-    return str(p if p.is_absolute() else (base / p).resolve())
-
-
 @dataclass
 class Prepared:
     """A validated, planned config ready to ship; no cluster contacted yet."""
@@ -88,21 +81,18 @@ def prepare(config: str, overrides: tuple[str, ...] | list[str], repo: Path) -> 
     plan that does not fit, a layout it cannot execute, an unknown attention); make
     paths absolute."""
     from trainlab.config import load_config, to_yaml
+    from trainlab.config.loader import require_record
     from trainlab.plan import plan, require_fit
     from trainlab.storage import resolve_storage
 
-    cfg = load_config(config, overrides)
+    # Paths come back absolute (against the config's repository root), and --set
+    # changes to what is trained name the run (config.loader).
+    cfg = load_config(config, overrides, name_from_overrides=True)
+    require_record(cfg, config, "trainlab submit")
     require_fit(plan(cfg))  # before importing torch below: a plan error is instant
     from trainlab.train.launcher import prepare_layout
 
     prepare_layout(cfg)  # the trainer's own pre-launch checks, here before any upload
-    absolute = [
-        f"data.path={_absolute(cfg.data.path, repo)}",
-        f"train.runs_root={_absolute(cfg.train.runs_root, repo)}",
-    ]
-    if cfg.resource.storage:
-        absolute.append(f"resource.storage={_absolute(cfg.resource.storage, repo)}")
-    cfg = load_config(config, [*overrides, *absolute])
     # Every node must share the runs root (run directories and checkpoints live there)
     # and resource.storage when set.
     shared = [cfg.train.runs_root, *([cfg.resource.storage] if cfg.resource.storage else [])]

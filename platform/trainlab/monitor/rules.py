@@ -11,7 +11,8 @@ shared `Rule.observe` turns that into at most one alert per episode:
 - cool-down: no second firing within `cooldown` steps of the last one.
 
 Statistics (stated, so a reader can judge them):
-- non_finite: loss or grad norm is NaN or infinite.
+- non_finite: loss or grad norm is NaN or infinite (on any rank: `non_finite`
+  counts the ranks, trainlab.train.metrics).
 - loss_rising: the moving average of the loss over the last `smoothing` steps has
   risen over the last `window` steps by more than RISE_Z standard errors (the noise
   of one loss value is estimated from successive differences). Requiring a rise at
@@ -32,6 +33,10 @@ import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+# Rules judged on every step's signals (the loop's on_step_signals); the others on
+# the logged windows (throughput, checkpoint age, disk).
+STEP_RULES = ("non_finite", "loss_rising", "grad_spike")
 
 # Observations a statistic needs before it judges anything.
 MIN_HISTORY = 3
@@ -149,6 +154,13 @@ class NonFinite(Rule):
         seen = [(k, metrics[k]) for k in self.keys if metrics.get(k) is not None]
         if not seen:
             return None
+        flagged = metrics.get("non_finite")
+        if flagged:  # some rank's loss or grad norm (the all-reduced flags)
+            return Verdict(
+                True,
+                float(flagged),
+                f"non-finite loss/grad norm on {flagged:g} rank(s) at step {step}",
+            )
         for key, value in seen:
             if not math.isfinite(value):
                 return Verdict(True, float(value), f"{key} is {value} at step {step}")

@@ -1,4 +1,5 @@
-"""Where alerts go: the run log, the MLflow run, and a webhook.
+"""Where alerts go: the run log, the MLflow run, webhooks and commands
+(`tracking.alerts.routes` says which go to each severity; monitor.callback).
 
 A sink never raises into training: a failed delivery is logged and dropped.
 The webhook posts from a one-worker `concurrent.futures.ThreadPoolExecutor`
@@ -26,6 +27,7 @@ log = logging.getLogger("trainlab.alerts")
 WEBHOOK_TIMEOUT_S = 5.0
 WEBHOOK_ATTEMPTS = 3
 CLOSE_TIMEOUT_S = 15.0
+COMMAND_TIMEOUT_S = 30.0
 
 
 class Sink(Protocol):
@@ -147,3 +149,46 @@ class WebhookSink:
                     e,
                 )
                 return
+
+
+class CommandSink:
+    """Runs `argv` (no shell) with the alert as JSON on stdin, from a one-worker
+    background thread (in order, like the webhook), each run bounded by `timeout`."""
+
+    def __init__(self, argv: list[str], timeout: float = COMMAND_TIMEOUT_S):
+        self.argv, self.timeout = list(argv), timeout
+        self.delivered = 0
+        self._runs: list[Future[None]] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trainlab-alert-cmd")
+
+    def send(self, alert: Alert) -> None:
+        self._runs = [f for f in self._runs if not f.done()]
+        self._runs.append(self._executor.submit(self._run, alert.to_json()))
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        _, pending = wait_futures(self._runs, timeout)
+        self._runs = []
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        if pending:
+            log.warning("alert command: %d run(s) still pending at close, dropped", len(pending))
+
+    def _run(self, payload: dict[str, Any]) -> None:
+        import subprocess
+
+        try:
+            done = subprocess.run(
+                self.argv,
+                input=json.dumps(payload).encode(),
+                capture_output=True,
+                timeout=self.timeout,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            log.warning("alert command %s failed for %s: %s", self.argv[0], payload["rule"], e)
+            return
+        if done.returncode != 0:
+            log.warning(
+                "alert command %s exited %d for %s", self.argv[0], done.returncode, payload["rule"]
+            )
+            return
+        self.delivered += 1

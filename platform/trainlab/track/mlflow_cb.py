@@ -24,7 +24,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainlab.redact import redact
+from trainlab.track import heartbeat
 from trainlab.track.gitinfo import git_info
+from trainlab.track.heartbeat import Heartbeat
 from trainlab.track.plots import loss_curve_figure, mix_share_figure, normalized_mix
 from trainlab.track.store import (
     artifact_location,
@@ -68,6 +70,9 @@ _MLFLOW_STATUS = {
     "completed": "FINISHED",
     "finished": "FINISHED",
     "stopped": "KILLED",
+    "stopped_by_alert": "KILLED",
+    "interrupted": "KILLED",  # Ctrl-C (the status tag says which)
+    "lost": "FAILED",  # its processes vanished (trainlab.track.heartbeat)
     "killed": "KILLED",
     "cancelled": "KILLED",
 }
@@ -207,12 +212,14 @@ class MlflowCallback(Callback):
         self._writer: MetricWriter | None = None
         self._run_dir: str = ""
         self._best_val_loss = math.inf
+        self._heartbeat: Heartbeat | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_client"] = None
         state["_system_monitor"] = None
         state["_writer"] = None
+        state["_heartbeat"] = None
         return state
 
     # ---------------------------------------------------------------- tracker API
@@ -263,6 +270,7 @@ class MlflowCallback(Callback):
         # one system-metrics thread at a time.
         self._stop_system_metrics()
         self._close_writer()
+        active = self._heartbeat.stop() if self._heartbeat is not None else None
         runs_root = self._connect(str(ctx.run_dir))
         exp_id = get_or_create_experiment(
             self._client, experiment_name(ctx.cfg), artifact_location(runs_root)
@@ -275,6 +283,9 @@ class MlflowCallback(Callback):
             self._resume_run(existing, ctx)
             resumed = True
         self._writer = MetricWriter(self._client, self.run_id)
+        # In-place restarts continue this start's active time; a resume, the record's.
+        before = active if active is not None else heartbeat.active_before(existing)
+        self._heartbeat = Heartbeat(self._client, self.run_id, before).start()
         self._start_system_metrics(resumed)
         log.info(
             "MLflow run %s (%s) at %s",
@@ -307,6 +318,9 @@ class MlflowCallback(Callback):
             self._log_memory(summary)
         finally:
             self._stop_system_metrics()
+            if self._heartbeat is not None:
+                self._heartbeat.stop()
+                self._heartbeat = None
             status = str(summary.get("status", "completed")).lower()
             tags = {"status": status}
             for key in ("last_checkpoint", "best_checkpoint", "weights_sha256"):
@@ -412,7 +426,7 @@ class MlflowCallback(Callback):
             self._client.log_text(self.run_id, "", ALERT_LOG_ARTIFACT)
 
     def _log_figures(self) -> None:
-        from trainlab.track.query import metric_series
+        from trainlab.track.series import metric_series
 
         series = metric_series(self._client, self.run_id, prefixes=("loss", "val_loss/", "share/"))
         val = {

@@ -89,3 +89,79 @@ def normalized_mix(mix: Mapping[str, float]) -> dict[str, float]:
     """Config mix weights as shares summing to 1 (empty stays empty)."""
     total = sum(mix.values())
     return {k: v / total for k, v in mix.items()} if total > 0 else {}
+
+
+# --------------------------------------------------------------------------- many runs
+
+GRID_COLUMNS = 4  # mix panels per row, whatever the number of runs
+
+
+def runs_loss_figure(curves: Mapping[str, Mapping[str, Series]]) -> Figure:
+    """Training (solid) and validation (dashed, same colour) loss of many runs,
+    `curves` = {run label: {"loss": series, "val_loss/all": series}}: one legend
+    entry per run, outside the axes on the right in as many columns as it needs,
+    so it never covers the curves."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n = max(len(curves), 1)
+    columns = 1 + (n - 1) // 20  # 20 labels per legend column
+    fig = Figure(figsize=(9 + 2.5 * columns, 5), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    ax.set(title="loss (solid: train, dashed: val_loss/all)", xlabel="step", ylabel="loss")
+    ax.grid(True, alpha=0.3)
+    for label, series in curves.items():
+        color = _plot(ax, series.get("loss") or [], label=label, linewidth=1.0)
+        _plot(
+            ax,
+            series.get("val_loss/all") or [],
+            linestyle="--",
+            color=color,
+            marker="o",
+            markersize=2,
+        )
+    if curves:
+        fig.legend(loc="outside right upper", ncols=columns, fontsize="small")
+    else:
+        _empty_note(ax, "no runs")
+    return fig
+
+
+def runs_mix_figure(
+    shares: Mapping[str, Mapping[str, Series]], targets: Mapping[str, Mapping[str, float]]
+) -> Figure:
+    """Delivered share per source of many runs, one small panel per run in rows of
+    GRID_COLUMNS (the figure grows downwards, never wider than GRID_COLUMNS
+    panels), one legend of the sources for all panels; targets dashed."""
+    import math
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    n = max(len(shares), 1)
+    cols = min(n, GRID_COLUMNS)
+    rows = math.ceil(n / cols)
+    fig = Figure(figsize=(3.6 * cols, 2.8 * rows + 0.6), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False, sharex=True, sharey=True)
+    colors: dict[str, str] = {}
+    palette = iter(f"C{i}" for i in range(10_000))
+    for ax, (label, per_source) in zip(axes.flat, shares.items(), strict=False):
+        for source, series in sorted(per_source.items()):
+            color = colors.setdefault(source, next(palette))
+            _plot(ax, series, color=color, label=source, linewidth=1.0)
+            if source in targets.get(label, {}):
+                ax.axhline(targets[label][source], linestyle="--", linewidth=0.8, color=color)
+        ax.set_title(label, fontsize="small")
+        ax.set_ylim(0, 1)
+        ax.grid(True, alpha=0.3)
+    for ax in list(axes.flat)[len(shares) :]:
+        ax.set_visible(False)
+    if colors:
+        handles = [axes.flat[0].plot([], [], color=c, label=s)[0] for s, c in colors.items()]
+        fig.legend(
+            handles=handles, loc="outside lower center", ncols=min(len(colors), 8), fontsize="small"
+        )
+    fig.suptitle("delivered token share (dashed: target)")
+    return fig

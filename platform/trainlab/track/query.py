@@ -7,6 +7,7 @@ The rows are plain dicts (JSON-ready), shared by `trainlab compare`,
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import time
 from collections.abc import Iterable, Sequence
@@ -15,6 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 from trainlab.errors import UserError
 from trainlab.redact import redact
+from trainlab.track.heartbeat import ACTIVE_TAG, is_lost
+from trainlab.track.lifecycle import mark_lost
+from trainlab.track.series import metric_series
 from trainlab.track.store import client_for, embedded_db_path
 
 if TYPE_CHECKING:
@@ -24,29 +28,13 @@ if TYPE_CHECKING:
 # Config keys that describe the record, not the experiment: never "differing".
 RECORD_KEYS = frozenset({"name", "purpose", "expectation", "owner"})
 MIX_PREFIX = "data.mix."
+# Config keys holding a local path: `trainlab train` may record them relative to
+# the checkout, `submit`/`tune` absolute; the same place is not a difference.
+PATH_KEYS = frozenset({"data.path", "train.runs_root", "resource.storage"})
 SEARCH_PAGE = 1000
 
 
 # --------------------------------------------------------------------------- metric histories
-
-
-def metric_series(
-    client: MlflowClient, run_id: str, prefixes: Sequence[str] = ("",)
-) -> dict[str, list[tuple[int, float]]]:
-    """Every metric of the run whose name is, or starts with, one of `prefixes`,
-    as (step, value) points sorted by step."""
-    run = client.get_run(run_id)
-    out = {}
-    for key in sorted(run.data.metrics):
-        if any(_matches(key, p) for p in prefixes):
-            points = client.get_metric_history(run_id, key)
-            out[key] = sorted((m.step, m.value) for m in points)
-    return out
-
-
-def _matches(key: str, prefix: str) -> bool:
-    """ "loss" matches only loss; "val_loss/" (or "") matches everything under it."""
-    return key.startswith(prefix) if prefix.endswith("/") or not prefix else key == prefix
 
 
 def _values(client: MlflowClient, run_id: str, key: str) -> list[float]:
@@ -103,13 +91,16 @@ def find_runs(
     client = open_store(uri)
     if client is None:
         if names:
-            raise UserError(f"no runs recorded yet in {redact(uri)}: nothing matches {', '.join(names)}")
+            raise UserError(
+                f"no runs recorded yet in {redact(uri)}: nothing matches {', '.join(names)}"
+            )
         return []
     ids = _experiment_ids(client, experiment, uri)
     filters = ["tags.run_key != ''"]
     if since is not None:
         filters.append(f"attributes.start_time >= {int(since.timestamp() * 1000)}")
     runs = _search_all(client, ids, " and ".join(filters), None if names else limit)
+    runs = [_correct_lost(client, r) for r in runs]
     if names:
         runs = [r for r in runs if r.info.run_name in names or r.info.run_id in names]
         found = {r.info.run_name for r in runs} | {r.info.run_id for r in runs}
@@ -122,6 +113,15 @@ def find_runs(
             )
         runs = runs[:limit] if limit else runs
     return runs
+
+
+def _correct_lost(client: MlflowClient, run: Run) -> Run:
+    """A run whose processes vanished (no heartbeat) is ended as `lost` in the
+    store, its run directory's summary too (trainlab.track.heartbeat)."""
+    if not is_lost(run):
+        return run
+    mark_lost(client, run)
+    return client.get_run(run.info.run_id)
 
 
 def _search_all(
@@ -180,7 +180,17 @@ def run_overview(run: Run, experiment_names: dict[str, str]) -> dict[str, Any]:
         "status": _status(run),
         "started": _iso(run.info.start_time),
         "duration_s": _wall_time_s(run),
+        "active_s": _active_s(run),
     }
+
+
+def _active_s(run: Run) -> float | None:
+    """Time the run's training processes ran, summed over its starts (a resumed
+    run's wall time also counts the idle time between them)."""
+    try:
+        return round(float(run.data.tags[ACTIVE_TAG]), 1)
+    except (KeyError, ValueError):
+        return None
 
 
 def run_row(client: MlflowClient, run: Run, experiment_names: dict[str, str]) -> dict[str, Any]:
@@ -218,6 +228,14 @@ def _final_step(run: Run, key: str) -> int | None:
     return None
 
 
+def normalized(key: str, value: Any) -> Any:
+    """A path-valued key's value as an absolute path (relative ones are taken
+    from the current directory: the checkout, where trainlab runs)."""
+    if key in PATH_KEYS and isinstance(value, str) and value and "://" not in value:
+        return os.path.abspath(value)
+    return value
+
+
 def differing_keys(rows: Iterable[dict[str, Any]]) -> list[str]:
     """Config keys whose value differs between the rows (a key missing from some
     row counts as differing); record fields such as `purpose` are left out."""
@@ -227,7 +245,9 @@ def differing_keys(rows: Iterable[dict[str, Any]]) -> list[str]:
     keys = sorted(set().union(*(r["params"] for r in rows)) - RECORD_KEYS)
 
     def value(row: dict[str, Any], key: str) -> str | None:
-        return json.dumps(row["params"][key], sort_keys=True) if key in row["params"] else None
+        if key not in row["params"]:
+            return None
+        return json.dumps(normalized(key, row["params"][key]), sort_keys=True)
 
     return [k for k in keys if len({value(r, k) for r in rows}) > 1]
 

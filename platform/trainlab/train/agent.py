@@ -63,7 +63,7 @@ from trainlab.train.protocol import (
     StopRequest,
     Validation,
 )
-from trainlab.train.records import Failure, RunRecords, failed_summary
+from trainlab.train.records import INTERRUPT_REASON, Failure, RunRecords, failed_summary
 
 log = logging.getLogger("trainlab.train")
 
@@ -266,10 +266,27 @@ class Agent:
             budget = self.job.cfg.train.max_failures
             if spent > budget:
                 return self._give_up(spent, budget)
-            log.warning(
-                "restarting the training processes (failure %d of at most %d)", spent, budget
-            )
+            self._log_restart(f"{group}-{attempt}", spent, budget)
             attempt += 1
+
+    def _log_restart(self, event: str, spent: int, budget: int) -> None:
+        """Why the training processes restart; a chaos kill is the rehearsal working
+        as planned (train.chaos.kill_at_steps, `train --smoke`), not an accident."""
+        kinds = {
+            f.get("kind"): f
+            for f in self.records.failures(self.job.session)
+            if f.get("event") == event
+        }
+        if "chaos" in kinds and set(kinds) <= {"chaos", "peer"}:
+            log.info(
+                "restarting the training processes after the deliberate kill at step %s "
+                "(train.chaos.kill_at_steps, as planned; counts as failure %d of at most %d)",
+                kinds["chaos"].get("step"),
+                spent,
+                budget,
+            )
+            return
+        log.warning("restarting the training processes (failure %d of at most %d)", spent, budget)
 
     def _attempt(
         self, args: ChildArgs, failed_flag: Path, event: str, started: float
@@ -386,6 +403,8 @@ class Agent:
                 elif name == "on_step_end":
                     self.records.write_progress(args[0])  # for failures that take us down
                 self._submit_hook(name, args)
+                if self.rank == 0 and self.records.interrupt_requested():  # the driver's Ctrl-C
+                    return StopRequest(True, INTERRUPT_REASON), None
                 return self._stop, None
             case Failed(step, message):
                 error = f"rank {self.rank} failed at step {step}: {message}"

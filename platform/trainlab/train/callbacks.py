@@ -1,9 +1,10 @@
 """Side effects of a training run live in callbacks, never inside the step.
 
 The training loop calls these hooks on rank 0 only (tracking, alerts,
-checkpoint bookkeeping). A callback that wants the run to stop (a P0 alert with
-`on_p0: checkpoint_and_stop`) sets `stop_requested`; the loop broadcasts that
-decision to every rank, saves a checkpoint and ends the run cleanly.
+checkpoint bookkeeping). A callback that wants the run to stop sets
+`stop_requested`; the loop broadcasts that decision to every rank, saves a
+checkpoint and ends the run cleanly. P0 alert actions (`tracking.alerts.on_p0`)
+are not taken here but by the loop on every rank (trainlab.train.metrics).
 """
 
 from __future__ import annotations
@@ -46,6 +47,14 @@ class Callback:
         Called every `train.log_interval` steps and at the last step.
         """
 
+    def on_step_signals(self, step: int, signals: dict[str, float]) -> None:
+        """After every optimizer step, one step late (trainlab.train.metrics): loss,
+        grad_norm (before clipping), non_finite (ranks that saw NaN/inf),
+        step_time_s, data_wait_s. The values are agreed across ranks (all-reduced)."""
+
+    def on_rollback(self, record: dict[str, Any]) -> None:
+        """A P0 action rolled the run back: {from_step, to_step, skipped, rule}."""
+
     def on_eval(self, step: int, val_losses: dict[str, float]) -> None:
         """Validation loss per source (keys are source names) and "all"."""
 
@@ -83,6 +92,12 @@ class CallbackList(Callback):
 
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
         self._each("on_step_end", step, metrics)
+
+    def on_step_signals(self, step: int, signals: dict[str, float]) -> None:
+        self._each("on_step_signals", step, signals)
+
+    def on_rollback(self, record: dict[str, Any]) -> None:
+        self._each("on_rollback", record)
 
     def on_eval(self, step: int, val_losses: dict[str, float]) -> None:
         self._each("on_eval", step, val_losses)

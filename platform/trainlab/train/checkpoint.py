@@ -290,7 +290,7 @@ def commit(
         "error": result.error,
         "committed_at": time.time(),
     }
-    if meta.get("val_loss") is None:
+    if "val_loss" not in meta:  # a writer that names no held-out loss: validation's
         meta["val_loss"] = result.loss
     tmp_meta = staging / (META_FILE + ".tmp")
     tmp_meta.write_text(json.dumps(meta, indent=1, sort_keys=True))

@@ -70,6 +70,9 @@ class Checkpointer:
             after_commit=after_commit,
         )
         self.validation_batch: Batch | None = None  # rank 0, set before the first save
+        # P0 rollbacks so far ({from_step, to_step, skipped, rule}): saved in every
+        # checkpoint's header so a resumed run skips the same windows.
+        self.rollbacks: list[dict[str, Any]] = []
         self._async_group: Any = None
 
     # ------------------------------------------------------------------ saving
@@ -84,11 +87,13 @@ class Checkpointer:
             "world_size": self.env.world_size,
             "strategy": self.cfg.parallel.strategy,
             "layout": layout_of(self.cfg),
+            "rollbacks": [dict(r) for r in self.rollbacks],
         }
 
-    def save(self) -> None:
+    def save(self, evaluated: bool = True) -> None:
         """Every rank writes its part of the checkpoint of the current step; rank 0
-        commits it (in the background with train.checkpoint.async_save)."""
+        commits it (in the background with train.checkpoint.async_save).
+        `evaluated`: the latest evaluation is of this step (else no val_loss)."""
         step = self.state.progress.step
         background = self.cfg.train.checkpoint.async_save  # training mutates live tensors
         header = self.header()
@@ -119,9 +124,10 @@ class Checkpointer:
             validator = partial(
                 validate_checkpoint, m=self.cfg.model, fmt=self.format, batch=self.validation_batch
             )
-        # Ranked by the fixed-batch loss of validation (the latest evaluation's for
-        # sharded checkpoints); without validation by the latest evaluation.
-        meta = {**header, "val_loss": None if validator else header["val_losses"].get("all")}
+        # keep_best ranks by val_loss: the held-out evaluation of this step, the number
+        # reported as val_loss everywhere (none between evaluations). The fixed-batch
+        # loss of validation is recorded apart, as validation_loss.
+        meta = {**header, "val_loss": header["val_losses"].get("all") if evaluated else None}
         self.writer.submit(step, write_files, meta, validator)
 
     def _stage_model(self, step: int, background: bool) -> Callable[[Path], None]:
@@ -220,6 +226,7 @@ class Checkpointer:
             model.scaler.load_state_dict(trainer_state["scaler"])
         self.state.data.load_state_dict(trainer_state["data"])
         self.state.progress.load_state_dict(trainer_state)
+        self.rollbacks = [dict(r) for r in trainer_state.get("rollbacks") or []]
         rng = path / rng_file(self.env.rank)
         if rng.exists():
             self.state.rng.load_state_dict(ck.load_file(rng))

@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -36,8 +37,9 @@ from trainlab.plan import plan, require_fit, resolve_layout
 from trainlab.storage import check_disk_room
 from trainlab.train import checkpoint as ck
 from trainlab.train import rundir
+from trainlab.train.interrupt import Interrupts, call_in_thread
 from trainlab.train.job import TrainJob
-from trainlab.train.records import RunRecords, failed_summary
+from trainlab.train.records import RunRecords, failed_summary, interrupted_summary
 
 log = logging.getLogger("trainlab.train")
 
@@ -146,12 +148,12 @@ def restore_from_storage(cfg: ExperimentConfig, run_dir: Path) -> list[int]:
 def forwarded_env(cfg: ExperimentConfig | None = None) -> dict[str, str]:
     """The driver's MLFLOW_*, TRAINLAB_*, AWS_* settings minus every secret
     (trainlab.redact.shareable_env): no credential names, no URL with credentials,
-    not the variable `tracking.alerts.webhook_url_env` names."""
+    not the variables the alert hooks name (tracking.alerts)."""
     from trainlab.redact import shareable_env
 
-    webhook = cfg.tracking.alerts.webhook_url_env if cfg is not None else None
+    hooks = cfg.tracking.alerts.secret_env_names() if cfg is not None else []
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
-    return shareable_env(env, also_secret=[webhook] if webhook else [])
+    return shareable_env(env, also_secret=hooks)
 
 
 def ray_job_id() -> str | None:
@@ -190,18 +192,33 @@ def run(
     """Train `cfg` on Ray Train; return the run summary (run_summary.json).
 
     `base_dir` is what a relative train.runs_root is relative to (default: the
-    current directory); `callbacks` are import paths ("module:function") of
+    checkout holding trainlab; `load_config` already anchors a file's paths); `callbacks` are import paths ("module:function") of
     factories `function(cfg) -> list[Callback]` run on rank 0. Raises UserError before anything starts for what the user
     must fix, and TrainingFailed when the run fails after `train.max_failures`
     restarts. A run directory whose run already completed is returned as its
     summary plus `already_complete: True`, untouched; `extend` continues it to a
-    larger train.total_steps (rundir.check_same_experiment).
+    larger train.total_steps (rundir.check_same_experiment). Ctrl-C
+    (trainlab.train.interrupt) returns the summary with status "interrupted".
     """
+    with Interrupts() as interrupts:
+        return _run(cfg, interrupts, run_dir, resume, smoke, extend, base_dir, callbacks)
+
+
+def _run(
+    cfg: ExperimentConfig,
+    interrupts: Interrupts,
+    run_dir: str | Path | None,
+    resume: bool,
+    smoke: bool,
+    extend: bool,
+    base_dir: Path | None,
+    callbacks: tuple[str, ...],
+) -> dict[str, Any]:
     started = time.time()
     if smoke:
         cfg = smoke_config(cfg)
     cfg, plan_json = prepare_layout(cfg)
-    data = prepare_data(cfg)
+    data = _checked_together(cfg)
     path = rundir.choose_run_dir(cfg, run_dir, resume and not smoke, base_dir)
     identity = rundir.check_same_experiment(path, cfg, extend=extend)  # reads only
     done = rundir.completed_summary(path, cfg)
@@ -215,6 +232,7 @@ def run(
     if identity.extension is not None:
         RunRecords(path).add_extension(identity.extension)
     rundir.write_run_files(path, cfg, plan_json)
+    RunRecords(path).clear_interrupt()  # a Ctrl-C of an earlier start is done with
     _driver_log(path)
     job = TrainJob(
         cfg=cfg,
@@ -240,8 +258,12 @@ def run(
         cfg.train.precision,
         path,
     )
-    summary = _fit(cfg, job)
-    if smoke:
+    interrupts.attach(path)
+    try:
+        summary = _fit(cfg, job)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop at once
+        return _interrupted(job, shutdown=True)
+    if smoke and summary.get("status") != "interrupted":
         summary = _check_smoke(path, summary)
     return summary
 
@@ -252,18 +274,31 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
 
     from trainlab.raycluster import ensure_ray
     from trainlab.train.failures import FailureRecorder
+    from trainlab.train.logs import route_worker_output
+    from trainlab.train.placement import excluded_nodes, lost_nodes, node_selector
     from trainlab.train.worker import train_loop_per_worker
 
     ensure_ray(num_cpus=cfg.resource.local_num_cpus)
+    route_worker_output(job.logs_dir / "ray.log")  # the terminal keeps trainlab's lines
     _check_cluster(cfg)
+    if Interrupts.requested_now():  # Ctrl-C while Ray started: nothing was trained
+        return _interrupted(job)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", HEALTH_CHECK_INTERVAL_S)
     r = cfg.resource
     per_worker = {"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})}
+    if excluded_nodes():  # a job retry after nodes were lost (train.placement)
+        log.info(
+            "avoiding node(s) %s: a previous attempt lost its workers there",
+            ", ".join(excluded_nodes()),
+        )
     trainer = TorchTrainer(
         train_loop_per_worker,
         train_loop_config={"job": job},
         scaling_config=ray.train.ScalingConfig(
-            num_workers=r.num_workers, use_gpu=r.use_gpu, resources_per_worker=per_worker
+            num_workers=r.num_workers,
+            use_gpu=r.use_gpu,
+            resources_per_worker=per_worker,
+            label_selector=node_selector(),
         ),
         torch_config=TorchConfig(backend="nccl" if r.use_gpu else "gloo"),
         run_config=ray.train.RunConfig(
@@ -277,7 +312,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
         ),
     )
     try:
-        trainer.fit()
+        call_in_thread(trainer.fit)  # the main thread keeps handling Ctrl-C
     except ray.train.TrainingFailedError as e:
         from trainlab.train.failures import one_line
 
@@ -288,6 +323,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
             f"(train.max_failures = {cfg.train.max_failures}): "
             f"{one_line(e)}",
         )
+        summary["lost_nodes"] = lost_nodes()  # for a job retry to avoid (train.placement)
         RunRecords(job.run_dir).write_summary(summary)
         _abandon(job, summary)
         raise TrainingFailed(summary) from None
@@ -299,6 +335,22 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     return summary
 
 
+def _interrupted(job: TrainJob, shutdown: bool = False) -> dict[str, Any]:
+    """The run's summary when the user stopped it before its training processes
+    could (status "interrupted", newest valid checkpoint); with `shutdown`, Ray's
+    processes of this driver go too (they end its workers, the training
+    processes with them)."""
+    summary = interrupted_summary(job)
+    records = RunRecords(job.run_dir)
+    records.write_summary(summary)
+    if records.attempts():  # a training process started: its MLflow run may exist
+        _abandon(job, summary)
+    ray = sys.modules.get("ray")  # a Ctrl-C during `import ray` leaves it half imported
+    if shutdown and getattr(ray, "is_initialized", lambda: False)():
+        ray.shutdown()
+    return summary
+
+
 def _abandon(job: TrainJob, summary: dict[str, Any]) -> None:
     """End the run's records kept by callbacks (its workers could not)."""
     from trainlab.train.callbacks import build_callbacks
@@ -307,6 +359,39 @@ def _abandon(job: TrainJob, summary: dict[str, Any]) -> None:
         build_callbacks(job.callbacks, job.cfg).on_run_abandoned(job.run_dir, summary)
     except Exception:  # noqa: BLE001 - a tracking outage must not hide the failure summary
         log.exception("could not close the records of %s", job.run_dir)
+
+
+def _checked_together(cfg: ExperimentConfig) -> DataInfo:
+    """The data checks and, for the embedded local cluster, the device check, with
+    every problem reported at once (not one per attempt)."""
+    problems: list[str] = []
+    data = None
+    try:
+        data = prepare_data(cfg)
+    except UserError as e:
+        problems += e.lines
+    problems += _local_gpu_problems(cfg)
+    if problems:
+        raise UserError(problems)
+    assert data is not None
+    return data
+
+
+def _local_gpu_problems(cfg: ExperimentConfig) -> list[str]:
+    """resource.use_gpu on a machine without enough GPUs, known before Ray starts
+    when the run uses the embedded local cluster (RAY_ADDRESS unset)."""
+    r = cfg.resource
+    if not r.use_gpu or os.environ.get("RAY_ADDRESS"):
+        return []
+    import torch
+
+    have = torch.cuda.device_count()
+    if have >= r.num_workers:
+        return []
+    return [
+        f"resource.use_gpu: this machine has {have} GPU(s), resource.num_workers needs "
+        f"{r.num_workers} (set resource.use_gpu: false to train on CPU)"
+    ]
 
 
 def _check_cluster(cfg: ExperimentConfig) -> None:

@@ -1,14 +1,17 @@
 """What rank 0 reports at each log interval: throughput over the window since
 the last log line, memory, MFU, data shares, ETA; and the run's steady-state
-throughput (every window but an attempt's first, which holds the warm-up)."""
+throughput (every window but an attempt's first, which holds the warm-up);
+and every step's health signals, read one step late (below)."""
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import statistics
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -62,6 +65,7 @@ class Meter:
     steps: int = 0
     step_time: float = 0.0
     data_wait: float = 0.0
+    ckpt_block: float = 0.0
     started: float = field(default_factory=time.perf_counter)
     windows: int = 0
     steady_tokens: int = 0
@@ -69,13 +73,17 @@ class Meter:
     window_rates: list[float] = field(default_factory=list)
 
     def reset(self) -> None:
-        self.steps, self.step_time, self.data_wait = 0, 0.0, 0.0
+        self.steps, self.step_time, self.data_wait, self.ckpt_block = 0, 0.0, 0.0, 0.0
         self.started = time.perf_counter()
 
     def record(self, data_wait: float, step_time: float) -> None:
         self.steps += 1
         self.data_wait += data_wait
         self.step_time += step_time
+
+    def record_checkpoint(self, blocked: float) -> None:
+        """Seconds the loop waited on a checkpoint save (the window's third time share)."""
+        self.ckpt_block += blocked
 
     def window(
         self, step: int, loss: float, grad_norm: float, ckpt_age_s: float
@@ -93,6 +101,7 @@ class Meter:
             "tokens_per_s": tokens_per_s,
             "step_time_s": step_time,
             "data_wait_frac": self.data_wait / elapsed,
+            "ckpt_block_frac": self.ckpt_block / elapsed,
             "mem_gb": mem,
             "mem_peak_gb": mem_peak,
             "ckpt_age_s": ckpt_age_s,
@@ -131,3 +140,116 @@ def duration(seconds: float) -> str:
     if seconds >= 60:
         return f"{seconds // 60}m{seconds % 60:02d}s"
     return f"{seconds}s"
+
+
+# --------------------------------------------------------------------------- every step's health
+#
+# Each optimizer step leaves its loss and gradient norm (before clipping) on the
+# device. `launch` puts them, with this rank's non-finite flag, into one small
+# all-reduce (replicas' loss summed, non-finite flags summed over the world) and
+# starts an asynchronous copy to the host; the loop reads it (`PendingSignals.read`)
+# after the *next* step has been queued, so on a GPU the host waits only for that
+# copy, never for the step in flight: no per-step device-to-host sync. The reduced
+# values are the same on every rank, so a P0 decision taken from them
+# (`p0_rule`) is the same on every rank at the same step, never rank 0's alone.
+
+
+@dataclass(frozen=True)
+class StepSignals:
+    """One optimizer step's health, as every rank sees it."""
+
+    step: int  # 1-based: the number of updates done after this step
+    loss: float  # mean over the step's labelled tokens of all replicas
+    grad_norm: float  # global, before clipping
+    non_finite: int  # ranks whose loss or grad norm was NaN/inf
+    step_time_s: float  # this rank's host time for the step (queueing time on a GPU)
+    data_wait_s: float  # this rank's wait for the step's batch
+
+    @property
+    def bad(self) -> bool:
+        """Some rank saw a non-finite loss or grad norm at this step."""
+        return self.non_finite > 0 or not (
+            math.isfinite(self.loss) and math.isfinite(self.grad_norm)
+        )
+
+    def describe(self) -> str:
+        return (
+            f"loss {self.loss:.4g}, grad norm {self.grad_norm:.4g} at step {self.step} "
+            f"(non-finite on {self.non_finite} rank(s))"
+        )
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "non_finite": float(self.non_finite),
+            "step_time_s": self.step_time_s,
+            "data_wait_s": self.data_wait_s,
+        }
+
+
+class PendingSignals:
+    """A step's signals on their way to the host (see the module docstring)."""
+
+    def __init__(
+        self,
+        step: int,
+        values: torch.Tensor,
+        dp_size: int,
+        step_time_s: float,
+        data_wait_s: float,
+    ):
+        self.step, self.dp_size = step, dp_size
+        self.step_time_s, self.data_wait_s = step_time_s, data_wait_s
+        self._event: Any = None
+        if values.device.type == "cuda":
+            self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self._host.copy_(values, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = values
+
+    def read(self) -> StepSignals:
+        if self._event is not None:
+            self._event.synchronize()
+        loss_sum, non_finite = self._host.tolist()[:2]
+        grad_norm = float(self._host[2].item())
+        return StepSignals(
+            step=self.step,
+            loss=loss_sum / self.dp_size,
+            grad_norm=grad_norm,
+            non_finite=int(non_finite) if math.isfinite(non_finite) else 1,
+            step_time_s=self.step_time_s,
+            data_wait_s=self.data_wait_s,
+        )
+
+
+def launch(
+    env: Any,
+    step: int,
+    loss: torch.Tensor,
+    grad_norm: torch.Tensor,
+    step_time_s: float,
+    data_wait_s: float,
+) -> PendingSignals:
+    """Reduce step `step`'s loss and flags across ranks (queued, not waited for)."""
+    loss64 = loss.detach().to(torch.float64).reshape(())
+    norm64 = grad_norm.detach().to(torch.float64).reshape(())
+    bad = (~torch.isfinite(loss64) | ~torch.isfinite(norm64)).to(torch.float64)
+    owned = loss64 if env.owns_loss else torch.zeros_like(loss64)
+    reduced = env.all_reduce_sum(torch.stack([owned, bad]))
+    # The norm is global already (the same number on every rank): carried, not reduced.
+    values = torch.cat([reduced, norm64.reshape(1)])
+    return PendingSignals(step, values, env.dp_size, step_time_s, data_wait_s)
+
+
+def p0_rule(signals: StepSignals, alerts: Any) -> str | None:
+    """The P0 rule whose action (tracking.alerts.on_p0) the run takes at this step:
+    non_finite when it is a P0 rule and some rank saw NaN/inf. Decided from the
+    all-reduced flags, so every rank decides alike. Rules over per-rank clocks or
+    rank 0's own statistics alert (trainlab.monitor) but never act."""
+    rule = alerts.non_finite
+    if rule.enabled and rule.severity == "P0" and signals.bad:
+        return "non_finite"
+    return None

@@ -72,7 +72,17 @@ class LoadLoaderState:
 
 
 # The Callback hooks a training process forwards (on_run_abandoned is the driver's).
-HOOKS = frozenset({"on_run_start", "on_step_end", "on_eval", "on_checkpoint", "on_run_end"})
+HOOKS = frozenset(
+    {
+        "on_run_start",
+        "on_step_signals",
+        "on_step_end",
+        "on_rollback",
+        "on_eval",
+        "on_checkpoint",
+        "on_run_end",
+    }
+)
 
 
 @dataclass(frozen=True)
@@ -208,6 +218,12 @@ class PipeCallbacks(Callback):
 
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
         self._hook("on_step_end", step, metrics)
+
+    def on_step_signals(self, step: int, signals: dict[str, float]) -> None:
+        self._hook("on_step_signals", step, signals)
+
+    def on_rollback(self, record: dict[str, Any]) -> None:
+        self._hook("on_rollback", record)
 
     def on_eval(self, step: int, val_losses: dict[str, float]) -> None:
         self._hook("on_eval", step, val_losses)

@@ -10,7 +10,7 @@
 Summary keys checked from outside (keep them): name, status, final_step,
 final_loss, val_loss, tokens_seen, restarts, weights_sha256, last_checkpoint,
 best_checkpoint, wall_seconds. `status` is "completed", "stopped" (a callback
-asked) or "failed" (then `error`, `failures` and `failure_cause`).
+asked), "interrupted" (Ctrl-C; `trainlab train RUN_DIR --resume` continues it) or "failed" (then `error`, `failures` and `failure_cause`).
 
 JSON-lines files take small appends from several processes (O_APPEND writes of
 one line do not interleave); a torn or foreign line is skipped when read.
@@ -32,6 +32,10 @@ FAILURES = "failures.jsonl"
 ATTEMPTS = "attempts.jsonl"
 PROGRESS = "progress.json"
 EXTENSIONS = "extensions.jsonl"
+# The driver's first Ctrl-C creates it; rank 0's agent turns it into a stop at the
+# next logged step (trainlab.train.agent), which ends the run as "interrupted".
+INTERRUPT_FLAG = ".interrupt"
+INTERRUPT_REASON = "interrupted by the user (Ctrl-C)"
 
 # Kinds of failure: infrastructure (the process or worker was killed or lost; a
 # retry can succeed), code (an exception that would happen again), peer (a side
@@ -175,6 +179,19 @@ class RunRecords:
     def extensions(self) -> list[dict[str, Any]]:
         return _read_jsonl(self.logs / EXTENSIONS)
 
+    # ------------------------------------------------------------------ interrupts
+
+    def request_interrupt(self) -> None:
+        """Ask the training processes to stop at the next logged step (a Ctrl-C)."""
+        (self.logs / INTERRUPT_FLAG).touch()
+
+    def interrupt_requested(self) -> bool:
+        return (self.logs / INTERRUPT_FLAG).exists()
+
+    def clear_interrupt(self) -> None:
+        """A new start of the run (a resume) is not interrupted by an old Ctrl-C."""
+        (self.logs / INTERRUPT_FLAG).unlink(missing_ok=True)
+
     # ------------------------------------------------------------------ chaos
 
     def chaos_marker(self, step: int) -> Path:
@@ -235,6 +252,8 @@ def run_summary(
     failures = RunRecords(job.run_dir).failures(job.session)
     val_losses = dict(val_losses or {})
     val_loss = val_losses.get("all")
+    if stop_reason == INTERRUPT_REASON:  # a stop the user asked for with Ctrl-C
+        status = "interrupted"
     if status == "failed" and best_checkpoint is not None:
         val_loss = best_checkpoint.val_loss  # the evaluation of what a retry resumes
     summary: dict[str, Any] = {
@@ -275,6 +294,24 @@ def run_summary(
 def planned_memory_bytes(plan: dict[str, Any]) -> int | None:
     total = (plan.get("memory_per_device_bytes") or {}).get("total")
     return int(total) if total is not None else None
+
+
+def interrupted_summary(job: Any) -> dict[str, Any]:
+    """The summary of a run the user interrupted before its training processes could
+    write one (a Ctrl-C during startup, or a second Ctrl-C): status "interrupted"
+    at the newest valid checkpoint, which `--resume` continues from."""
+    from trainlab.train import checkpoint as ck
+
+    newest = ck.find_resume(job.checkpoint_root, require_valid=job.cfg.train.checkpoint.validate)
+    return run_summary(
+        job,
+        "interrupted",
+        step=newest.step if newest else 0,
+        restarts=RunRecords(job.run_dir).restarts(),
+        last_checkpoint=newest,
+        best_checkpoint=ck.best(ck.committed(job.checkpoint_root)),
+        stop_reason=INTERRUPT_REASON,
+    )
 
 
 def failed_summary(job: Any, error: str) -> dict[str, Any]:

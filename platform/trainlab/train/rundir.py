@@ -1,5 +1,12 @@
 """Run directories: `{runs_root}/{YYYY-MM-DD}/{name}/`, absolute.
 
+`train.runs_root` is made absolute when the config is read, against the
+config file's repository root (`trainlab.config.loader.config_anchor`); a
+config built in code with a relative runs_root is anchored at `base_dir` or
+at the checkout holding trainlab, never at the current directory. A run
+started with `--set` changes to what is trained is named after them
+(`tiny_lr-1e-3`, `loader.override_name`), and keeps the `-2`, `-3` sequence.
+
 How a run directory is chosen (`trainlab train`, `trainers/pretrain.py`):
 
 - default: a new directory for today; if `{name}` is taken, `{name}-2`, `{name}-3`, ...
@@ -41,10 +48,25 @@ EXTEND_KEY = "train.total_steps"
 
 
 def runs_root(cfg: ExperimentConfig, base_dir: Path | None = None) -> Path:
+    """The absolute runs root. A relative one (a config built in code; `load_config`
+    anchors those it reads) is relative to `base_dir`, else to the checkout
+    holding trainlab; outside one it is an error, not the current directory."""
     root = Path(cfg.train.runs_root).expanduser()
     if not root.is_absolute():
-        root = (base_dir or Path.cwd()) / root
+        base = base_dir or _checkout()
+        if base is None:
+            raise UserError(
+                f"train.runs_root = {cfg.train.runs_root!r}: relative, and the config has "
+                "no file to anchor it; give an absolute path"
+            )
+        root = base / root
     return root.resolve()
+
+
+def _checkout() -> Path | None:
+    """The repository holding this package (an editable install), if any."""
+    root = Path(__file__).resolve().parents[3]
+    return root if (root / "pyproject.toml").is_file() else None
 
 
 def new_run_dir(

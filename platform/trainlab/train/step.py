@@ -32,6 +32,7 @@ __all__ = [
     "loss_sum_and_count",
     "to_tensors",
     "train_step",
+    "train_step_tensors",
 ]
 
 
@@ -90,13 +91,30 @@ def train_step(
     micro_batches: list[Batch],
     device: torch.device,
 ) -> tuple[float, float]:
+    """`train_step_tensors` read back as floats (a device-to-host sync: the
+    training loop itself reads a step's values one step later, train.metrics)."""
+    loss, norm = train_step_tensors(m, cfg, step, micro_batches, device)
+    return float(loss), float(norm)
+
+
+def train_step_tensors(
+    m: ModelState,
+    cfg: ExperimentConfig,
+    step: int,
+    micro_batches: list[Batch],
+    device: torch.device,
+    loss_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Optimizer step `step` (0-based) over this rank's micro batches: the loss is
     the mean over the step's labelled tokens of all data-parallel ranks (each rank
     scales its summed loss by dp / the step's labelled tokens, and the gradient
     reduction averages over dp), gradients are accumulated and synced on the last
     micro batch, clipped, applied. Returns (this rank's share of the loss x dp,
     global gradient norm): the replicas' values average to the step's loss. Under
-    pipeline parallelism the loss is 0 on ranks without the last stage."""
+    pipeline parallelism the loss is 0 on ranks without the last stage. Both are
+    0-dim device tensors, not read back here (no device-to-host sync); the norm is
+    the one before clipping. `loss_factor` multiplies the loss (and so the
+    gradients): train.chaos's NaN and spike rehearsals."""
     lr = lr_at(step, cfg.train)
     for optimizer in m.optimizers:
         for group in optimizer.param_groups:
@@ -104,7 +122,7 @@ def train_step(
     tensors = [to_tensors(mb, device) for mb in micro_batches]
     mine = sum((b["labels"] != IGNORE_INDEX).sum() for b in tensors)
     labelled = float(m.env.dp_sum(torch.as_tensor(mine, dtype=torch.float64, device=device)))
-    scale = m.env.dp_size / max(labelled, 1.0)
+    scale = m.env.dp_size / max(labelled, 1.0) * loss_factor
     total = torch.zeros((), device=device)
     scaler, model = m.scaler, m.model
     with loss_context(m):
@@ -142,7 +160,9 @@ def train_step(
             optimizer.step()
     for optimizer in m.optimizers:
         optimizer.zero_grad(set_to_none=True)
-    return float(total), float(norm)
+    if not isinstance(norm, torch.Tensor):  # the sharded clip returns a float
+        norm = torch.tensor(float(norm), device=device)
+    return total.detach(), norm.detach()
 
 
 def fallback_batch(m: ModelConfig, seq_len: int, seed: int) -> Batch:

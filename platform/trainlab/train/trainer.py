@@ -14,11 +14,13 @@ stream for global step 20 (the 21st batch).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -28,7 +30,16 @@ from trainlab.train.callbacks import Callback, CallbackList, RunContext
 from trainlab.train.checkpointer import Checkpointer, layout_of
 from trainlab.train.distributed import DistEnv
 from trainlab.train.job import TrainJob
-from trainlab.train.metrics import Meter, memory_gap, peak_memory_bytes, progress_line
+from trainlab.train.metrics import (
+    Meter,
+    PendingSignals,
+    StepSignals,
+    launch,
+    memory_gap,
+    p0_rule,
+    peak_memory_bytes,
+    progress_line,
+)
 from trainlab.train.parallel import reshard
 from trainlab.train.records import RunRecords, planned_memory_bytes, run_summary
 from trainlab.train.state import (
@@ -47,7 +58,7 @@ from trainlab.train.step import (
     loss_context,
     loss_sum_and_count,
     to_tensors,
-    train_step,
+    train_step_tensors,
 )
 
 log = logging.getLogger("trainlab.train")
@@ -89,6 +100,10 @@ class Trainer:
         self.checkpoints: list[ck.CheckpointInfo] = []
         self.last_valid_at = time.time()
         self.stop_reason = ""
+        self.stopped_at: int | None = None  # the step a P0 action stopped the run at
+        self.last_signals = StepSignals(0, float("nan"), float("nan"), 0, 0.0, 0.0)
+        self._eval_step = 0  # the step of the latest evaluation
+        self._chaos_fired: set[int] = set()
 
     @property
     def step(self) -> int:
@@ -101,49 +116,212 @@ class Trainer:
     # ----------------------------------------------------------------- the loop
 
     def fit(self) -> dict[str, Any] | None:
-        """Train to the end (or until a callback stops the run); rank 0 returns the
-        run summary and writes run_summary.json."""
+        """Train to the end (or until a callback or a P0 action stops the run); rank 0
+        returns the run summary and writes run_summary.json.
+
+        Every step's health signals are read one step late (train.metrics): step
+        s-1's after step s is queued, and a step's own at the steps that log,
+        evaluate or checkpoint, so no checkpoint ever holds a state whose step was
+        non-finite. A P0 action (tracking.alerts.on_p0) is decided on every rank
+        from the same all-reduced values."""
         if self.env.is_main:
             self.checkpointer.validation_batch = self._validation_batch()
             self.checkpoints = ck.committed(self.job.checkpoint_root)
         self.last_checkpoint = self.checkpointer.restore()
-        start = self.start_step = self.step
+        start = self.start_step = self._eval_step = self.step
         self._announce_start(start)
         t = self.cfg.train
-        stream = self.loader.iter_from(start)
+        self._chaos_fired = self._chaos_markers()
+        stream: Iterator[tuple[int, list[Batch]]] | None = None
+        pending: PendingSignals | None = None
         self.meter.reset()
-        stopped = False
-        while self.step < t.total_steps and not stopped:
+        status = None
+        while self.step < t.total_steps and status is None:
+            target = self._skip_target(self.step)
+            if target != self.step:
+                status, pending = self._observe(pending), None
+                if status == "rolled_back":
+                    status, stream = None, None
+                    continue
+                if status is not None:
+                    break
+                log.info("skipping the batches of steps %d-%d", self.step + 1, target)
+                self.state.progress.step, stream = target, None
+                continue
+            if stream is None:
+                stream = self.loader.iter_from(self.step)
             t0 = time.perf_counter()
             got_step, micro_batches = next(stream)
             if got_step != self.step:
                 raise RuntimeError(f"data stream gave step {got_step}, expected {self.step}")
             t1 = time.perf_counter()
             loss, grad_norm = self.train_step(micro_batches)
-            self.meter.record(data_wait=t1 - t0, step_time=time.perf_counter() - t0)
+            step_time = time.perf_counter() - t0
+            self.meter.record(data_wait=t1 - t0, step_time=step_time)
             if self.step == start + 1 and self.env.is_main:
                 self.records.first_step_done(self.job.session, self.step)
             self._maybe_chaos_kill()
+            current = launch(self.env, self.step, loss, grad_norm, step_time, t1 - t0)
+            status, pending = self._observe(pending), current  # the previous step's
             last = self.step == t.total_steps
-            if self.step % t.log_interval == 0 or last:
-                stopped = self._log_step(loss, grad_norm)
-            if self.step % t.eval_interval == 0 or last:
-                self.state.progress.val_losses = self.evaluate()
-                if self.env.is_main and self.state.progress.val_losses:
-                    self.callbacks.on_eval(self.step, dict(self.state.progress.val_losses))
-            if self.step % t.checkpoint.every_steps == 0 or last or stopped:
-                self.checkpointer.save()
+            log_now = self.step % t.log_interval == 0 or last
+            eval_now = self.step % t.eval_interval == 0 or last
+            save_now = self.step % t.checkpoint.every_steps == 0 or last
+            if status is None and (log_now or eval_now or save_now):
+                status, pending = self._observe(pending), None  # this step's, now
+            if status == "rolled_back":
+                status, stream, pending = None, None, None
+                continue
+            if status is not None:
+                break
+            stopped = log_now and self._log_step()
+            if eval_now:
+                self._evaluate_now()
+            if save_now or stopped:
+                self._save()
             self._deliver_checkpoints()
+            if stopped:
+                status = "stopped"
+        if status is None:
+            status, pending = self._observe(pending), None
         self.checkpointer.wait()
         self._deliver_checkpoints()
-        return self._finish("stopped" if stopped else "completed")
+        return self._finish("completed" if status in (None, "rolled_back") else status)
 
-    def train_step(self, micro_batches: list[Batch]) -> tuple[float, float]:
+    def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro batches; returns (local mean
-        loss over its labelled tokens, global gradient norm)."""
-        out = train_step(self.state.model, self.cfg, self.step, micro_batches, self.env.device)
+        loss over its labelled tokens, global gradient norm before clipping) as
+        device tensors (read back one step later)."""
+        out = train_step_tensors(
+            self.state.model,
+            self.cfg,
+            self.step,
+            micro_batches,
+            self.env.device,
+            loss_factor=self._chaos_factor(self.step + 1),
+        )
         self.state.progress.step += 1
         return out
+
+    # ----------------------------------------------------------------- health and P0
+
+    def _observe(self, pending: PendingSignals | None) -> str | None:
+        """Read a step's signals, hand them to the callbacks (rank 0) and the P0
+        rule (every rank, train.metrics.p0_rule); returns what the P0 action did:
+        None (nothing), "rolled_back" or "stopped_by_alert"."""
+        if pending is None:
+            return None
+        signals = self.last_signals = pending.read()
+        if self.env.is_main:
+            self.callbacks.on_step_signals(signals.step, signals.metrics())
+        rule = p0_rule(signals, self.cfg.tracking.alerts)
+        action = self.cfg.tracking.alerts.on_p0
+        if rule is None or action == "notify":
+            return None
+        reason = f"P0 alert {rule} at step {signals.step}: {signals.describe()}"
+        if action == "rollback_and_skip":
+            done = len(self.checkpointer.rollbacks)
+            if done < self.cfg.tracking.alerts.max_rollbacks:
+                if self._rollback(rule, signals.step):
+                    return "rolled_back"
+                reason += " (no valid checkpoint before it to roll back to)"
+            else:
+                reason += f" (tracking.alerts.max_rollbacks = {done} used up)"
+        log.error("stopping: %s", reason)
+        self.stop_reason = reason
+        self.stopped_at = signals.step
+        return "stopped_by_alert"
+
+    def _rollback(self, rule: str, at: int) -> bool:
+        """Reload the newest valid checkpoint before the alert's step and skip the
+        batches since (every rank at the same step); False when there is none."""
+        self.checkpointer.wait()
+        self._deliver_checkpoints()
+        choice = None
+        if self.env.is_main:
+            before = [c for c in ck.committed(self.job.checkpoint_root) if c.valid and c.step < at]
+            choice = str(max(before, key=lambda c: c.step).path) if before else None
+        choice = self.env.broadcast_object(choice)
+        if choice is None:
+            return False
+        rollbacks = list(self.checkpointer.rollbacks)
+        self.checkpointer.load(Path(choice))
+        to_step = self.step
+        record = {
+            "from_step": at,
+            "to_step": to_step,
+            "skipped": [to_step + 1, at],
+            "rule": rule,
+        }
+        self.checkpointer.rollbacks = [*rollbacks, record]
+        self._eval_step = to_step
+        self.meter.reset()
+        log.warning(
+            "P0 %s at step %d: rolled back to step %d, skipping steps %d-%d",
+            rule,
+            at,
+            to_step,
+            to_step + 1,
+            at,
+        )
+        if self.env.is_main:
+            self.callbacks.on_rollback(dict(record))
+        return True
+
+    def _skip_target(self, step: int) -> int:
+        """The step to continue from when the next steps' batches are skipped
+        (train.skip_steps and the rollbacks' windows); `step` when none is."""
+        windows = [tuple(w) for w in self.cfg.train.skip_steps]
+        windows += [tuple(r["skipped"]) for r in self.checkpointer.rollbacks]
+        moved = True
+        while moved:
+            moved = False
+            for first, last in windows:
+                if first <= step + 1 <= last:
+                    step, moved = last, True
+        return step
+
+    def _chaos_factor(self, step: int) -> float:
+        """train.chaos.nan_at_steps / spike_at_steps: the loss factor for step `step`
+        (1-based), each firing once per run directory (a marker, like kill_at_steps)."""
+        chaos = self.cfg.train.chaos
+        if step in self._chaos_fired:
+            return 1.0
+        if step in chaos.nan_at_steps:
+            factor = float("nan")
+        elif step in chaos.spike_at_steps:
+            factor = chaos.spike_factor
+        else:
+            return 1.0
+        self._chaos_fired.add(step)
+        if self.env.is_main:
+            marker = self._chaos_marker(step)
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(json.dumps({"step": step, "loss_factor": str(factor)}))
+        log.warning("chaos: step %d's loss multiplied by %s", step, factor)
+        return factor
+
+    def _chaos_marker(self, step: int) -> Path:
+        return Path(self.job.run_dir) / "logs" / f"chaos-loss-step-{step:08d}.json"
+
+    def _chaos_markers(self) -> set[int]:
+        chaos = self.cfg.train.chaos
+        steps = set(chaos.nan_at_steps) | set(chaos.spike_at_steps)
+        return {s for s in steps if self._chaos_marker(s).exists()}
+
+    def _evaluate_now(self) -> None:
+        self.state.progress.val_losses = self.evaluate()
+        self._eval_step = self.step
+        if self.env.is_main and self.state.progress.val_losses:
+            self.callbacks.on_eval(self.step, dict(self.state.progress.val_losses))
+
+    def _save(self) -> None:
+        """A checkpoint of this step. keep_best ranks it by the held-out evaluation
+        of this very step (val_loss, as reported); a checkpoint saved between
+        evaluations has no val_loss and is not ranked (no extra evaluation)."""
+        t0 = time.perf_counter()
+        self.checkpointer.save(evaluated=self._eval_step == self.step)
+        self.meter.record_checkpoint(time.perf_counter() - t0)
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss per source on its held-out split, and "all" (token-weighted)."""
@@ -253,15 +431,14 @@ class Trainer:
             )
         )
 
-    def _log_step(self, loss: float, grad_norm: float) -> bool:
+    def _log_step(self) -> bool:
         """Metrics of the window since the last log, on rank 0; returns whether a
-        callback asked to stop (collectives: every rank calls this at the same steps)."""
-        agg = self.env.replica_sum(
-            torch.tensor([loss], dtype=torch.float64, device=self.env.device)
-        )
-        self.last_loss = agg[0].item() / self.env.dp_size
+        callback asked to stop (collectives: every rank calls this at the same steps).
+        The step's loss and grad norm are its agreed signals (already read)."""
+        signals = self.last_signals
+        self.last_loss = signals.loss
         metrics = self.meter.window(
-            self.step, self.last_loss, grad_norm, time.time() - self.last_valid_at
+            self.step, signals.loss, signals.grad_norm, time.time() - self.last_valid_at
         )
         for source, share in self.loader.delivered_shares(self.step).items():
             metrics[f"share/{source}"] = float(share)
@@ -326,7 +503,7 @@ class Trainer:
         summary = run_summary(
             self.job,
             status,
-            step=self.step,
+            step=self.stopped_at if status == "stopped_by_alert" else self.step,
             restarts=self.restarts,
             last_checkpoint=self.last_checkpoint,
             best_checkpoint=ck.best(self.checkpoints),
@@ -338,6 +515,10 @@ class Trainer:
             stop_reason=self.stop_reason or None,
             peak_memory_bytes=peak,
         )
+        summary["rollbacks"] = list(self.checkpointer.rollbacks)
+        if status == "stopped_by_alert":  # the state in memory is past the anomaly
+            resume = ck.find_resume(self.job.checkpoint_root, require_valid=True)
+            summary["resume_step"] = resume.step if resume else 0
         self.records.write_summary(summary)
         self.callbacks.on_run_end(summary)
         return summary

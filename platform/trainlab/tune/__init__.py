@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from trainlab.errors import UserError
 
 MIX_PREFIX = "data.mix."
 TRIAL_ROUND = 4  # digits of a sampled weight kept in the trial's name and config
+DEFAULT_SAMPLES = 4
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,36 @@ def check_search(cfg: ExperimentConfig, dims: list[Dimension]) -> None:
             update={"mix": probe})}))
 
 
+def check_samples(dims: list[Dimension], samples: int | None) -> int:
+    """Trials per grid point: `--samples` draws the random (LOW:HIGH) dimensions
+    anew for each; a pure grid has nothing to draw, so N samples would be N
+    identical trials: refused."""
+    if all(d.grid for d in dims):
+        if samples not in (None, 1):
+            raise UserError(
+                f"--samples {samples}: every --search is a grid, so each point would run "
+                f"{samples} identical trials; drop --samples or search a LOW:HIGH range"
+            )
+        return 1
+    return samples or DEFAULT_SAMPLES
+
+
+def default_concurrency(cfg: ExperimentConfig) -> int:
+    """Trials that fit the cluster at once (each is a whole Ray Train run of
+    resource.num_workers x cpus_per_worker). The embedded local cluster
+    advertises more logical CPUs than the machine has (trainlab.raycluster), so
+    there the machine's cores count: one trial at a time on a 2-core machine."""
+    import ray
+
+    r = cfg.resource
+    total = ray.cluster_resources()
+    cpus = total.get("CPU", 0) if os.environ.get("RAY_ADDRESS") else (os.cpu_count() or 1)
+    fit = int(cpus // max(r.num_workers * r.cpus_per_worker, 1e-9))
+    if r.use_gpu:
+        fit = min(fit, int(total.get("GPU", 0) // r.num_workers))
+    return max(1, fit)
+
+
 def objective(result: dict[str, Any], metric: str) -> float:
     """The number a trial is ranked by, from its run summary."""
     if metric == "val_loss":
@@ -119,8 +151,11 @@ def objective(result: dict[str, Any], metric: str) -> float:
 
 
 def run_search(config: str, overrides: tuple[str, ...], dims: list[Dimension], *,
-               samples: int, metric: str, max_concurrent: int, seed: int) -> dict[str, Any]:
-    """Run the search on Ray Tune; return {"search_id", "metric", "trials": [...], "best"}."""
+               samples: int | None, metric: str, max_concurrent: int | None,
+               seed: int) -> dict[str, Any]:
+    """Run the search on Ray Tune; return {"search_id", "metric", "max_concurrent",
+    "trials": [...], "best"}. `max_concurrent` None: as many trials as the
+    cluster fits (`default_concurrency`)."""
     import uuid
 
     from ray import tune
@@ -128,10 +163,12 @@ def run_search(config: str, overrides: tuple[str, ...], dims: list[Dimension], *
     from trainlab.raycluster import ensure_ray
 
     base = load_config(config, overrides)
+    samples = check_samples(dims, samples)
     check_search(base, dims)
     base_dict = absolute_paths(base)
     search_id = uuid.uuid4().hex[:8]
     ensure_ray(base.resource.local_num_cpus)
+    concurrent = max_concurrent or default_concurrency(base)
 
     def trainable(params: dict[str, Any]) -> None:
         from trainlab.train import TrainingFailed, run
@@ -153,9 +190,10 @@ def run_search(config: str, overrides: tuple[str, ...], dims: list[Dimension], *
     tuner = tune.Tuner(
         tune.with_resources(trainable, {"CPU": 0.05}),
         param_space={d.source: d.tune_domain() for d in dims},
+        # The limit goes to the search algorithm itself: Tune ignores
+        # max_concurrent_trials next to a BasicVariantGenerator (ray/tune/tune.py).
         tune_config=tune.TuneConfig(metric="objective", mode="min", num_samples=samples,
-                                    max_concurrent_trials=max_concurrent,
-                                    search_alg=_seeded_search(seed)),
+                                    search_alg=_seeded_search(seed, concurrent)),
         run_config=tune.RunConfig(name=f"{base.name}-mix-search-{search_id}",
                                   storage_path=str(Path(base_dict["train"]["runs_root"], "tune")),
                                   verbose=0),
@@ -172,10 +210,11 @@ def run_search(config: str, overrides: tuple[str, ...], dims: list[Dimension], *
         })
     trials.sort(key=lambda t: (t["objective"] is None, t["objective"] or 0.0))
     best = trials[0] if trials and trials[0]["objective"] not in (None, math.inf) else None
-    return {"search_id": search_id, "metric": metric, "trials": trials, "best": best}
+    return {"search_id": search_id, "metric": metric, "max_concurrent": concurrent,
+            "trials": trials, "best": best}
 
 
-def _seeded_search(seed: int) -> Any:
+def _seeded_search(seed: int, max_concurrent: int) -> Any:
     from ray.tune.search.basic_variant import BasicVariantGenerator
 
-    return BasicVariantGenerator(random_state=seed)
+    return BasicVariantGenerator(random_state=seed, max_concurrent=max_concurrent)

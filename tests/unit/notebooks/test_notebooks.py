@@ -32,6 +32,10 @@ def _env(path: Path, store) -> dict[str, str]:
     }
     if path.name == "explore_data.ipynb":  # replay the store run's own stream
         env["TRAINLAB_CONFIG"] = str(store.run_dir / "config.yaml")
+    if path.name == "mixture_search.ipynb":  # a swarm record with a known law (no training)
+        from tests.unit.mix.synthetic import make_record
+
+        env["TRAINLAB_RUNS_ROOT"] = make_record(Path(store.runs_root).parent / "mixture")["runs_root"]
     return env
 
 
@@ -62,6 +66,7 @@ def test_the_notebooks_are_there_and_stripped():
         "plan_layouts.ipynb",
         "compare_runs.ipynb",
         "mix_search.ipynb",
+        "mixture_search.ipynb",
     }
     for path in NOTEBOOKS:
         nb = json.loads(path.read_text())
@@ -89,6 +94,7 @@ EXPECT = {
     "explore_data.ipynb": (["docs_out", "step 0, row 0", "[doc 0]"], 2),  # lengths, shares
     "plan_layouts.ipynb": (["GiB_per_device", "7B", "layout tp=1"], 1),  # memory bars
     "mix_search.ipynb": (["1 run(s) of 'notebooks'; best val_loss", "share.code"], 1),
+    "mixture_search.ipynb": (["swarm 0123abcd: 24 trials", "best model:", "proposal:"], 2),
 }
 
 

@@ -131,7 +131,7 @@ def test_failure_cause_follows_the_last_failure():
 def test_cli_bad_input_exits_2_before_anything_runs(dataset, tmp_path):
     runner = CliRunner()
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(f"name: c\ndata: {{path: {tmp_path / 'nowhere'}}}\n")
+    cfg.write_text(f"name: c\npurpose: p\nexpectation: e\ndata: {{path: {tmp_path / 'nowhere'}}}\n")
     res = runner.invoke(
         cli, ["train", str(cfg), "--run-dir", str(tmp_path), "--resume"], standalone_mode=False
     )

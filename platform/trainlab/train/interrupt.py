@@ -1,0 +1,114 @@
+"""Ctrl-C in `trainlab train`'s driver.
+
+A terminal sends SIGINT to its whole foreground process group. Ray's own
+processes (raylet, workers, and the training processes forked below them)
+block SIGINT, so only the driver sees it, and the driver decides:
+
+- the first Ctrl-C asks the run to stop at the next logged step: it creates the
+  run's interrupt flag (trainlab.train.records), which rank 0's agent turns into
+  a stop request; the training processes checkpoint, write the summary with
+  status "interrupted" and close the MLflow run, and `trainlab train` prints the
+  command that resumes it and exits 130 (trainlab.exitcodes.INTERRUPTED);
+- before the run directory exists there is nothing to stop cleanly: the first
+  Ctrl-C ends the command at once;
+- a second Ctrl-C stops at once (`KeyboardInterrupt` in the driver, which marks
+  the run interrupted at its newest valid checkpoint and shuts Ray down).
+
+Ray Train installs a SIGINT handler of its own (it aborts the worker group at
+once, and the run's records with it) when `fit()` runs on the main thread:
+`call_in_thread` runs it on another thread, so this handler stays in charge.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+from trainlab.train.records import RunRecords
+
+T = TypeVar("T")
+JOIN_POLL_S = 0.2
+
+
+class Interrupts:
+    """SIGINT handling for the duration of a `with` block (main thread only;
+    elsewhere, e.g. in a Tune trial, it does nothing)."""
+
+    active: Interrupts | None = None  # the one handling SIGINT now
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.records: RunRecords | None = None
+        self._previous: Any = None
+        self._installed = False
+
+    def __enter__(self) -> Interrupts:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+            Interrupts.active = self
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+            Interrupts.active = None
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    @classmethod
+    def requested_now(cls) -> bool:
+        """A Ctrl-C reached the active handler (False where none is installed)."""
+        return cls.active is not None and cls.active.requested
+
+    def attach(self, run_dir: str | Path) -> None:
+        """From now on a first Ctrl-C stops this run at its next logged step."""
+        self.records = RunRecords(run_dir)
+        if self.count:
+            self.records.request_interrupt()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.records is None or self.count > 1:
+            raise KeyboardInterrupt
+        self.records.request_interrupt()
+        print(
+            "\ninterrupt: stopping at the next logged step (with a checkpoint); "
+            "press Ctrl-C again to stop at once",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def call_in_thread(fn: Callable[[], T]) -> T:
+    """`fn()` on a daemon thread while the main thread waits, so that signals are
+    handled by the main thread's handlers (a KeyboardInterrupt they raise leaves
+    `fn` running on its thread); `fn`'s exception is re-raised here."""
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
+            box["error"] = e
+
+    thread = threading.Thread(target=target, name="trainlab-fit", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(JOIN_POLL_S)
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
