@@ -15,7 +15,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR := false
 
-.PHONY: setup test test-fast lint demo bench clean gpu-wheels gpu-check notebook
+.PHONY: setup test test-all test-fast lint demo bench clean gpu-wheels gpu-check notebook
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ $(STAMP): pyproject.toml
 
 test: setup
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
+
+# Everything, the `extended` tests included (see pyproject's pytest markers).
+test-all: setup
+	$(VENV)/bin/pytest -m 'extended or not extended' $(PYTEST_ARGS)
 
 test-fast: setup
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)

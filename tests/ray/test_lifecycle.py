@@ -167,6 +167,7 @@ def test_ctrl_c_during_startup_then_again_stops_at_once(ray_address, dataset, tm
     assert_no_traceback(err)
 
 
+@pytest.mark.extended  # the lost rule itself: tests/unit/track/test_run_lifecycle_records.py
 def test_a_run_whose_processes_vanished_shows_lost_and_is_corrected(ray_address, dataset, tmp_path):
     """`kill -9` of the driver's process group (its workers go with it): the MLflow
     run stays RUNNING with a stale heartbeat; `trainlab runs` shows it `lost` and

@@ -222,7 +222,7 @@ def test_tensor_parallel_run_saves_sharded_resumes_and_leaks_no_secret(
     printed = [k for k, v in FAKE_SECRETS.items() if v in out + err + result.output]
     assert not printed, printed
     rank0 = (run_dir / "logs" / "rank0.log").read_text()
-    assert f"names ${HOOK_VAR}, which is not set in this process's environment" in rank0
+    assert f"${HOOK_VAR} is not set in this process's environment" in rank0
 
     # Killed and resumed at the same layout: the same bits as an uninterrupted run
     # of that layout (here on 2 local processes, tests/unit/train/layout_runner.py).

@@ -13,7 +13,8 @@ from tests.train_helpers import dataset_dir, tiny_config
 from trainlab.config import to_yaml
 from trainlab.tune import parse_search, run_search
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# Tune trials as trainlab runs are also covered by tests/ray/test_mix.py (make test).
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]
 
 
 def test_grid_over_mix_weights_runs_one_recorded_run_per_trial(ray_cluster, tmp_path_factory,

@@ -33,7 +33,16 @@ import click
 from trainlab.cli.common import echo_json, json_option
 from trainlab.errors import UserError
 
-STATUSES = ("completed", "stopped", "failed", "unfinished", "smoke")
+STATUSES = (
+    "completed",
+    "stopped",
+    "stopped_by_alert",
+    "interrupted",
+    "lost",
+    "failed",
+    "unfinished",
+    "smoke",
+)
 # What a trimmed run keeps besides its two checkpoints: the record of what it was.
 RECORDS = ("config.yaml", "plan.json", "run_summary.json", "logs")
 _DATE_DIR = re.compile(r"^\d{4}-\d\d-\d\d$")
@@ -67,7 +76,7 @@ def parse_statuses(text: str | None) -> set[str]:
 @dataclass
 class RunInfo:
     path: Path
-    status: str  # completed | stopped | failed | unfinished
+    status: str  # one of STATUSES but "smoke" (a summary's status, or unfinished)
     smoke: bool
     age_s: float  # since anything in the run directory last changed
 

@@ -42,12 +42,19 @@ def prep(
     work and says "up to date"; a re-run after a killed run reuses the work units
     it finished. --json prints the manifest plus units_total, units_reused and
     driver_peak_rss_bytes."""
-    click.echo(f"prep: {sources} -> {out} (starting Ray Data; the bars follow)", err=True)
     from trainlab.data.prep import run_prep
+
+    def started() -> None:
+        click.echo(f"prep: {sources} -> {out} (starting Ray Data; the bars follow)", err=True)
 
     with _progress_bar() as progress:
         result = run_prep(
-            sources, out, tokenizer=tokenizer, vocab_size=vocab_size, progress=progress
+            sources,
+            out,
+            tokenizer=tokenizer,
+            vocab_size=vocab_size,
+            progress=progress,
+            on_checked=started,
         )
     if as_json:
         echo_json({**result.manifest, **result.summary()})

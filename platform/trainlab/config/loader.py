@@ -264,7 +264,7 @@ def _default(section: str, key: str) -> Any:
 
 # --------------------------------------------------------------------------- run names
 
-NAME_MAX = 100  # schema's limit on `name`
+NAME_MAX = 80  # under the schema's 100, leaving room for suffixes such as `-smoke`
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
 
 

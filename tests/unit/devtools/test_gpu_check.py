@@ -123,6 +123,7 @@ def test_the_blocker_blocks(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # 40 s on 2 cores; `make gpu-check` runs the real thing on a GPU
 def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
     env = _blocked_env(tmp_path)
     proc = subprocess.run(

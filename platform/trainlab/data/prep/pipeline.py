@@ -171,6 +171,7 @@ def run_prep(
     executor: str | Executor = "ray",
     progress: ProgressFn | None = None,
     unit_bytes: int | None = None,
+    on_checked: Callable[[], None] | None = None,
 ) -> PrepResult:
     """Prepare the dataset described by the sources file `sources` into `out`.
 
@@ -178,11 +179,15 @@ def run_prep(
     `executor`: "ray" (Ray Data on `trainlab.raycluster.ensure_ray()`), "local"
     (this process, no Ray), or an executor object. `unit_bytes` fixes the size of
     a work unit (default: from the corpus size and the parallelism).
+    `on_checked` is called once the inputs passed their checks (the CLI says
+    "starting" only then, so bad input stays one line).
     """
     t0 = time.perf_counter()
     out_dir = Path(out)
     inputs = _check_inputs(Path(sources), tokenizer, vocab_size)
     _prepare_out_dir(out_dir)
+    if on_checked is not None:
+        on_checked()
     timings = {"check": time.perf_counter() - t0}
     existing = current_manifest(out_dir, inputs.signature)
     if existing is not None:
