@@ -244,6 +244,7 @@ def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(
     assert any(r["kind"] == "probe" for r in rows.values())  # the reachability check ran
 
 
+@pytest.mark.extended  # the same entry script as `trainlab submit` (tested above)
 def test_plain_ray_job_submit_of_the_entry_script(cluster, dataset, tmp_path):
     runs = tmp_path / "runs"
     job_id = f"plain-{time.time_ns()}"

@@ -14,7 +14,9 @@ from trainlab.cli import main
 from trainlab.config import to_yaml
 from trainlab.mix.api import run_fit, run_propose
 
-pytestmark = [pytest.mark.ray, pytest.mark.slow]
+# ~110 s on 2 cores (four trials' Ray Train start-ups): run by `make test-all`;
+# the fitting and proposing logic is tested in tests/unit/mix on synthetic swarms.
+pytestmark = [pytest.mark.ray, pytest.mark.slow, pytest.mark.extended]
 
 
 def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
