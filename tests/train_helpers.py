@@ -19,6 +19,7 @@ from devtools.datasets import small_dataset
 from trainlab.config import ExperimentConfig, config_hash
 from trainlab.data import WorkerLoader, prepare_run_data
 from trainlab.plan import plan, resolve_layout
+from trainlab.train.callbacks import RunContext
 from trainlab.train.job import TrainJob
 
 TINY: dict[str, Any] = {
@@ -97,3 +98,18 @@ def make_job(cfg: ExperimentConfig, run_dir: Path) -> TrainJob:
 
 def local_loader(job: TrainJob) -> WorkerLoader:
     return WorkerLoader(job.data_spec, 0, 1, backend="local")
+
+
+def new_run_context(cfg: ExperimentConfig, run_dir: str | Path) -> RunContext:
+    """The RunContext of a fresh run (step 0, no restarts) for driving callbacks
+    directly, without a plan, dataset or manifest behind it."""
+    return RunContext(
+        cfg=cfg,
+        plan={},
+        run_dir=str(run_dir),
+        config_hash="h",
+        dataset_fingerprint="f",
+        manifest_path="",
+        start_step=0,
+        restarts=0,
+    )

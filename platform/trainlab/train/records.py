@@ -300,32 +300,26 @@ def interrupted_summary(job: Any) -> dict[str, Any]:
     """The summary of a run the user interrupted before its training processes could
     write one (a Ctrl-C during startup, or a second Ctrl-C): status "interrupted"
     at the newest valid checkpoint, which `--resume` continues from."""
-    from trainlab.train import checkpoint as ck
-
-    newest = ck.find_resume(job.checkpoint_root, require_valid=job.cfg.train.checkpoint.validate)
-    return run_summary(
-        job,
-        "interrupted",
-        step=newest.step if newest else 0,
-        restarts=RunRecords(job.run_dir).restarts(),
-        last_checkpoint=newest,
-        best_checkpoint=ck.best(ck.committed(job.checkpoint_root)),
-        stop_reason=INTERRUPT_REASON,
-    )
+    return _summary_at_newest_checkpoint(job, "interrupted", stop_reason=INTERRUPT_REASON)
 
 
 def failed_summary(job: Any, error: str) -> dict[str, Any]:
     """The summary of a run that ran out of restarts: every failure with its step,
     rank and error, and the checkpoint a later --run-dir/--resume would use."""
+    return _summary_at_newest_checkpoint(job, "failed", error=error)
+
+
+def _summary_at_newest_checkpoint(job: Any, status: str, **extra: Any) -> dict[str, Any]:
+    """A summary written from the driver, at the run's newest valid checkpoint."""
     from trainlab.train import checkpoint as ck
 
     newest = ck.find_resume(job.checkpoint_root, require_valid=job.cfg.train.checkpoint.validate)
     return run_summary(
         job,
-        "failed",
+        status,
         step=newest.step if newest else 0,
         restarts=RunRecords(job.run_dir).restarts(),
         last_checkpoint=newest,
         best_checkpoint=ck.best(ck.committed(job.checkpoint_root)),
-        error=error,
+        **extra,
     )

@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.train_helpers import new_run_context
 from tests.unit.track.test_monitor_rules import CKPT_EVERY, STEP_SECONDS, Stream
 from trainlab.config import load_config
 from trainlab.errors import UserError
 from trainlab.jobs.retry import describe_exit, is_infrastructure_exit
 from trainlab.monitor import MonitorCallback
-from trainlab.train.callbacks import RunContext
 from trainlab.train.distributed import DistEnv
 from trainlab.train.metrics import StepSignals, launch, p0_rule
 
@@ -37,18 +37,7 @@ def start(tmp_path: Path, *overrides: str, steps: int = STEPS) -> MonitorCallbac
     clock = {"now": 1_000_000.0}
     monitor = MonitorCallback(cfg, clock=lambda: clock["now"])
     monitor._test_clock = clock  # type: ignore[attr-defined]
-    monitor.on_run_start(
-        RunContext(
-            cfg=cfg,
-            plan={},
-            run_dir=str(tmp_path / "run"),
-            config_hash="h",
-            dataset_fingerprint="f",
-            manifest_path="",
-            start_step=0,
-            restarts=0,
-        )
-    )
+    monitor.on_run_start(new_run_context(cfg, tmp_path / "run"))
     return monitor
 
 

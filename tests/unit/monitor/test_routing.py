@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.train_helpers import new_run_context
 from trainlab.config import load_config
 from trainlab.monitor import MonitorCallback, alert_log_path
 from trainlab.monitor.rules import Alert
-from trainlab.train.callbacks import RunContext
 from trainlab.train.launcher import forwarded_env
 
 RECIPES = Path(__file__).resolve().parents[3] / "trainers" / "recipes"
@@ -48,18 +48,7 @@ def hook_server():
 def monitor_for(tmp_path: Path, *overrides: str) -> MonitorCallback:
     cfg = load_config(RECIPES / "tiny.yaml", list(overrides))
     monitor = MonitorCallback(cfg)
-    monitor.on_run_start(
-        RunContext(
-            cfg=cfg,
-            plan={},
-            run_dir=str(tmp_path / "run"),
-            config_hash="h",
-            dataset_fingerprint="f",
-            manifest_path="",
-            start_step=0,
-            restarts=0,
-        )
-    )
+    monitor.on_run_start(new_run_context(cfg, tmp_path / "run"))
     return monitor
 
 

@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 
 from tests.conftest import RECIPES
+from tests.train_helpers import new_run_context
 from trainlab.config import load_config
 from trainlab.monitor import MonitorCallback, alert_log_path
 from trainlab.monitor.disk import GIB, LowDisk
-from trainlab.train.callbacks import RunContext
 
 
 def _run(tmp_path: Path, min_free_gb: float, steps: int = 6) -> MonitorCallback:
@@ -23,18 +23,7 @@ def _run(tmp_path: Path, min_free_gb: float, steps: int = 6) -> MonitorCallback:
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)
     monitor = MonitorCallback(cfg)
-    monitor.on_run_start(
-        RunContext(
-            cfg=cfg,
-            plan={},
-            run_dir=str(run_dir),
-            config_hash="h",
-            dataset_fingerprint="f",
-            manifest_path="",
-            start_step=0,
-            restarts=0,
-        )
-    )
+    monitor.on_run_start(new_run_context(cfg, run_dir))
     for step in range(1, steps + 1):
         monitor.on_step_end(step, {"loss": 3.0, "tokens_per_s": 1000.0, "grad_norm": 1.0})
     monitor.on_run_end({"status": "completed"})

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.train_helpers import new_run_context
 from tests.unit.track.conftest import RECIPES
 from trainlab.config import load_config
 from trainlab.monitor import MonitorCallback
-from trainlab.train.callbacks import RunContext
 
 STEPS = 2400
 STEP_SECONDS = 2.0
@@ -74,18 +74,7 @@ def run_stream(
     )
     clock = {"now": 1_000_000.0}
     monitor = MonitorCallback(cfg, clock=lambda: clock["now"])
-    monitor.on_run_start(
-        RunContext(
-            cfg=cfg,
-            plan={},
-            run_dir=str(tmp_path / "run"),
-            config_hash="h",
-            dataset_fingerprint="f",
-            manifest_path="",
-            start_step=0,
-            restarts=0,
-        )
-    )
+    monitor.on_run_start(new_run_context(cfg, tmp_path / "run"))
     rng = random.Random(stream.seed)
     for step in range(1, steps + 1):
         clock["now"] += STEP_SECONDS
@@ -211,18 +200,7 @@ def test_p0_checkpoint_and_stop_requests_a_stop(tmp_path):
 def test_stale_checkpoint_uses_the_loops_checkpoint_age_when_reported(tmp_path):
     cfg = load_config(RECIPES / "tiny.yaml", ["tracking.alerts.stale_checkpoint.minutes=1"])
     monitor = MonitorCallback(cfg, clock=lambda: 0.0)  # the clock never moves
-    monitor.on_run_start(
-        RunContext(
-            cfg=cfg,
-            plan={},
-            run_dir=str(tmp_path),
-            config_hash="h",
-            dataset_fingerprint="f",
-            manifest_path="",
-            start_step=0,
-            restarts=0,
-        )
-    )
+    monitor.on_run_start(new_run_context(cfg, tmp_path))
     for step, age in [(5, 10.0), (10, 50.0), (15, 70.0), (20, 80.0), (25, 5.0), (30, 90.0)]:
         monitor.on_step_end(step, {"loss": 3.0, "ckpt_age_s": age})
     assert [(a.rule, a.step) for a in monitor.alerts] == [("stale_checkpoint", 15)]
