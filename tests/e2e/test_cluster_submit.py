@@ -8,8 +8,10 @@ training jobs submitted to it:
   checkpoints copied to `resource.storage` on a local S3-compatible server;
 - plain `ray job submit --working-dir . -- python trainers/pretrain.py ...`:
   SUCCEEDED and recorded;
-- the raylet of a node hosting a training worker killed mid-run: the run
-  resumes from its checkpoint on the nodes left and completes;
+- a training worker's process, or its whole node (the raylet), killed mid-run
+  with no Ray Train restarts left: the job-level retry excludes that node (and
+  says so), its workers run on other nodes, and the run resumes from its
+  checkpoint;
 - refusals before anything trains (data unreachable, failed rehearsal), `stop`.
 
 The cluster is its own (not the session's `ray_cluster`), shared by this module.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -161,9 +164,14 @@ def _mlflow_run(runs: Path, job_id: str):
 
 def _worker_nodes(cluster, job_id: str) -> set[str]:
     """Node ids of the job's Ray Train workers, from the cluster's state API."""
+    ray_job_id = _client(cluster).get_job_info(job_id).job_id
+    return {a["node_id"] for a in _train_actors(cluster) if a.get("job_id") == ray_job_id}
+
+
+def _train_actors(cluster) -> list[dict]:
+    """Every Ray Train worker actor of the cluster (any job), from its state API."""
     from trainlab.jobs.auth import auth_headers
 
-    ray_job_id = _client(cluster).get_job_info(job_id).job_id
     query = urllib.parse.urlencode(
         {
             "filter_keys": "class_name",
@@ -177,27 +185,58 @@ def _worker_nodes(cluster, job_id: str) -> set[str]:
         f"{cluster.dashboard_url}/api/v0/actors?{query}", headers=auth_headers()
     )
     with urllib.request.urlopen(req, timeout=30) as resp:
-        actors = json.load(resp)["data"]["result"]["result"]
-    return {a["node_id"] for a in actors if a.get("job_id") == ray_job_id}
+        return json.load(resp)["data"]["result"]["result"]
 
 
 def _summary(run_dir: str | Path) -> dict:
     return json.loads((Path(run_dir) / "run_summary.json").read_text())
 
 
+@pytest.fixture
+def hook_server():
+    """A webhook endpoint on 127.0.0.1 recording the JSON bodies posted to it."""
+    import http.server
+    import threading
+
+    posted: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            posted.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", posted
+    server.shutdown()
+
+
 def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(
-    cluster, dataset, tmp_path, s3_bucket
+    cluster, dataset, tmp_path, s3_bucket, hook_server
 ):
     s3, bucket = s3_bucket
     runs = tmp_path / "runs"
     # No RAY_AUTH_MODE: trainlab finds the token and sends it itself.
     env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    # An alert hook whose URL (a secret) is set only where `submit` runs, not on the
+    # cluster's nodes; a stale-checkpoint limit every step exceeds makes a P1 fire.
+    hook_url = f"{hook_server[0]}/hooks/fake-secret-{time.time_ns()}"
+    env["TRAINLAB_E2E_HOOK"] = hook_url
+    alert_sets = [
+        "tracking.alerts.hooks.e2e.webhook_url_env=TRAINLAB_E2E_HOOK",
+        "tracking.alerts.routes.P1=[log, mlflow, e2e]",
+        "tracking.alerts.stale_checkpoint.minutes=0.0001",
+    ]
     proc = subprocess.run(
         [
             str(BIN / "trainlab"),
             "submit",
             "trainers/recipes/tiny.yaml",
-            *_sets(overrides(dataset, runs, steps=4, every=2)),
+            *_sets(overrides(dataset, runs, steps=4, every=2) + alert_sets),
             "--set",
             f"resource.storage=s3://{bucket}/runs",
             "--address",
@@ -242,6 +281,17 @@ def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(
     rows = {r["job_id"]: r for r in json.loads(listed.stdout.strip().splitlines()[-1])}
     assert rows[result["job_id"]]["status"] == "SUCCEEDED"
     assert any(r["kind"] == "probe" for r in rows.values())  # the reachability check ran
+    # The hook variable reached the job's rank 0 (carried encrypted by submit) ...
+    assert [a["rule"] for a in hook_server[1]][:1] == ["stale_checkpoint"], hook_server[1]
+    # ... and is nowhere in the job's info (runtime env, entrypoint, metadata), its logs,
+    # the run directory, the MLflow store or what the commands printed.
+    client = _client(cluster)
+    records = [repr(client.get_job_info(result["job_id"])), proc.stdout, proc.stderr]
+    records.append(client.get_job_logs(result["job_id"]))
+    files = [f for f in [*Path(result["run_dir"]).rglob("*"), runs / "mlflow.db"] if f.is_file()]
+    leaked = [str(f) for f in files if hook_url.encode() in f.read_bytes()]
+    leaked += [r[:80] for r in records if hook_url in r]
+    assert not leaked, leaked
 
 
 @pytest.mark.extended  # the same entry script as `trainlab submit` (tested above)
@@ -282,10 +332,14 @@ def test_plain_ray_job_submit_of_the_entry_script(cluster, dataset, tmp_path):
 
 
 @pytest.mark.extended
-def test_losing_the_worker_node_mid_run_resumes_from_its_checkpoint(cluster, dataset, tmp_path):
-    """A node hosting a training worker dies after the first checkpoint; Ray Train
-    restarts the group on the nodes left (the idle third node stands in, as an
-    autoscaler's replacement would) and the run resumes from that checkpoint."""
+@pytest.mark.parametrize("loss", ["worker_process", "node"])
+def test_a_job_retry_avoids_the_node_that_failed_and_resumes(cluster, dataset, tmp_path, loss):
+    """After the first checkpoint, the training worker on a worker node dies: its
+    process (SIGKILL; the node stays up and could take the retry's workers) or the
+    whole node (its raylet killed). Ray Train has no restarts left
+    (train.max_failures=0), so the trainer exits 75 naming that node; the job-level
+    retry (resource.job_retries) excludes it, places its workers on the other nodes
+    and resumes from the checkpoint."""
     from trainlab.jobs import client as jobclient
     from trainlab.jobs.localcluster import kill_raylet, node_id
     from trainlab.jobs.submit import Submitter, job_runtime_env, prepare, stage_working_dir
@@ -293,7 +347,7 @@ def test_losing_the_worker_node_mid_run_resumes_from_its_checkpoint(cluster, dat
     runs = tmp_path / "runs"
     prep = prepare(
         str(REPO / "trainers/recipes/tiny.yaml"),
-        [*overrides(dataset, runs, steps=10, every=2), "train.max_failures=3"],
+        [*overrides(dataset, runs, steps=10, every=2), "train.max_failures=0"],
         REPO,
     )
     wd = tmp_path / "wd"
@@ -301,7 +355,7 @@ def test_losing_the_worker_node_mid_run_resumes_from_its_checkpoint(cluster, dat
     client = _client(cluster)
     runtime_env = job_runtime_env(REPO, wd)
     sub = Submitter(prep, client, cluster.dashboard_url, runtime_env, config_rel, print)
-    job_id = sub.train(retries=0)
+    job_id = sub.train(retries=1)
     checkpoints = Path(prep.run_dir) / "checkpoints"
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not list(checkpoints.glob("step-*")):
@@ -309,21 +363,32 @@ def test_losing_the_worker_node_mid_run_resumes_from_its_checkpoint(cluster, dat
         assert status not in jobclient.TERMINAL, client.get_job_logs(job_id)[-3000:]
         assert time.monotonic() < deadline, "no checkpoint written"
         time.sleep(1.0)
-    busy = _worker_nodes(cluster, job_id)
-    (victim,) = [n for n in cluster.workers if node_alive(n) and node_id(n) in busy][:1]
-    kill_raylet(victim)  # the node is lost: its raylet and every process on it
+    ray_job = client.get_job_info(job_id).job_id
+    first = [a for a in _train_actors(cluster) if a.get("job_id") == ray_job]
+    on_workers = {node_id(n): n for n in cluster.workers if node_alive(n)}
+    victim_actor = next(a for a in first if a["node_id"] in on_workers)
+    victim_id = victim_actor["node_id"]
+    if loss == "node":
+        kill_raylet(on_workers[victim_id])  # the node is lost: raylet and every process
+    else:
+        os.kill(victim_actor["pid"], signal.SIGKILL)  # the worker process only
     info = jobclient.wait_for(client, job_id, timeout_s=JOB_TIMEOUT_S)
-    assert str(info.status.value) == "SUCCEEDED", client.get_job_logs(job_id)[-3000:]
+    logs = client.get_job_logs(job_id)
+    assert str(info.status.value) == "SUCCEEDED", logs[-3000:]
+    # The retry said which node it excluded, and why; its workers ran elsewhere.
+    assert f"excluding node(s) {victim_id} (lost attempt 1's workers: {victim_id})" in logs
+    seen = {a["actor_id"] for a in first}
+    retry_nodes = {a["node_id"] for a in _train_actors(cluster) if a["actor_id"] not in seen}
+    assert retry_nodes and victim_id not in retry_nodes, (victim_id, retry_nodes)
+    driver_log = (Path(prep.run_dir) / "logs" / "driver.log").read_text()
+    assert f"avoiding node(s) {victim_id}" in driver_log
     summary = _summary(prep.run_dir)
     assert (summary["status"], summary["final_step"]) == ("completed", 10)
-    assert summary["restarts"] >= 1
-    from trainlab.train.records import INFRASTRUCTURE_KINDS, RunRecords
+    from trainlab.train.records import RunRecords
 
-    records = RunRecords(prep.run_dir)
-    starts = [a["start_step"] for a in records.attempts()]
+    starts = [a["start_step"] for a in RunRecords(prep.run_dir).attempts()]
     assert starts[0] == 0 and starts[-1] >= 2  # resumed from a checkpoint, not from scratch
-    assert {f.get("kind") for f in records.failures()} & INFRASTRUCTURE_KINDS
-    assert not node_alive(victim)
+    assert node_alive(on_workers[victim_id]) == (loss == "worker_process")
 
 
 def node_alive(node) -> bool:

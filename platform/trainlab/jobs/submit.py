@@ -5,6 +5,8 @@ validate -> plan (a plan that does not fit is refused) -> stage the working_dir
 storage -> optional smoke rehearsal (`--smoke`, as a job on the same cluster)
 -> submit the training job -> job id; with follow, stream its logs until it
 ends and resubmit it after an infrastructure failure (resource.job_retries).
+The alert hooks' variables set here travel with the job encrypted, outside its
+runtime env (trainlab.jobs.hooksecrets).
 
 The job gets the fully resolved config (a YAML file inside the working_dir),
 with data.path and train.runs_root made absolute: the job runs in Ray's copy
@@ -26,7 +28,9 @@ from typing import Any
 
 from trainlab.errors import UserError
 from trainlab.jobs import client as jobclient
+from trainlab.jobs import hooksecrets
 from trainlab.jobs import runtime_env as renv
+from trainlab.jobs.auth import auth_token
 from trainlab.jobs.retry import (
     EXIT_INFRASTRUCTURE,
     INFRASTRUCTURE_JOB_ERRORS,
@@ -315,6 +319,11 @@ def submit(
     with tempfile.TemporaryDirectory(prefix="trainlab-submit-") as tmp:
         wd = Path(tmp) / "working_dir"
         config_rel = stage_working_dir(prep, wd)
+        carried = hooksecrets.stage_for_job(
+            wd, prep.cfg.tracking.alerts.secret_env_names(), auth_token()
+        )
+        if carried:
+            say(f"alert hook variables carried to the job, encrypted: {', '.join(carried)}")
         runtime_env = job_runtime_env(repo, wd, ship_library=ship_library)
         client = jobclient.connect(url, allow_plain_http=allow_plain_http)
         sub = Submitter(prep, client, url, runtime_env, config_rel, say)

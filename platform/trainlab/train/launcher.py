@@ -272,6 +272,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from trainlab.jobs import hooksecrets
     from trainlab.raycluster import ensure_ray
     from trainlab.train.failures import FailureRecorder
     from trainlab.train.logs import route_worker_output
@@ -291,9 +292,13 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
             "avoiding node(s) %s: a previous attempt lost its workers there",
             ", ".join(excluded_nodes()),
         )
+    # The alert hooks' variables (secrets): a submitted job's come encrypted with it;
+    # the workers get them through the object store, never in the loop config.
+    hook_names = cfg.tracking.alerts.secret_env_names()
+    hooksecrets.load_submitted()
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"job": job},
+        train_loop_config={"job": job, "hook_secrets": hooksecrets.for_workers(hook_names)},
         scaling_config=ray.train.ScalingConfig(
             num_workers=r.num_workers,
             use_gpu=r.use_gpu,
@@ -323,7 +328,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
             f"(train.max_failures = {cfg.train.max_failures}): "
             f"{one_line(e)}",
         )
-        summary["lost_nodes"] = lost_nodes()  # for a job retry to avoid (train.placement)
+        summary["lost_nodes"] = lost_nodes(e)  # for a job retry to avoid (train.placement)
         RunRecords(job.run_dir).write_summary(summary)
         _abandon(job, summary)
         raise TrainingFailed(summary) from None

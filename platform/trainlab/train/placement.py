@@ -2,7 +2,7 @@
 for the previous attempt's failure (trainlab.jobs.retry re-runs the trainer).
 
 The trainer, once Ray Train gave up, names the nodes where its workers died
-(`lost_nodes`, into run_summary.json); the retry wrapper passes every node
+or that the cluster declared dead under them (`lost_nodes`, into run_summary.json); the retry wrapper passes every node
 blamed so far to the re-run in TRAINLAB_EXCLUDE_NODES, and the launcher turns
 that into Ray Train's `ScalingConfig.label_selector` (`node_selector`) on the
 label every Ray node carries, `ray.io/node-id`.
@@ -38,17 +38,25 @@ def node_selector(environ: dict[str, str] | None = None) -> dict[str, str] | Non
     return {NODE_LABEL: f"!in({','.join(nodes)})"} if nodes else None
 
 
-def lost_nodes(timeout_s: float = 60.0, poll_s: float = 1.0) -> list[str]:
-    """Node ids where this driver's Ray Train workers died (their process or their
-    node failed), from the actor table in Ray's GCS; called after Ray Train gave up.
+def lost_nodes(
+    error: BaseException | None = None, timeout_s: float = 60.0, poll_s: float = 1.0
+) -> list[str]:
+    """Node ids where this driver's Ray Train workers died because their process or
+    their node failed, from Ray's GCS; called after Ray Train gave up with `error`.
 
-    A worker on a lost node stays ALIVE in the table until the GCS declares the node
-    dead (its health checks, tens of seconds), so wait for none to be left alive, up
-    to `timeout_s`. Uses `ray._private.state.actors`: it reads the GCS through the
-    connected driver, with no dashboard address or token to find."""
+    A worker's own death cause names a crashed process (WORKER_DIED, OOM) at once.
+    A lost node does not show in it: Ray Train's controller sees the worker's health
+    check fail and kills the whole group (`ray.kill`, recorded as the cause) before
+    the GCS declares the node dead (its own health checks, tens of seconds). So a
+    worker's node that the GCS has declared dead is blamed too, waiting up to
+    `timeout_s` for that. A failure that was no health-check failure (a worker
+    raised) blames nothing and waits for nothing. Uses `ray._private.state.actors`
+    and `ray.nodes()`: the GCS through the connected driver, no address or token."""
     import ray
     from ray._private.state import actors
 
+    if error is not None and not _health_check_failed(error):
+        return []
     try:
         job = ray.get_runtime_context().get_job_id()
         deadline = time.monotonic() + timeout_s
@@ -58,13 +66,33 @@ def lost_nodes(timeout_s: float = 60.0, poll_s: float = 1.0) -> list[str]:
                 for a in actors().values()
                 if a.get("ActorClassName") == TRAIN_WORKER_CLASS and a.get("JobID") == job
             ]
-            if time.monotonic() > deadline or all(a.get("State") == "DEAD" for a in mine):
-                break
+            dead = {n["NodeID"] for n in ray.nodes() if not n.get("Alive")}
+            blamed = {
+                a["Address"]["NodeID"]
+                for a in mine
+                if a.get("State") == "DEAD" and (_blamed(a) or a["Address"]["NodeID"] in dead)
+            }
+            if blamed or time.monotonic() > deadline:
+                return sorted(blamed)
             time.sleep(poll_s)
-        return sorted({a["Address"]["NodeID"] for a in mine if _blamed(a)})
     except Exception:  # noqa: BLE001 - blame is a hint for the retry; the failure stands
         log.exception("could not tell on which nodes the training workers died")
         return []
+
+
+def _health_check_failed(error: BaseException) -> bool:
+    """Whether Ray Train gave up because a worker stopped answering (its process or
+    node died), not because a worker raised. Errors without per-worker failures
+    (the controller's own) count as possibly lost nodes."""
+    failures = getattr(error, "worker_failures", None)
+    if not failures:
+        return True
+    from ray.exceptions import RayActorError
+
+    return any(
+        isinstance(e, RayActorError) or type(e).__name__.startswith("WorkerHealthCheck")
+        for e in failures.values()
+    )
 
 
 def _blamed(actor: dict[str, Any]) -> bool:

@@ -67,7 +67,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         (layout.coords(rank)[1], layout.dp) if layout.world_size == world else (rank, world)
     )
     loader = WorkerLoader(job.data_spec, dp_rank, dp)
-    callbacks = build_callbacks(job.callbacks, job.cfg) if rank == 0 else None
+    callbacks = None
+    if rank == 0:  # the alert sinks read the hooks' variables from the environment
+        from trainlab.jobs.hooksecrets import apply_in_worker
+
+        apply_in_worker(config.get("hook_secrets"))
+        callbacks = build_callbacks(job.callbacks, job.cfg)
     Agent(
         job,
         rank,

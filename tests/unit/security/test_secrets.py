@@ -4,6 +4,7 @@ configs, MLflow params and tags, and every printed URI."""
 
 from __future__ import annotations
 
+import os
 import pickle
 
 import pytest
@@ -109,3 +110,45 @@ def test_uris_are_printed_without_their_credentials():
         "GET https://h/o?X-Amz-Signature=***&a=1"
     )
     assert url_credentials("s3://k:s@b") and not url_credentials("http://127.0.0.1:5000/x")
+
+
+def test_hook_variables_travel_to_a_job_encrypted_for_its_cluster(
+    fake_env, tmp_path, monkeypatch, caplog
+):
+    """`submit` stages the hooks' variables encrypted with the cluster's token; the
+    job's driver (same token) gets exactly them back; another cluster's cannot."""
+    import stat
+
+    from trainlab.jobs import hooksecrets
+
+    names = ["TRAINLAB_MY_HOOK", "TRAINLAB_ALERT_WEBHOOK", "TRAINLAB_UNSET_HOOK"]
+    carried = hooksecrets.stage_for_job(tmp_path, names, token="cluster-token-1")
+    assert carried == ["TRAINLAB_ALERT_WEBHOOK", "TRAINLAB_MY_HOOK"]  # names only
+    staged = tmp_path / hooksecrets.SECRETS_FILE
+    assert stat.S_IMODE(staged.stat().st_mode) == 0o600
+    for f in tmp_path.rglob("*"):
+        if f.is_file():
+            _no_secret_in(f.read_bytes())
+
+    wanted = {n: FAKE[n] for n in carried}
+    for n in carried:
+        monkeypatch.delenv(n)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "cluster-token-1")
+    assert hooksecrets.load_submitted(tmp_path) == carried
+    assert {n: os.environ[n] for n in carried} == wanted
+
+    for n in carried:
+        monkeypatch.delenv(n)
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "another-cluster")
+    assert hooksecrets.load_submitted(tmp_path) == []
+    assert not any(n in os.environ for n in carried)
+    assert "not encrypted with this cluster's auth token" in caplog.text
+    _no_secret_in(caplog.text)
+
+
+def test_without_a_cluster_token_hook_variables_are_not_carried(fake_env, tmp_path, caplog):
+    from trainlab.jobs import hooksecrets
+
+    assert hooksecrets.stage_for_job(tmp_path, ["TRAINLAB_MY_HOOK"], token=None) == []
+    assert not (tmp_path / hooksecrets.SECRETS_FILE).exists()
+    assert "TRAINLAB_MY_HOOK" in caplog.text and "environment of the cluster's nodes" in caplog.text
