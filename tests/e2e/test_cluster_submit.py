@@ -270,7 +270,8 @@ def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(
     assert commit != "unknown" and is_ours.returncode == 0, commit
     assert len(_worker_nodes(cluster, result["job_id"])) == 2
     # Ray Train's placement-group cleaner looked up its own cluster, not the other one.
-    assert "Found multiple active Ray instances" not in proc.stderr
+    job_logs = _client(cluster).get_job_logs(result["job_id"])
+    assert "Found multiple active Ray instances" not in job_logs
     listed = subprocess.run(
         [str(BIN / "trainlab"), "jobs", "--json", "--address", cluster.dashboard_url],
         env=env,
@@ -368,6 +369,7 @@ def test_a_job_retry_avoids_the_node_that_failed_and_resumes(cluster, dataset, t
     on_workers = {node_id(n): n for n in cluster.workers if node_alive(n)}
     victim_actor = next(a for a in first if a["node_id"] in on_workers)
     victim_id = victim_actor["node_id"]
+    before = {a["actor_id"] for a in _train_actors(cluster)}
     if loss == "node":
         kill_raylet(on_workers[victim_id])  # the node is lost: raylet and every process
     else:
@@ -377,8 +379,9 @@ def test_a_job_retry_avoids_the_node_that_failed_and_resumes(cluster, dataset, t
     assert str(info.status.value) == "SUCCEEDED", logs[-3000:]
     # The retry said which node it excluded, and why; its workers ran elsewhere.
     assert f"excluding node(s) {victim_id} (lost attempt 1's workers: {victim_id})" in logs
-    seen = {a["actor_id"] for a in first}
-    retry_nodes = {a["node_id"] for a in _train_actors(cluster) if a["actor_id"] not in seen}
+    # The retry is another driver (another Ray job id): its workers are the ones
+    # created after the kill.
+    retry_nodes = {a["node_id"] for a in _train_actors(cluster) if a["actor_id"] not in before}
     assert retry_nodes and victim_id not in retry_nodes, (victim_id, retry_nodes)
     driver_log = (Path(prep.run_dir) / "logs" / "driver.log").read_text()
     assert f"avoiding node(s) {victim_id}" in driver_log

@@ -100,9 +100,11 @@ def last_heartbeat(runs_root: Path) -> float:
 
 
 def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_resumes(ray_address, dataset, tmp_path):
-    """First Ctrl-C during training: stop at the next logged step, checkpoint,
-    status `interrupted` in the summary and MLflow (KILLED), the exact resume
-    command, exit 130, no traceback. The printed command then completes the run."""
+    """First Ctrl-C during training: stop at the next step boundary, checkpoint
+    (`on_interrupt_min_age_s: 0`: always), status `interrupted` in the summary and
+    MLflow (KILLED), the exact resume command, exit 130, no traceback. The printed
+    command then completes the run. (Without a checkpoint at the stop when the
+    newest is recent: tests/unit/train/test_interrupt.py.)"""
     runs_root = tmp_path / "runs"
     cfg = tiny_config(
         dataset,
@@ -111,7 +113,7 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_resumes(ray_address, datas
             "log_interval": 2,
             "eval_interval": 20,
             "runs_root": str(runs_root),
-            "checkpoint": {"every_steps": 20},
+            "checkpoint": {"every_steps": 20, "on_interrupt_min_age_s": 0},
         },
         tracking={"system_metrics": False},
     )

@@ -152,7 +152,7 @@ def test_tensor_parallel_run_saves_sharded_resumes_and_leaks_no_secret(
     leaves none of them in the MLflow store, the run directory (config, logs) or
     what is printed, and the workers do not receive them through the loop config
     (docs/security.md). The alert webhook variable the config names does reach rank
-    0 (through the object store, trainlab.jobs.hooksecrets): the shared cluster
+    0 (through the object store, trainlab.hooksecrets): the shared cluster
     started before it was set, so rank 0 has it only because the driver handed it
     over, and still it is in no record."""
     for k, v in FAKE_SECRETS.items():

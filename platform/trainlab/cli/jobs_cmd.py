@@ -68,20 +68,29 @@ def submit(
 ) -> int:
     """Validate, plan, check and submit CONFIG as a Ray job; print its job id."""
     from trainlab.jobs.submit import submit as run_submit
+    from trainlab.raycluster import LineRouter, command_log
 
-    # Logs go to stdout unless stdout is reserved for the JSON result.
-    write_logs = (lambda s: _write(sys.stderr, s)) if as_json else (lambda s: _write(sys.stdout, s))
-    result = run_submit(
-        config,
-        overrides,
-        address=address,
-        smoke_first=smoke_first,
-        follow=follow,
-        ship_library=not use_cluster_library,
-        allow_plain_http=allow_plain_http,
-        say=_err,
-        write_logs=write_logs,
-    )
+    # Logs go to stdout unless stdout is reserved for the JSON result; Ray's own
+    # lines in them go to a log file (trainlab.raycluster.LineRouter).
+    stream = sys.stderr if as_json else sys.stdout
+    router = LineRouter(lambda s: _write(stream, s), command_log("submit"))
+    write_logs = router.write
+    try:
+        result = run_submit(
+            config,
+            overrides,
+            address=address,
+            smoke_first=smoke_first,
+            follow=follow,
+            ship_library=not use_cluster_library,
+            allow_plain_http=allow_plain_http,
+            say=_err,
+            write_logs=write_logs,
+        )
+    finally:
+        router.close()
+    if router.routed:
+        _err(f"(Ray's own lines of the job's log: {router.log_file})")
     if as_json:
         echo_json(result.to_json())
     else:

@@ -48,6 +48,9 @@ def swarm(config: str, overrides: tuple[str, ...], proxy: tuple[str, ...], runs:
           as_json: bool) -> int:
     """Train RUNS proxies of CONFIG on sampled mixtures, as Ray Tune trials."""
     from trainlab.mix.swarm import run_swarm
+    from trainlab.raycluster import command_log, route_ray_output
+
+    route_ray_output(command_log("mix-swarm"))  # the terminal keeps trainlab's lines
 
     rec = run_swarm(config, overrides, proxy, runs=runs, concentration=concentration, seed=seed,
                     max_concurrent=max_concurrent, reuse=reuse,
@@ -159,6 +162,9 @@ def confirm(proposal: str, against: str, scale: str, repeats: int, max_concurren
             as_json: bool) -> int:
     """Train the proposal and BASELINE_MIX; predicted vs observed, in the swarm's parent run."""
     from trainlab.mix.confirm import confirm as run_confirm
+    from trainlab.raycluster import command_log, route_ray_output
+
+    route_ray_output(command_log("mix-confirm"))  # the terminal keeps trainlab's lines
 
     r = run_confirm(proposal, against, scale=scale, repeats=repeats,
                     max_concurrent=max_concurrent)

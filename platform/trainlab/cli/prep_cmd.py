@@ -43,6 +43,9 @@ def prep(
     it finished. --json prints the manifest plus units_total, units_reused and
     driver_peak_rss_bytes."""
     from trainlab.data.prep import run_prep
+    from trainlab.raycluster import command_log, route_ray_output
+
+    route_ray_output(command_log("prep"))  # the terminal keeps trainlab's lines
 
     def started() -> None:
         click.echo(f"prep: {sources} -> {out} (starting Ray Data; the bars follow)", err=True)

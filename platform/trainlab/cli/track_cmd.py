@@ -94,6 +94,7 @@ CSV_HEAD = (
     "final_step",
     "final_loss",
     "val_loss",
+    "best_val_loss",
     "tokens_per_second",
     "peak_memory_gb",
     "wall_time_s",
@@ -144,32 +145,46 @@ def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
 
     differing = list(rows[0]["differing"])
     table = Table(title=f"{len(rows)} run(s) in {uri}", title_justify="left")
-    for column, justify in (
-        ("name", "left"),
-        ("run", "left"),
-        ("status", "left"),
-        ("final loss", "right"),
-        ("best val", "right"),
-        ("tok/s", "right"),
-        ("peak GB", "right"),
-        ("wall s", "right"),
-        ("mix", "left"),
-    ):
-        table.add_column(column, justify=justify)  # type: ignore[arg-type]
-    for r in rows:
-        table.add_row(
+    cells = [
+        [
             r["name"],
             r["run_id"][:8],
             r["status"],
             _num(r["final_loss"], ".4f"),
             _num(r["val_loss"], ".4f"),
+            _num(r["best_val_loss"], ".4f"),
             _num(r["tokens_per_second"], ",.0f"),
             _num(r["peak_memory_gb"], ".2f"),
             _num(r["wall_time_s"], ".0f"),
             _mix(r["mix"]),
+        ]
+        for r in rows
+    ]
+    for i, (column, justify) in enumerate(
+        (
+            ("name", "left"),
+            ("run", "left"),
+            ("status", "left"),
+            ("final loss", "right"),
+            ("val loss", "right"),
+            ("best val loss", "right"),
+            ("tok/s", "right"),
+            ("peak GB", "right"),
+            ("wall s", "right"),
+            ("mix", "left"),
         )
+    ):
+        # Numbers are never cut on a narrow terminal (the text columns wrap instead).
+        width = max(len(c[i]) for c in cells) if justify == "right" else None
+        table.add_column(column, justify=justify, min_width=width)  # type: ignore[arg-type]
+    for row in cells:
+        table.add_row(*row)
     console = _console()
     console.print(table)
+    console.print(
+        "val loss: the latest held-out evaluation; best val loss: the lowest of the run's",
+        highlight=False,
+    )
     if len(rows) > 1 and differing:
         console.print(_differing_table(rows, differing))
     if len(rows) > 1:

@@ -77,8 +77,9 @@ def train(
     of stdout is the run summary. Exit codes: 0 completed, 2 bad input, 1 failed
     (an error that would happen again), 75 failed because processes or workers
     were lost more often than train.max_failures allows (a retry may succeed), 130
-    interrupted (Ctrl-C: the first stops at the next logged step with a checkpoint
-    and prints the command that resumes the run; a second stops at once)."""
+    interrupted (Ctrl-C: the first stops at the next step, with a checkpoint when
+    the newest is older than train.checkpoint.on_interrupt_min_age_s, and prints the
+    command that resumes the run; a second stops at once)."""
     from trainlab.config import load_config
     from trainlab.config.loader import require_record
     from trainlab.errors import UserError
@@ -209,6 +210,10 @@ def _print_interrupted(s: dict) -> None:
     click.echo(f"  run dir:         {s.get('run_dir')}", err=True)
     click.echo(f"  last checkpoint: {checkpoint}", err=True)
     click.echo(f"  resume with:     trainlab train {s.get('run_dir')} --resume", err=True)
+    if s.get("resume_step") is not None:  # no checkpoint at the stop: a recent one sufficed
+        click.echo(
+            f"  (resumes from step {s['resume_step']}, the newest valid checkpoint)", err=True
+        )
 
 
 def _print_failure(s: dict) -> None:

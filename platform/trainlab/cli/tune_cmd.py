@@ -24,8 +24,10 @@ from trainlab.cli.common import config_args, echo_json, json_option
 def tune(config: str, overrides: tuple[str, ...], search: tuple[str, ...], samples: int | None,
          metric: str, max_concurrent: int | None, seed: int, as_json: bool) -> int:
     """Search data-mix weights of CONFIG with Ray Tune; one trial = one trainlab run."""
+    from trainlab.raycluster import command_log, route_ray_output
     from trainlab.tune import parse_search, run_search
 
+    route_ray_output(command_log("tune"))  # the terminal keeps trainlab's lines
     dims = parse_search(search)
     result = run_search(config, overrides, dims, samples=samples, metric=metric,
                         max_concurrent=max_concurrent, seed=seed)

@@ -126,6 +126,9 @@ class CheckpointConfig(Section):
     async_save: bool = False
     # Load every saved checkpoint into a fresh CPU model and run one forward.
     validate: bool = True
+    # A Ctrl-C stops at the next step and saves one there only when the newest
+    # checkpoint (or the run's start) is at least this old; 0 = always save.
+    on_interrupt_min_age_s: float = Field(60.0, ge=0.0)
 
 
 class ChaosConfig(Section):

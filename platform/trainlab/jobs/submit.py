@@ -6,7 +6,7 @@ storage -> optional smoke rehearsal (`--smoke`, as a job on the same cluster)
 -> submit the training job -> job id; with follow, stream its logs until it
 ends and resubmit it after an infrastructure failure (resource.job_retries).
 The alert hooks' variables set here travel with the job encrypted, outside its
-runtime env (trainlab.jobs.hooksecrets).
+runtime env (trainlab.hooksecrets).
 
 The job gets the fully resolved config (a YAML file inside the working_dir),
 with data.path and train.runs_root made absolute: the job runs in Ray's copy
@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from trainlab import hooksecrets
 from trainlab.errors import UserError
 from trainlab.jobs import client as jobclient
-from trainlab.jobs import hooksecrets
 from trainlab.jobs import runtime_env as renv
 from trainlab.jobs.auth import auth_token
 from trainlab.jobs.retry import (

@@ -315,3 +315,14 @@ def build_rules(alerts: Any) -> list[Rule]:
         ThroughputDrop(**common("throughput_drop"), fraction=alerts.throughput_drop.fraction),
         StaleCheckpoint(**common("stale_checkpoint"), minutes=alerts.stale_checkpoint.minutes),
     ]
+
+
+def p0_step_rules(alerts: Any) -> list[Rule]:
+    """The per-step statistical rules configured as P0 (loss_rising, grad_spike):
+    the ones every rank judges to take the P0 action (trainlab.train.metrics.P0Rules;
+    non_finite is judged there from the ranks' flags)."""
+    return [
+        r
+        for r in build_rules(alerts)
+        if r.name in STEP_RULES and r.name != "non_finite" and r.severity == "P0" and r.enabled
+    ]

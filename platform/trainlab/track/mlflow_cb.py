@@ -382,7 +382,10 @@ class MlflowCallback(Callback):
     def _start_new_run(self, exp_id: str, ctx: RunContext) -> None:
         from mlflow.entities import Param
 
-        run = self._client.create_run(exp_id, run_name=ctx.cfg.name, tags=run_tags(ctx))
+        # Named after its run directory ({name}, {name}-2, ...: unique per date), so
+        # the UI tells apart runs of one config; `runs`/`compare` also match cfg.name.
+        run_name = Path(ctx.run_dir).name
+        run = self._client.create_run(exp_id, run_name=run_name, tags=run_tags(ctx))
         self.run_id = run.info.run_id
         params = [Param(k, v) for k, v in run_params(ctx.cfg, ctx.plan).items()]
         for i in range(0, len(params), PARAMS_PER_BATCH):

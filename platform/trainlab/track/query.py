@@ -16,8 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainlab.errors import UserError
 from trainlab.redact import redact
-from trainlab.track.heartbeat import ACTIVE_TAG, is_lost
-from trainlab.track.lifecycle import mark_lost
+from trainlab.track.heartbeat import ACTIVE_TAG
 from trainlab.track.series import metric_series
 from trainlab.track.store import client_for, embedded_db_path
 
@@ -86,8 +85,9 @@ def find_runs(
     since: datetime | None = None,
     limit: int | None = None,
 ) -> list[Run]:
-    """trainlab runs in the store, newest first. `names` selects by run name or run
-    id; a name that matches nothing is a user error."""
+    """trainlab runs in the store, newest first. `names` selects by run name (the
+    run directory's), config name or run id; a name that matches nothing is a
+    user error."""
     client = open_store(uri)
     if client is None:
         if names:
@@ -99,11 +99,11 @@ def find_runs(
     filters = ["tags.run_key != ''"]
     if since is not None:
         filters.append(f"attributes.start_time >= {int(since.timestamp() * 1000)}")
+    # Opening the store (client_for) ended the lost runs: their status is `lost`.
     runs = _search_all(client, ids, " and ".join(filters), None if names else limit)
-    runs = [_correct_lost(client, r) for r in runs]
     if names:
-        runs = [r for r in runs if r.info.run_name in names or r.info.run_id in names]
-        found = {r.info.run_name for r in runs} | {r.info.run_id for r in runs}
+        runs = [r for r in runs if _labels(r) & set(names)]
+        found = set().union(*(_labels(r) for r in runs))
         missing = [n for n in names if n not in found]
         if missing:
             where = f" in experiment {experiment!r}" if experiment else ""
@@ -115,13 +115,12 @@ def find_runs(
     return runs
 
 
-def _correct_lost(client: MlflowClient, run: Run) -> Run:
-    """A run whose processes vanished (no heartbeat) is ended as `lost` in the
-    store, its run directory's summary too (trainlab.track.heartbeat)."""
-    if not is_lost(run):
-        return run
-    mark_lost(client, run)
-    return client.get_run(run.info.run_id)
+def _labels(run: Run) -> set[str]:
+    """What selects a run on the command line: its MLflow run name (its run
+    directory's, e.g. `tiny-2`), its config's name (`tiny`: every run of it) and
+    its run id."""
+    labels = {run.info.run_name, run.info.run_id, run.data.params.get("name")}
+    return {label for label in labels if label}
 
 
 def _search_all(
@@ -198,7 +197,7 @@ def run_row(client: MlflowClient, run: Run, experiment_names: dict[str, str]) ->
     params = {k: parse_param(v) for k, v in sorted(run.data.params.items())}
     metrics = run.data.metrics
     rid = run.info.run_id
-    val = _values(client, rid, "val_loss/all") if "val_loss/all" in metrics else []
+    val = client.get_metric_history(rid, "val_loss/all") if "val_loss/all" in metrics else []
     tps = _values(client, rid, "tokens_per_s") if "tokens_per_s" in metrics else []
     mem = _values(client, rid, "mem_peak_gb") if "mem_peak_gb" in metrics else []
     row = run_overview(run, experiment_names)
@@ -206,7 +205,11 @@ def run_row(client: MlflowClient, run: Run, experiment_names: dict[str, str]) ->
     row |= {
         "final_step": _final_step(run, "loss"),
         "final_loss": metrics.get("loss"),
-        "val_loss": min(val) if val else None,
+        # One definition everywhere (checkpoint lines, run_summary.json, runs, compare):
+        # val_loss is the held-out evaluation at a step (here the latest one),
+        # best_val_loss the lowest of the run's evaluations.
+        "val_loss": max(val, key=lambda m: m.step).value if val else None,
+        "best_val_loss": min(m.value for m in val) if val else None,
         "tokens_per_second": statistics.median(tps) if tps else None,
         "peak_memory_gb": max(mem) if mem else None,
         "wall_time_s": _wall_time_s(run),

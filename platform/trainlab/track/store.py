@@ -50,6 +50,10 @@ def embedded_db_path(uri: str) -> Path | None:
 def client_for(uri: str) -> MlflowClient:
     """An MLflow client on `uri`; creates the embedded store's folder if needed.
 
+    Every trainlab command that touches the store opens it here, so this is where
+    runs whose processes vanished are ended as `lost` (trainlab.track.heartbeat
+    .correct_lost: one query of the RUNNING runs).
+
     A new embedded store is created under an exclusive file lock (`mlflow.db.lock`,
     `filelock.FileLock`): runs starting at once on a fresh runs root (Tune trials,
     two `trainlab train`) would otherwise race MLflow's table creation ("table ...
@@ -57,13 +61,17 @@ def client_for(uri: str) -> MlflowClient:
     from filelock import FileLock
     from mlflow import MlflowClient
 
+    from trainlab.track.heartbeat import correct_lost
+
     db = embedded_db_path(uri)
     if db is None:
-        return MlflowClient(tracking_uri=uri)
-    db.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(db.with_name(db.name + ".lock")):
         client = MlflowClient(tracking_uri=uri)
-        client.search_experiments(max_results=1)  # creates or migrates the tables
+    else:
+        db.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(db.with_name(db.name + ".lock")):
+            client = MlflowClient(tracking_uri=uri)
+            client.search_experiments(max_results=1)  # creates or migrates the tables
+    correct_lost(client)
     return client
 
 

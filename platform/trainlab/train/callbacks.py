@@ -124,12 +124,17 @@ def build_callbacks(factories: tuple[str, ...] | list[str], cfg: Any) -> Callbac
     """The callbacks of a run from import paths of factories ("package.module:function",
     each `function(cfg) -> list[Callback]`), in order. The training layer knows no
     callback by name: whoever launches the run says which (trainlab.train.run)."""
-    import importlib
-
     out: list[Callback] = []
     for path in factories:
-        module, _, name = path.partition(":")
-        if not module or not name:
-            raise ValueError(f"callback factory {path!r}: expected 'package.module:function'")
-        out.extend(getattr(importlib.import_module(module), name)(cfg))
+        out.extend(load_factory(path)(cfg))
     return CallbackList(out)
+
+
+def load_factory(path: str) -> Any:
+    """The function at an import path "package.module:function"."""
+    import importlib
+
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"factory {path!r}: expected 'package.module:function'")
+    return getattr(importlib.import_module(module), name)

@@ -4,11 +4,15 @@ A terminal sends SIGINT to its whole foreground process group. Ray's own
 processes (raylet, workers, and the training processes forked below them)
 block SIGINT, so only the driver sees it, and the driver decides:
 
-- the first Ctrl-C asks the run to stop at the next logged step: it creates the
+- the first Ctrl-C asks the run to stop at the next step boundary: it creates the
   run's interrupt flag (trainlab.train.records), which rank 0's agent turns into
-  a stop request; the training processes checkpoint, write the summary with
-  status "interrupted" and close the MLflow run, and `trainlab train` prints the
-  command that resumes it and exits 130 (trainlab.exitcodes.INTERRUPTED);
+  a stop request; every rank reads it with a step's all-reduced signals (one step
+  late, trainlab.train.metrics) and stops at the same step; they checkpoint there
+  when the newest checkpoint (or the start) is at least
+  `train.checkpoint.on_interrupt_min_age_s` old (else the newest valid checkpoint
+  is the resume point), write the summary with status "interrupted" and close
+  the MLflow run, and `trainlab train` prints the command that resumes it and
+  exits 130 (trainlab.exitcodes.INTERRUPTED);
 - before the run directory exists there is nothing to stop cleanly: the first
   Ctrl-C ends the command at once;
 - a second Ctrl-C stops at once (`KeyboardInterrupt` in the driver, which marks
@@ -75,7 +79,7 @@ class Interrupts:
         return cls.active is not None and cls.active.requested
 
     def attach(self, run_dir: str | Path) -> None:
-        """From now on a first Ctrl-C stops this run at its next logged step."""
+        """From now on a first Ctrl-C stops this run at its next step boundary."""
         self.records = RunRecords(run_dir)
         if self.count:
             self.records.request_interrupt()
@@ -86,7 +90,8 @@ class Interrupts:
             raise KeyboardInterrupt
         self.records.request_interrupt()
         print(
-            "\ninterrupt: stopping at the next logged step (with a checkpoint); "
+            "\ninterrupt: stopping after the next step (with a checkpoint unless the newest "
+            "is recent: train.checkpoint.on_interrupt_min_age_s); "
             "press Ctrl-C again to stop at once",
             file=sys.stderr,
             flush=True,

@@ -272,7 +272,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     import ray.train
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from trainlab.jobs import hooksecrets
+    from trainlab import hooksecrets
     from trainlab.raycluster import ensure_ray
     from trainlab.train.failures import FailureRecorder
     from trainlab.train.logs import route_worker_output

@@ -8,8 +8,10 @@ import contextlib
 import logging
 import os
 import sys
-import threading
 from pathlib import Path
+
+# In the driver, worker output: trainlab's lines on the terminal, the rest in a file.
+from trainlab.raycluster import CONSOLE_PREFIX, route_worker_output  # noqa: F401
 
 LOG_FORMAT = "%(asctime)s rank{rank} %(levelname)s %(name)s: %(message)s"
 
@@ -47,46 +49,3 @@ def normal_priority() -> None:
     with contextlib.suppress(OSError):  # lowering niceness needs CAP_SYS_NICE
         if os.getpriority(os.PRIO_PROCESS, 0) > 0:
             os.setpriority(os.PRIO_PROCESS, 0, 0)
-
-
-# The prefix of trainlab's own lines on a worker's stderr (setup_logging): the only
-# worker output the driver's terminal shows.
-CONSOLE_PREFIX = "[trainlab] "
-
-
-def route_worker_output(log_file: Path) -> bool:
-    """In the driver: worker output Ray forwards (its log monitor) is shown on the
-    terminal only for trainlab's own lines; the rest (Ray Train's controller and
-    placement-group cleaner, `core_worker.cc` error lines, MLflow's INFO lines,
-    tracebacks Ray's internals print under load) is appended to `log_file`.
-    Replaces the handler `ray.init(log_to_driver=True)` installed (a private API
-    of Ray 2.60, `ray._private.ray_logging`); returns False, changing nothing,
-    where it is not there."""
-    try:
-        from ray._private import worker as ray_worker
-        from ray._private.ray_logging import global_worker_stdstream_dispatcher as dispatcher
-    except ImportError:
-        return False
-    if not any(name == "ray_print_logs" for name, _ in dispatcher.handlers):
-        return False
-    ignore_prefix = ray_worker._should_ignore_worker_log_prefix(ray_worker.global_worker)
-    lock = threading.Lock()
-
-    def handle(data: dict) -> None:
-        if data.get("pid") in ("autoscaler", "raylet"):  # Ray filters these itself
-            ray_worker.print_to_stdstream(data, ignore_prefix=ignore_prefix)
-            return
-        lines = data.get("lines") or []
-        ours = [line for line in lines if line.startswith(CONSOLE_PREFIX)]
-        rest = [line for line in lines if not line.startswith(CONSOLE_PREFIX)]
-        if ours:
-            ray_worker.print_to_stdstream({**data, "lines": ours}, ignore_prefix=ignore_prefix)
-        if rest:
-            who = data.get("actor_name") or data.get("task_name") or ""
-            head = f"({who} pid={data.get('pid')}) "
-            with lock, open(log_file, "a") as f:
-                f.writelines(head + line + "\n" for line in rest)
-
-    dispatcher.remove_handler("ray_print_logs")
-    dispatcher.add_handler("ray_print_logs", handle)
-    return True

@@ -151,7 +151,12 @@ def duration(seconds: float) -> str:
 # after the *next* step has been queued, so on a GPU the host waits only for that
 # copy, never for the step in flight: no per-step device-to-host sync. The reduced
 # values are the same on every rank, so a P0 decision taken from them
-# (`p0_rule`) is the same on every rank at the same step, never rank 0's alone.
+# (`P0Rules`) is the same on every rank at the same step, never rank 0's alone.
+
+
+# Rank 0's stop request, carried with every step's signals (launch): none, stop at
+# the step it is read, or stop there with a checkpoint.
+NO_STOP, STOP, STOP_AND_SAVE = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,9 @@ class StepSignals:
     non_finite: int  # ranks whose loss or grad norm was NaN/inf
     step_time_s: float  # this rank's host time for the step (queueing time on a GPU)
     data_wait_s: float  # this rank's wait for the step's batch
+    # Rank 0's stop request at this step (a Ctrl-C, a callback): NO_STOP, STOP or
+    # STOP_AND_SAVE; every rank stops alike when it reads one.
+    stop: int = 0
 
     @property
     def bad(self) -> bool:
@@ -213,8 +221,8 @@ class PendingSignals:
     def read(self) -> StepSignals:
         if self._event is not None:
             self._event.synchronize()
-        loss_sum, non_finite = self._host.tolist()[:2]
-        grad_norm = float(self._host[2].item())
+        loss_sum, non_finite, stop = self._host.tolist()[:3]
+        grad_norm = float(self._host[3].item())
         return StepSignals(
             step=self.step,
             loss=loss_sum / self.dp_size,
@@ -222,6 +230,7 @@ class PendingSignals:
             non_finite=int(non_finite) if math.isfinite(non_finite) else 1,
             step_time_s=self.step_time_s,
             data_wait_s=self.data_wait_s,
+            stop=int(stop),
         )
 
 
@@ -232,24 +241,45 @@ def launch(
     grad_norm: torch.Tensor,
     step_time_s: float,
     data_wait_s: float,
+    stop: int = NO_STOP,
 ) -> PendingSignals:
-    """Reduce step `step`'s loss and flags across ranks (queued, not waited for)."""
+    """Reduce step `step`'s loss and flags across ranks (queued, not waited for).
+    `stop` is rank 0's stop request (other ranks pass NO_STOP): the sum is rank 0's."""
     loss64 = loss.detach().to(torch.float64).reshape(())
     norm64 = grad_norm.detach().to(torch.float64).reshape(())
     bad = (~torch.isfinite(loss64) | ~torch.isfinite(norm64)).to(torch.float64)
     owned = loss64 if env.owns_loss else torch.zeros_like(loss64)
-    reduced = env.all_reduce_sum(torch.stack([owned, bad]))
+    asked = torch.full_like(loss64, float(stop))  # a fill on the device: no host copy
+    reduced = env.all_reduce_sum(torch.stack([owned, bad, asked]))
     # The norm is global already (the same number on every rank): carried, not reduced.
     values = torch.cat([reduced, norm64.reshape(1)])
     return PendingSignals(step, values, env.dp_size, step_time_s, data_wait_s)
 
 
-def p0_rule(signals: StepSignals, alerts: Any) -> str | None:
-    """The P0 rule whose action (tracking.alerts.on_p0) the run takes at this step:
-    non_finite when it is a P0 rule and some rank saw NaN/inf. Decided from the
-    all-reduced flags, so every rank decides alike. Rules over per-rank clocks or
-    rank 0's own statistics alert (trainlab.monitor) but never act."""
-    rule = alerts.non_finite
-    if rule.enabled and rule.severity == "P0" and signals.bad:
-        return "non_finite"
-    return None
+class P0Rules:
+    """The P0 rules whose action (tracking.alerts.on_p0) the run takes, judged on
+    every rank from the same all-reduced signals, so every rank decides alike at
+    the same step: non_finite from the ranks' flags; the per-step statistical rules
+    (loss_rising, grad_spike when configured as P0) from the agreed loss and global
+    grad norm, each rank keeping the same statistics. Those rules are the monitor's
+    own (the same code rank 0 runs to send the alert), given by import path
+    (`TrainJob.p0_rules`: the training layer imports no monitoring code). Rules
+    over per-rank clocks or rank 0's own measurements (throughput, checkpoint age,
+    disk) alert but never act."""
+
+    def __init__(self, alerts: Any, factories: tuple[str, ...] = ()):
+        from trainlab.train.callbacks import load_factory
+
+        self.alerts = alerts
+        self.rules = [rule for path in factories for rule in load_factory(path)(alerts)]
+
+    def check(self, signals: StepSignals) -> str | None:
+        """The rule that fires at this step, or None."""
+        rule = self.alerts.non_finite
+        if signals.bad:
+            return "non_finite" if rule.enabled and rule.severity == "P0" else None
+        fired = None
+        for r in self.rules:  # every rule sees every step, as the monitor's do
+            if r.observe(signals.step, signals.metrics(), 0.0) is not None and fired is None:
+                fired = r.name
+        return fired

@@ -33,7 +33,7 @@ ATTEMPTS = "attempts.jsonl"
 PROGRESS = "progress.json"
 EXTENSIONS = "extensions.jsonl"
 # The driver's first Ctrl-C creates it; rank 0's agent turns it into a stop at the
-# next logged step (trainlab.train.agent), which ends the run as "interrupted".
+# next step boundary (trainlab.train.agent, trainer), which ends the run as "interrupted".
 INTERRUPT_FLAG = ".interrupt"
 INTERRUPT_REASON = "interrupted by the user (Ctrl-C)"
 
@@ -62,11 +62,15 @@ class Failure:
 
 
 def failure_cause(failures: list[dict[str, Any]]) -> str:
-    """ "infrastructure" when the last failure killed or lost a process, else "code"."""
-    if not failures:
+    """ "infrastructure" when the last failure killed or lost a process, else "code".
+    Failures that only say a peer went away (kind "peer") are its consequence, not
+    a cause: the last event with another kind decides (a lost worker's peers may
+    report their broken connections after it, as a separate event)."""
+    causes = [f for f in failures if f.get("kind") != "peer"]
+    if not causes:
         return "code"
-    last_event = failures[-1].get("event")
-    kinds = {f.get("kind") for f in failures if f.get("event") == last_event}
+    last_event = causes[-1].get("event")
+    kinds = {f.get("kind") for f in causes if f.get("event") == last_event}
     return "infrastructure" if kinds & INFRASTRUCTURE_KINDS else "code"
 
 
@@ -182,7 +186,7 @@ class RunRecords:
     # ------------------------------------------------------------------ interrupts
 
     def request_interrupt(self) -> None:
-        """Ask the training processes to stop at the next logged step (a Ctrl-C)."""
+        """Ask the training processes to stop at the next step boundary (a Ctrl-C)."""
         (self.logs / INTERRUPT_FLAG).touch()
 
     def interrupt_requested(self) -> bool:
@@ -262,6 +266,9 @@ def run_summary(
         "final_step": step,
         "final_loss": final_loss,
         "val_loss": val_loss,
+        # The lowest held-out evaluation a kept checkpoint holds (the trainer adds its
+        # own start's evaluations); val_loss is the latest evaluation.
+        "best_val_loss": best_checkpoint.val_loss if best_checkpoint else None,
         "tokens_seen": step * job.cfg.tokens_per_step,
         "restarts": restarts,
         "weights_sha256": weights_sha256,

@@ -31,17 +31,25 @@ from trainlab.train.checkpointer import Checkpointer, layout_of
 from trainlab.train.distributed import DistEnv
 from trainlab.train.job import TrainJob
 from trainlab.train.metrics import (
+    NO_STOP,
+    STOP,
+    STOP_AND_SAVE,
     Meter,
+    P0Rules,
     PendingSignals,
     StepSignals,
     launch,
     memory_gap,
-    p0_rule,
     peak_memory_bytes,
     progress_line,
 )
 from trainlab.train.parallel import reshard
-from trainlab.train.records import RunRecords, planned_memory_bytes, run_summary
+from trainlab.train.records import (
+    INTERRUPT_REASON,
+    RunRecords,
+    planned_memory_bytes,
+    run_summary,
+)
 from trainlab.train.state import (
     DataPosition,
     ModelState,
@@ -101,8 +109,12 @@ class Trainer:
         self.last_valid_at = time.time()
         self.stop_reason = ""
         self.stopped_at: int | None = None  # the step a P0 action stopped the run at
+        self.stop_signal = NO_STOP  # the newest stop request every rank agreed on
+        self._saved_at = time.time()  # when the newest state on disk was (or the start)
         self.last_signals = StepSignals(0, float("nan"), float("nan"), 0, 0.0, 0.0)
+        self.p0_rules = P0Rules(self.cfg.tracking.alerts, job.p0_rules)
         self._eval_step = 0  # the step of the latest evaluation
+        self._best_val_loss: float | None = None  # the lowest evaluation of this start
         self._chaos_fired: set[int] = set()
 
     @property
@@ -161,10 +173,13 @@ class Trainer:
             if self.step == start + 1 and self.env.is_main:
                 self.records.first_step_done(self.job.session, self.step)
             self._maybe_chaos_kill()
-            current = launch(self.env, self.step, loss, grad_norm, step_time, t1 - t0)
+            asked = self._stop_request()  # rank 0's, carried with this step's signals
+            current = launch(self.env, self.step, loss, grad_norm, step_time, t1 - t0, asked)
             status, pending = self._observe(pending), current  # the previous step's
             last = self.step == t.total_steps
-            log_now = self.step % t.log_interval == 0 or last
+            # A stop rank 0 asked for (Ctrl-C, a callback) is read one step late, the
+            # same on every rank: the run stops at this step, logging it.
+            log_now = self.step % t.log_interval == 0 or last or self.stop_signal != NO_STOP
             eval_now = self.step % t.eval_interval == 0 or last
             save_now = self.step % t.checkpoint.every_steps == 0 or last
             if status is None and (log_now or eval_now or save_now):
@@ -174,14 +189,17 @@ class Trainer:
                 continue
             if status is not None:
                 break
-            stopped = log_now and self._log_step()
+            log_now = log_now or self.stop_signal != NO_STOP  # this step's own may ask
+            stop = max(self._log_step() if log_now else NO_STOP, self.stop_signal)
             if eval_now:
                 self._evaluate_now()
-            if save_now or stopped:
+            if save_now or stop == STOP_AND_SAVE:
                 self._save()
             self._deliver_checkpoints()
-            if stopped:
+            if stop != NO_STOP:
                 status = "stopped"
+                if self.env.is_main and not self.stop_reason:
+                    self.stop_reason = self.callbacks.stop_reason or "a callback requested a stop"
         if status is None:
             status, pending = self._observe(pending), None
         self.checkpointer.wait()
@@ -207,14 +225,15 @@ class Trainer:
 
     def _observe(self, pending: PendingSignals | None) -> str | None:
         """Read a step's signals, hand them to the callbacks (rank 0) and the P0
-        rule (every rank, train.metrics.p0_rule); returns what the P0 action did:
+        rules (every rank, train.metrics.P0Rules); returns what the P0 action did:
         None (nothing), "rolled_back" or "stopped_by_alert"."""
         if pending is None:
             return None
         signals = self.last_signals = pending.read()
+        self.stop_signal = max(self.stop_signal, signals.stop)
         if self.env.is_main:
             self.callbacks.on_step_signals(signals.step, signals.metrics())
-        rule = p0_rule(signals, self.cfg.tracking.alerts)
+        rule = self.p0_rules.check(signals)
         action = self.cfg.tracking.alerts.on_p0
         if rule is None or action == "notify":
             return None
@@ -312,6 +331,9 @@ class Trainer:
     def _evaluate_now(self) -> None:
         self.state.progress.val_losses = self.evaluate()
         self._eval_step = self.step
+        now = self.state.progress.val_losses.get("all")
+        if now is not None and (self._best_val_loss is None or now < self._best_val_loss):
+            self._best_val_loss = now
         if self.env.is_main and self.state.progress.val_losses:
             self.callbacks.on_eval(self.step, dict(self.state.progress.val_losses))
 
@@ -320,6 +342,7 @@ class Trainer:
         of this very step (val_loss, as reported); a checkpoint saved between
         evaluations has no val_loss and is not ranked (no extra evaluation)."""
         t0 = time.perf_counter()
+        self._saved_at = time.time()
         self.checkpointer.save(evaluated=self._eval_step == self.step)
         self.meter.record_checkpoint(time.perf_counter() - t0)
 
@@ -431,10 +454,11 @@ class Trainer:
             )
         )
 
-    def _log_step(self) -> bool:
-        """Metrics of the window since the last log, on rank 0; returns whether a
-        callback asked to stop (collectives: every rank calls this at the same steps).
-        The step's loss and grad norm are its agreed signals (already read)."""
+    def _log_step(self) -> int:
+        """Metrics of the window since the last log, on rank 0; returns rank 0's stop
+        request (`_stop_request`: a callback may ask in `on_step_end`), the same on
+        every rank (collectives: every rank calls this at the same steps). The
+        step's loss and grad norm are its agreed signals (already read)."""
         signals = self.last_signals
         self.last_loss = signals.loss
         metrics = self.meter.window(
@@ -448,10 +472,19 @@ class Trainer:
         if self.report is not None:
             self.report({"step": self.step, **metrics})
         self.meter.reset()
-        stop = bool(self.env.broadcast_object(self.env.is_main and self.callbacks.stop_requested))
-        if stop and self.env.is_main:
-            self.stop_reason = self.callbacks.stop_reason or "a callback requested a stop"
-        return stop
+        return int(self.env.broadcast_object(self._stop_request()))
+
+    def _stop_request(self) -> int:
+        """Rank 0's stop request (NO_STOP on other ranks): a callback's stop saves a
+        checkpoint; a Ctrl-C's (INTERRUPT_REASON) only when the newest state on disk
+        is at least train.checkpoint.on_interrupt_min_age_s old, else the run
+        resumes from its newest valid checkpoint."""
+        if not (self.env.is_main and self.callbacks.stop_requested):
+            return NO_STOP
+        if self.callbacks.stop_reason != INTERRUPT_REASON:
+            return STOP_AND_SAVE
+        age = time.time() - self._saved_at
+        return STOP_AND_SAVE if age >= self.cfg.train.checkpoint.on_interrupt_min_age_s else STOP
 
     def _deliver_checkpoints(self) -> None:
         for info in self.checkpointer.completed():
@@ -516,7 +549,13 @@ class Trainer:
             peak_memory_bytes=peak,
         )
         summary["rollbacks"] = list(self.checkpointer.rollbacks)
-        if status == "stopped_by_alert":  # the state in memory is past the anomaly
+        # val_loss is the latest evaluation; best_val_loss the lowest of the run's:
+        # this start's and those its kept checkpoints hold (keep_best keeps the lowest).
+        lowest = [v for v in (self._best_val_loss, summary.get("best_val_loss")) if v is not None]
+        summary["best_val_loss"] = min(lowest) if lowest else None
+        saved = self.last_checkpoint is not None and self.last_checkpoint.step == self.step
+        # The state in memory is past the anomaly, or a Ctrl-C stopped without saving.
+        if status == "stopped_by_alert" or (status == "stopped" and not saved):
             resume = ck.find_resume(self.job.checkpoint_root, require_valid=True)
             summary["resume_step"] = resume.step if resume else 0
         self.records.write_summary(summary)

@@ -69,7 +69,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     loader = WorkerLoader(job.data_spec, dp_rank, dp)
     callbacks = None
     if rank == 0:  # the alert sinks read the hooks' variables from the environment
-        from trainlab.jobs.hooksecrets import apply_in_worker
+        from trainlab.hooksecrets import apply_in_worker
 
         apply_in_worker(config.get("hook_secrets"))
         callbacks = build_callbacks(job.callbacks, job.cfg)

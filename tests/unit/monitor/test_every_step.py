@@ -21,8 +21,10 @@ from trainlab.config import load_config
 from trainlab.errors import UserError
 from trainlab.jobs.retry import describe_exit, is_infrastructure_exit
 from trainlab.monitor import MonitorCallback
+from trainlab.monitor.rules import build_rules
 from trainlab.train.distributed import DistEnv
-from trainlab.train.metrics import StepSignals, launch, p0_rule
+from trainlab.train.job import TrainJob
+from trainlab.train.metrics import P0Rules, StepSignals, launch
 
 RECIPES = Path(__file__).resolve().parents[3] / "trainers" / "recipes"
 LOG_INTERVAL = 10
@@ -102,14 +104,30 @@ def signals(step: int, loss: float, norm: float = 1.0) -> StepSignals:
 
 def test_the_p0_decision_is_every_non_finite_step_and_nothing_else():
     alerts = load_config(RECIPES / "tiny.yaml", []).tracking.alerts
-    decided = [p0_rule(signals(s, math.nan if s in (5, 6) else 3.0), alerts) for s in range(1, 10)]
+    rules = P0Rules(alerts, TrainJob.p0_rules)
+    decided = [rules.check(signals(s, math.nan if s in (5, 6) else 3.0)) for s in range(1, 10)]
     assert decided == [None] * 4 + ["non_finite"] * 2 + [None] * 3
-    assert p0_rule(signals(8, 3.0, math.inf), alerts) == "non_finite"
+    assert rules.check(signals(8, 3.0, math.inf)) == "non_finite"
     # a flag from another rank alone (this rank's values finite) is enough
-    assert p0_rule(StepSignals(9, 3.0, 1.0, 1, 0.1, 0.0), alerts) == "non_finite"
-    assert p0_rule(signals(8, 3.0, 1e6), alerts) is None  # a spike is P1: alerts only
+    assert rules.check(StepSignals(9, 3.0, 1.0, 1, 0.1, 0.0)) == "non_finite"
+    assert rules.check(signals(10, 3.0, 1e6)) is None  # a spike is P1: alerts only
     p1 = load_config(RECIPES / "tiny.yaml", ["tracking.alerts.non_finite.severity=P1"])
-    assert p0_rule(signals(5, math.nan), p1.tracking.alerts) is None
+    assert P0Rules(p1.tracking.alerts).check(signals(5, math.nan)) is None
+
+
+def test_a_rule_configured_as_p0_acts_on_every_rank_at_the_same_step():
+    """grad_spike as P0: each rank keeps the same statistics over the agreed
+    signals, so all decide at the spiking step (and the monitor alerts there too)."""
+    cfg = load_config(RECIPES / "tiny.yaml", ["tracking.alerts.grad_spike.severity=P0"])
+    ranks = [P0Rules(cfg.tracking.alerts, TrainJob.p0_rules) for _ in range(2)]
+    monitor = MonitorCallback(cfg)
+    monitor.rules = build_rules(cfg.tracking.alerts)
+    stream = [signals(s, 3.0, 50.0 if s == 12 else 1.0 + 0.01 * (s % 3)) for s in range(1, 16)]
+    decided = [[r.check(sig) for sig in stream] for r in ranks]
+    for sig in stream:
+        monitor.on_step_signals(sig.step, sig.metrics())
+    assert decided[0] == decided[1] == [None] * 11 + ["grad_spike"] + [None] * 3
+    assert [(a.rule, a.severity, a.step) for a in monitor.alerts] == [("grad_spike", "P0", 12)]
 
 
 def test_launch_reduces_a_steps_loss_and_flags_into_agreed_signals():

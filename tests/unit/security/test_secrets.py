@@ -119,7 +119,7 @@ def test_hook_variables_travel_to_a_job_encrypted_for_its_cluster(
     job's driver (same token) gets exactly them back; another cluster's cannot."""
     import stat
 
-    from trainlab.jobs import hooksecrets
+    from trainlab import hooksecrets
 
     names = ["TRAINLAB_MY_HOOK", "TRAINLAB_ALERT_WEBHOOK", "TRAINLAB_UNSET_HOOK"]
     carried = hooksecrets.stage_for_job(tmp_path, names, token="cluster-token-1")
@@ -147,7 +147,7 @@ def test_hook_variables_travel_to_a_job_encrypted_for_its_cluster(
 
 
 def test_without_a_cluster_token_hook_variables_are_not_carried(fake_env, tmp_path, caplog):
-    from trainlab.jobs import hooksecrets
+    from trainlab import hooksecrets
 
     assert hooksecrets.stage_for_job(tmp_path, ["TRAINLAB_MY_HOOK"], token=None) == []
     assert not (tmp_path / hooksecrets.SECRETS_FILE).exists()

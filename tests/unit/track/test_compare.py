@@ -60,6 +60,7 @@ def test_compare_json_has_the_documented_fields(runs_root, client, capsys):
             "status",
             "final_loss",
             "val_loss",
+            "best_val_loss",
             "tokens_per_second",
             "params",
             "peak_memory_gb",
@@ -71,9 +72,9 @@ def test_compare_json_has_the_documented_fields(runs_root, client, capsys):
         run_id = row["run_id"]
         losses = client.get_metric_history(run_id, "loss")
         assert row["final_loss"] == max(losses, key=lambda m: m.step).value
-        assert row["val_loss"] == min(
-            m.value for m in client.get_metric_history(run_id, "val_loss/all")
-        )
+        evals = client.get_metric_history(run_id, "val_loss/all")
+        assert row["val_loss"] == max(evals, key=lambda m: m.step).value  # the latest
+        assert row["best_val_loss"] == min(m.value for m in evals)
         assert row["tokens_per_second"] == statistics.median(
             m.value for m in client.get_metric_history(run_id, "tokens_per_s")
         )

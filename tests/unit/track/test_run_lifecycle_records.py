@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from tests.unit.track.conftest import only_run
+from tests.unit.track.conftest import artifact_text, only_run
 from trainlab.config import to_yaml
 from trainlab.track import tracking_uri
+from trainlab.track.heartbeat import correct_lost
 from trainlab.track.lifecycle import end_run
 from trainlab.track.mlflow_cb import experiment_name
 from trainlab.track.query import list_runs
@@ -59,6 +60,32 @@ def test_a_run_without_heartbeat_is_listed_lost_and_its_records_corrected(
     summary = json.loads((run.run_dir / "run_summary.json").read_text())
     assert summary["status"] == "lost" and summary["stop_reason"].startswith("lost: no heartbeat")
     assert summary["final_step"] == 10  # rank 0's last logged step (logs/progress.json)
+
+
+def test_the_next_command_that_opens_the_store_ends_a_lost_run(
+    rank0, client, runs_root, monkeypatch
+):
+    """Not only `runs`/`compare`: any command opening the store (here a new run's
+    MLflow record starting, as `trainlab train` does) ends a lost run's records,
+    and leaves running ones alone."""
+    lost = started(rank0)
+    old = only_run(client)
+    client.set_tag(old.info.run_id, "heartbeat", f"{time.time() - 600:.0f}")
+    monkeypatch.setenv("TRAINLAB_LOST_AFTER_S", "120")
+    other = rank0("name=other")
+    other.start()
+    experiments = [e.experiment_id for e in client.search_experiments()]
+    after = {r.info.run_name: r for r in client.search_runs(experiments)}
+    assert (after["tiny"].info.status, after["tiny"].data.tags["status"]) == ("FAILED", "lost")
+    assert after["other"].info.status == "RUNNING"
+    summary = json.loads((lost.run_dir / "run_summary.json").read_text())
+    assert summary["status"] == "lost" and summary["final_step"] == 10
+    logged = json.loads(artifact_text(client, old.info.run_id, "run_summary.json"))
+    assert logged["status"] == "lost"
+    # Opened again: nothing left to correct, the records stay as they are.
+    before = (lost.run_dir / "run_summary.json").read_bytes()
+    assert correct_lost(client) == []
+    assert (lost.run_dir / "run_summary.json").read_bytes() == before
 
 
 def test_a_stopped_jobs_run_is_marked_stopped_once(rank0, client):

@@ -1,6 +1,6 @@
 """Ctrl-C in the driver (trainlab.train.interrupt), with real SIGINTs to this
 process: before the run directory exists it ends the command; after, the first
-asks the run to stop at its next logged step, the second stops at once."""
+asks the run to stop at its next step boundary, the second stops at once."""
 
 from __future__ import annotations
 
@@ -10,8 +10,13 @@ import time
 
 import pytest
 
+from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
+from trainlab.train import checkpoint as ck
+from trainlab.train.callbacks import Callback
+from trainlab.train.distributed import DistEnv
 from trainlab.train.interrupt import Interrupts, call_in_thread
-from trainlab.train.records import RunRecords
+from trainlab.train.records import INTERRUPT_REASON, RunRecords
+from trainlab.train.trainer import Trainer
 
 
 def sigint() -> None:
@@ -54,3 +59,70 @@ def test_a_second_ctrl_c_leaves_the_waiting_main_thread():
     assert call_in_thread(lambda: 42) == 42
     with pytest.raises(ValueError, match="boom"):
         call_in_thread(lambda: (_ for _ in ()).throw(ValueError("boom")))
+
+
+# --------------------------------------------------------------------------- in the loop
+
+
+class CtrlC(Callback):
+    """Rank 0's callbacks as the agent serves them after a first Ctrl-C: the reply to
+    a hook carries the stop request (trainlab.train.agent) from step `at` on."""
+
+    def __init__(self, at: int):
+        self.at, self.logged = at, []
+
+    def on_step_signals(self, step, signals):
+        if step >= self.at:
+            self.stop_requested, self.stop_reason = True, INTERRUPT_REASON
+
+    def on_step_end(self, step, metrics):
+        self.logged.append(step)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return dataset_dir(tmp_path_factory)
+
+
+def interrupted_run(dataset, run_dir, min_age_s: float):
+    """16 steps, logged every 10, checkpointed every 8; Ctrl-C seen after step 11."""
+    cfg = tiny_config(
+        dataset,
+        train={
+            "total_steps": 16,
+            "log_interval": 10,
+            "eval_interval": 16,
+            "checkpoint": {"every_steps": 8, "on_interrupt_min_age_s": min_age_s},
+        },
+    )
+    job = make_job(cfg, run_dir)
+    ctrl_c = CtrlC(at=11)
+    summary = Trainer(job, local_loader(job), DistEnv(), ctrl_c).fit()
+    return cfg, summary, ctrl_c
+
+
+def test_ctrl_c_stops_at_the_next_step_and_skips_a_checkpoint_when_the_newest_is_recent(
+    dataset, tmp_path
+):
+    """The stop rides on the steps' all-reduced signals: rank 0 hears of it with step
+    11's signals (read after step 12), sends it with step 13's, and every rank
+    stops at step 14, not at the next logged step (16, the last). A checkpoint 6 steps old is
+    recent enough: none is written at 14; the newest valid one (8) is the resume
+    point."""
+    _, summary, ctrl_c = interrupted_run(dataset, tmp_path, min_age_s=3600)
+    assert summary["status"] == "interrupted" and summary["stop_reason"] == INTERRUPT_REASON
+    assert summary["final_step"] == 14 and ctrl_c.logged == [10, 14]  # the stop step is logged
+    assert [c.step for c in ck.committed(tmp_path / "checkpoints")] == [8]
+    assert summary["resume_step"] == 8
+    assert summary["last_checkpoint"].endswith("step-00000008")
+    info = ck.find_resume(tmp_path / "checkpoints", require_valid=True)
+    assert info is not None and info.step == 8  # what `train RUN_DIR --resume` takes
+
+
+def test_ctrl_c_saves_at_the_stop_step_when_the_newest_checkpoint_is_old_enough(dataset, tmp_path):
+    """on_interrupt_min_age_s: 0 always saves: the checkpoint is of the stop step."""
+    _, summary, _ = interrupted_run(dataset, tmp_path, min_age_s=0)
+    assert (summary["status"], summary["final_step"]) == ("interrupted", 14)
+    assert summary["last_checkpoint"].endswith("step-00000014")
+    assert "resume_step" not in summary
+    assert ck.find_resume(tmp_path / "checkpoints", require_valid=True).step == 14

@@ -126,6 +126,10 @@ def test_failure_cause_follows_the_last_failure():
     assert failure_cause([crash]) == "code"
     assert failure_cause([crash, *killed]) == "infrastructure"
     assert failure_cause([*killed, {"event": "c", "kind": "error"}]) == "code"
+    # a lost worker's peer reporting its broken connection later, as its own event
+    lost = {"event": "d", "kind": "lost"}
+    assert failure_cause([crash, lost, {"event": "e", "kind": "peer"}]) == "infrastructure"
+    assert failure_cause([{"event": "f", "kind": "peer"}]) == "code"
 
 
 def test_cli_bad_input_exits_2_before_anything_runs(dataset, tmp_path):

@@ -195,6 +195,25 @@ def test_a_callback_can_stop_the_run_with_a_checkpoint(dataset, tmp_path):
     assert summary["last_checkpoint"].endswith("step-00000004")
 
 
+def test_a_grad_spike_configured_as_p0_stops_the_run_at_its_step(dataset, tmp_path):
+    """Any per-step rule set to P0 acts (not only non_finite): the rehearsed spike at
+    step 9 stops the run there; the resume point is the checkpoint before it."""
+    cfg = tiny_config(
+        dataset,
+        train={
+            "total_steps": 14,
+            "log_interval": 4,
+            "checkpoint": {"every_steps": 4},
+            "chaos": {"spike_at_steps": [9]},
+        },
+        tracking={"alerts": {"grad_spike": {"severity": "P0"}, "on_p0": "checkpoint_and_stop"}},
+    )
+    summary, _ = train(cfg, tmp_path)
+    assert (summary["status"], summary["final_step"]) == ("stopped_by_alert", 9)
+    assert "P0 alert grad_spike at step 9" in summary["stop_reason"]
+    assert summary["last_checkpoint"].endswith("step-00000008")
+
+
 def test_bf16_autocast_trains_on_cpu_close_to_fp32(dataset, tmp_path):
     fp32, _ = train(tiny_config(dataset, train={"total_steps": 4}), tmp_path / "fp32")
     bf16, _ = train(

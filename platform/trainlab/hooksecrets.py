@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("trainlab.jobs")
+log = logging.getLogger("trainlab.hooksecrets")
 
 # Relative to the job's working_dir (its current directory).
 SECRETS_FILE = ".trainlab/hook-secrets.bin"
@@ -103,7 +103,7 @@ def load_submitted(cwd: Path | None = None) -> list[str]:
     path = (cwd or Path.cwd()) / SECRETS_FILE
     if not path.is_file():
         return []
-    from trainlab.jobs.auth import auth_token
+    from trainlab.raytoken import auth_token
 
     token = auth_token()
     try:

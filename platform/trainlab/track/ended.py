@@ -1,0 +1,73 @@
+"""The summary of a run ended from outside its processes.
+
+A run's own processes write its run_summary.json when it completes, fails, is
+stopped by an alert or interrupted. Two ends leave no process to do so: a job
+stopped with `trainlab stop JOB` (trainlab.track.lifecycle) and a run whose
+processes vanished (trainlab.track.heartbeat). `write_ended_summary` writes
+what they would have, at the newest checkpoint. It touches no MLflow store, so
+the store's own opening (trainlab.track.store) can end lost runs through it.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+# What a summary says when the run's own processes ended it: not overwritten.
+FINAL_STATUSES = frozenset({"completed", "failed", "stopped", "stopped_by_alert", "interrupted"})
+
+
+def summary_is_current(run_dir: Path) -> bool:
+    """run_summary.json is of the run's latest start (not of an earlier one that a
+    resume continued): it is newer than the latest attempt."""
+    summary = run_dir / "run_summary.json"
+    attempts = run_dir / "logs" / "attempts.jsonl"
+    if not summary.is_file():
+        return False
+    return not attempts.is_file() or summary.stat().st_mtime >= attempts.stat().st_mtime
+
+
+def write_ended_summary(run_dir: str | Path, status: str, reason: str) -> dict[str, Any] | None:
+    """Write the summary of the run in `run_dir` ended with `status` ("stopped",
+    "lost") unless its own processes already ended it; returns the summary
+    written, or None when there was nothing to end (no run directory, or a
+    summary of the latest start that says it ended)."""
+    from trainlab.config import load_config
+    from trainlab.train import checkpoint as ck
+    from trainlab.train.records import RunRecords
+
+    rd = Path(run_dir)
+    if not (rd / "config.yaml").is_file():
+        return None
+    records = RunRecords(rd)
+    old = records.read_summary() or {}
+    if summary_is_current(rd) and old.get("status") in FINAL_STATUSES:
+        return None
+    cfg = load_config(str(rd / "config.yaml"))
+    newest = ck.find_resume(rd / "checkpoints", require_valid=cfg.train.checkpoint.validate)
+    committed = ck.committed(rd / "checkpoints")
+    best = ck.best(committed)
+    # val_loss: the latest held-out evaluation on disk (a checkpoint's); best_val_loss:
+    # the lowest (keep_best keeps its checkpoint).
+    evaluated = [c for c in committed if c.val_loss is not None]
+    latest = max(evaluated, key=lambda c: c.step) if evaluated else None
+    started = [a.get("time", 0.0) for a in records.attempts()]
+    summary: dict[str, Any] = {
+        "name": cfg.name,
+        "status": status,
+        "final_step": records.last_logged_step() or 0,
+        "final_loss": None,
+        "val_loss": latest.val_loss if latest is not None else None,
+        "best_val_loss": best.val_loss if best is not None else None,
+        "tokens_seen": (records.last_logged_step() or 0) * cfg.tokens_per_step,
+        "restarts": records.restarts(),
+        "weights_sha256": None,
+        "last_checkpoint": str(newest.path) if newest else None,
+        "best_checkpoint": str(best.path) if best else None,
+        "wall_seconds": round(time.time() - min(started), 3) if started else None,
+        "run_dir": str(rd),
+        "stop_reason": reason,
+    }
+    records.write_summary(summary)
+    return summary
