@@ -55,8 +55,9 @@ class CpuSplit:
             try:
                 t = p.cpu_times()
                 cpu = t.user + t.system
-                if p.pid not in self._roles:
-                    self._roles[p.pid] = role(p, self._root.pid)
+                # Re-read each time: a Ray worker starts as `python .../default_worker.py`
+                # or `ray::IDLE` and takes its actor's title later; the last one wins.
+                self._roles[p.pid] = role(p, self._root.pid)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
             self._last[p.pid] = cpu
