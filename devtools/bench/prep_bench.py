@@ -64,6 +64,7 @@ def bench_prep() -> list[BenchResult]:
 
     # The machine is shared: half of the baseline runs before prep and half after,
     # so a change in load hits both sides alike.
+    load_before = os.getloadavg()[0]
     cpu = time.process_time()
     first_s, first_tokens = _encode_seconds(tokenizer, batches[0::2], fast=True)
     baseline_cpu_s = time.process_time() - cpu
@@ -114,6 +115,10 @@ def bench_prep() -> list[BenchResult]:
             baseline_cpu_s / (phases["cpu_read_clean"] + phases["cpu_tokenize"] + driver_cpu_s), 3
         ),
         "corpus_build_s": round(build_s, 1),
+        # The machine is shared: its 1-minute load before the baseline and after the
+        # last timed call (2 cores: above ~2.5, others' processes took CPU, and Ray's
+        # workers run at nice 15 while the baseline runs at 0, so load does not slow both alike).
+        "load_avg_1m (before, after)": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     itemsize = 2 if result["tokenizer"]["dtype"] == "uint16" else 4
     driver_notes = {

@@ -12,6 +12,8 @@ training jobs submitted to it:
   with no Ray Train restarts left: the job-level retry excludes that node (and
   says so), its workers run on other nodes, and the run resumes from its
   checkpoint;
+- `trainlab prep` as a driver of the cluster: units on several nodes, the same
+  dataset as a single-process prep;
 - refusals before anything trains (data unreachable, failed rehearsal), `stop`.
 
 The cluster is its own (not the session's `ray_cluster`), shared by this module.
@@ -26,6 +28,7 @@ import os
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.parse
 import urllib.request
@@ -38,6 +41,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 JOB_TIMEOUT_S = 600
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +297,48 @@ def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(
     leaked = [str(f) for f in files if hook_url.encode() in f.read_bytes()]
     leaked += [r[:80] for r in records if hook_url in r]
     assert not leaked, leaked
+
+
+def test_prep_on_several_nodes_equals_a_single_process_prep(cluster, tmp_path):
+    """`trainlab prep` as a driver of this cluster: the work units run on more than
+    one node, and the dataset is the one a single process prepares from the same
+    inputs, byte for byte (same manifest fingerprint and accounts)."""
+    from trainlab.data.prep import run_prep
+    from trainlab.jobs.localcluster import SINGLE_MACHINE_ENV
+
+    sources = tmp_path / "s.yaml"
+    sources.write_text(f"""
+train_tokenizer: {{vocab_size: 600}}
+shard_target_mb: 0.1
+sources:
+  - {{name: code, paths: ["{STDLIB}/email/**/*.py", "{STDLIB}/json/*.py", "{STDLIB}/http/*.py"], format: text}}
+  - {{name: more, paths: ["{STDLIB}/xml/**/*.py", "{STDLIB}/email/*.py"], format: text}}
+""")
+    local = run_prep(sources, tmp_path / "local", executor="local")
+    # A driver of the loopback-only cluster, as its nodes are (SINGLE_MACHINE_ENV).
+    env = {
+        **os.environ,
+        **SINGLE_MACHINE_ENV,
+        "RAY_ADDRESS": cluster.gcs_address,
+        "RAY_AUTH_MODE": "token",
+    }
+    out = tmp_path / "cluster"
+    tokenizer = tmp_path / "local" / "tokenizer.json"
+    proc = subprocess.run(
+        [str(BIN / "trainlab"), "prep", str(sources), "--out", str(out)]
+        + ["--tokenizer", str(tokenizer), "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["units_total"] >= 4 and report["units_reused"] == 0
+    assert report["unit_nodes"] >= 2  # the units ran on more than one raylet's workers
+    assert report["driver_document_bytes"] == 0
+    assert report["fingerprint"] == local.manifest["fingerprint"]
+    assert report["sources"] == local.manifest["sources"]
 
 
 @pytest.mark.extended  # the same entry script as `trainlab submit` (tested above)

@@ -246,16 +246,17 @@ def _near_losers(t: pa.Table, threshold: float) -> list[tuple[int, int, int, str
     return out
 
 
-def losers_of_unit(
-    loser_files: list[str], source: int, first_file: int, n_files: int
+def losers_in_range(
+    loser_files: list[str], source: int, first_file: int, end_file: int
 ) -> dict[tuple[int, int], str]:
-    """(file within the unit, row) -> reason for one unit's documents, from every
-    partition's loser file; a document both exact and near loser is a duplicate."""
+    """(file index among the source's files, row) -> reason for the documents of
+    files [first_file, end_file) of one source, from every partition's loser file
+    (one read each); a document both exact and near loser is a duplicate."""
     found: dict[tuple[int, int], str] = {}
     filters = [
         ("source", "=", source),
         ("file", ">=", first_file),
-        ("file", "<", first_file + n_files),
+        ("file", "<", end_file),
     ]
     for path in loser_files:
         t = pq.read_table(path, filters=filters, schema=LOSER_SCHEMA)
@@ -265,7 +266,6 @@ def losers_of_unit(
             t.column("reason").to_pylist(),
             strict=True,
         ):
-            k = (f - first_file, r)
-            if found.get(k) != "duplicate":
-                found[k] = reason
+            if found.get((f, r)) != "duplicate":
+                found[(f, r)] = reason
     return found

@@ -82,6 +82,10 @@ from trainlab.errors import UserError
 
 MB = 1 << 20
 TOKENIZER_FILE = "tokenizer.json"
+# Input bytes whose dedup keys one partition of the shuffle holds at most (with
+# near dedup, about 0.5 KB of keys per document: 256 MB of 10 KB documents is
+# ~13 MB of keys; of 100-byte documents, ~1.3 GB).
+PARTITION_INPUT_BYTES = 256 * MB
 
 # (phase, bytes of raw input done, bytes in total); phases: "sample", "tokenize".
 ProgressFn = Callable[[str, int, int], None]
@@ -93,7 +97,11 @@ class Executor(Protocol):
     received: Received
 
     def map_items(
-        self, items: list[dict[str, Any]], stage: type | Callable, kwargs: dict[str, Any]
+        self,
+        items: list[dict[str, Any]],
+        stage: type | Callable,
+        kwargs: dict[str, Any],
+        blocks: str = "guided",
     ) -> Iterable[pa.Table]: ...
 
 
@@ -104,8 +112,10 @@ class PrepResult:
     up_to_date: bool
     seconds: float
     # Wall seconds per phase: check, train_tokenizer, tokenize_write (of which
-    # stage_units_s, stage_dedup_s, stage_settle_s, stage_write_s), finish; and
-    # CPU seconds the workers spent in cpu_read_clean, cpu_tokenize, cpu_dedup_keys.
+    # stage_units_s, stage_dedup_s, stage_settle_s, stage_write_s), finish; CPU
+    # seconds the workers spent in cpu_read_clean, cpu_tokenize, cpu_dedup_keys;
+    # per stage X, how busy it kept the workers (busy_X_s, busy_share_X, first_X_s,
+    # tail_idle_X_s; see `executors.Received.utilisation`).
     timings: dict[str, float] = field(default_factory=dict)
     units_total: int = 0
     units_reused: int = 0
@@ -422,6 +432,7 @@ def _tokenize_and_write(
             "unit": u.to_json(),
             "docs": str(work.docs(keys[u.index])),
             "keys": str(work.keys(keys[u.index])),
+            "weight": u.nbytes,
         }
         for u in todo
     ]
@@ -438,23 +449,39 @@ def _tokenize_and_write(
                 spent[column] += row[column]
         if progress:
             progress("tokenize", done, total)
-    spent["stage_units_s"] = time.perf_counter() - t
+    _stage_spent(spent, ex, "units", unit_stage, t)
     spent["unit_nodes"] = len(nodes)  # nodes whose workers did the units of this run
 
     t = time.perf_counter()
     loser_files = _dedup(
         ex, units, keys, work, dedup.near.threshold, dedup.exact or dedup.near.enabled
     )
-    spent["stage_dedup_s"] = time.perf_counter() - t
+    _stage_spent(spent, ex, "dedup", reduce_stage, t)
 
     t = time.perf_counter()
     settled = _settle(ex, units, keys, work, loser_files)
-    spent["stage_settle_s"] = time.perf_counter() - t
+    _stage_spent(spent, ex, "settle", settle_stage, t)
 
     t = time.perf_counter()
     accounts = _write_shards(ex, units, keys, work, settled, inputs, info, out_dir)
-    spent["stage_write_s"] = time.perf_counter() - t
+    _stage_spent(spent, ex, "write", write_stage, t)
     return accounts, spent, reused
+
+
+def _stage_spent(
+    spent: dict[str, float], ex: Executor, name: str, stage: Callable, started: float
+) -> None:
+    """A stage's wall time `stage_X_s` (since `started`, a `time.perf_counter()`),
+    and how busy it kept the workers (see `Received.utilisation`): `busy_X_s`,
+    `busy_share_X`, `first_X_s`, `tail_idle_X_s`."""
+    wall = time.perf_counter() - started
+    end = time.time()
+    spent[f"stage_{name}_s"] = wall
+    use = ex.received.utilisation(stage.__name__, end - wall, end, ex.parallelism)
+    spent[f"busy_{name}_s"] = use["busy_s"]
+    spent[f"busy_share_{name}"] = use["busy_share"]
+    spent[f"first_{name}_s"] = use["first_s"]
+    spent[f"tail_idle_{name}_s"] = use["tail_idle_s"]
 
 
 def _dedup(
@@ -468,13 +495,18 @@ def _dedup(
     """The hash-partitioned shuffle: each partition's owner writes its losers."""
     if not enabled:
         return []
-    n = max(1, min(len(units), 4 * ex.parallelism))  # any n gives the same losers
+    # One partition per worker, more where a partition would hold more than
+    # PARTITION_INPUT_BYTES of input's keys (any n gives the same losers). Each
+    # partition reads every unit's key file (their footers, at least), so more
+    # partitions than needed cost reads, not balance: keys hash evenly.
+    total = sum(u.nbytes for u in units)
+    n = max(ex.parallelism, -(-total // PARTITION_INPUT_BYTES))
     unit_list = [[str(work.keys(keys[u.index])), u.source_index, u.file_offset] for u in units]
     items = [
         {"index": j, "lo": lo, "hi": hi, "units": unit_list, "out": str(work.losers(j))}
         for j, (lo, hi) in enumerate(partition_bounds(n))
     ]
-    for _ in ex.map_items(items, reduce_stage, {"threshold": threshold}):
+    for _ in ex.map_items(items, reduce_stage, {"threshold": threshold}, blocks="even"):
         pass
     return [str(work.losers(j)) for j in range(n)]
 
@@ -491,11 +523,12 @@ def _settle(
             "n_files": len(u.files),
             "losers": loser_files,
             "kept": str(work.kept(u.index)),
+            "weight": u.nbytes,
         }
         for u in units
     ]
     settled: dict[int, dict] = {}
-    for table in ex.map_items(items, settle_stage, {}):
+    for table in ex.map_items(items, settle_stage, {}, blocks="even"):
         for row in table.to_pylist():
             settled[row["index"]] = row
     return settled
@@ -538,11 +571,12 @@ def _write_shards(
             "parts": parts,
             "file": f"{source}/{SHARD_NAME.format(k)}",
             "out": str(out_dir / source / SHARD_NAME.format(k)),
+            "weight": min(target, running[source] - k * target),  # about its bytes
         }
         for i, ((source, k), parts) in enumerate(spans.items())
     ]
     written = {}
-    for table in ex.map_items(items, write_stage, {}):
+    for table in ex.map_items(items, write_stage, {}, blocks="even"):
         for row in table.to_pylist():
             if row["file"] is not None:
                 written[row["file"]] = row

@@ -33,7 +33,7 @@ import pyarrow.parquet as pq
 
 from trainlab.data.prep.cleaning import REASONS
 from trainlab.data.prep.dedup import (
-    losers_of_unit,
+    losers_in_range,
     reduce_partition,
     unit_keys,
     write_keys,
@@ -53,7 +53,8 @@ UNIT_DOC_COLUMNS = ("source", "file", "row", "location", "doc_id", "reason", "to
 
 
 def _items(batch: pa.Table) -> list[dict[str, Any]]:
-    return [json.loads(s) for s in batch.column("item").to_pylist()]
+    """The work items of a batch (each row holds a JSON list of them)."""
+    return [i for s in batch.column("item").to_pylist() for i in json.loads(s)]
 
 
 def _write_atomic(path: Path, write: Any) -> None:
@@ -142,11 +143,34 @@ class UnitStage:
         }
 
 
+# The UnitStage (its tokenizer) a worker process built last, by its settings.
+_unit_stages: dict[str, UnitStage] = {}
+
+
 def unit_stage(batch: pa.Table, **kwargs: Any) -> pa.Table:
-    """`UnitStage` as a plain task: the tokenizer is built once per block of units,
-    and the stages after it reuse the same pool of task workers (an actor pool
-    would start worker processes of its own, which costs seconds per stage)."""
-    return UnitStage(**kwargs)(batch)
+    """`UnitStage` as a plain task. The stages after it reuse the same pool of task
+    workers (an actor pool would start worker processes of its own, which costs
+    seconds per stage), and a worker keeps the tokenizer it built for the next
+    batch of the same run (its cache warm, the JSON not parsed again)."""
+    key = _settings_key(kwargs)
+    stage = _unit_stages.get(key)
+    if stage is None:
+        _unit_stages.clear()
+        stage = _unit_stages[key] = UnitStage(**kwargs)
+    return stage(batch)
+
+
+def _settings_key(kwargs: dict[str, Any]) -> str:
+    import hashlib
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, ByRef):
+            return ["ref", v.refs[0].hex()]  # type: ignore[attr-defined]
+        if isinstance(v, str) and len(v) > 1000:
+            return ["sha256", hashlib.sha256(v.encode()).hexdigest()]
+        return v
+
+    return json.dumps({k: plain(v) for k, v in kwargs.items()}, sort_keys=True)
 
 
 def _node_id() -> str:
@@ -176,17 +200,47 @@ def reduce_stage(batch: pa.Table, threshold: float) -> pa.Table:
 # --------------------------------------------------------------------------- settle
 
 
+# Units settled on one read of the loser files: consecutive units of one source,
+# up to this many bytes of input (their losers are held in memory together).
+SETTLE_GROUP_BYTES = 64 << 20
+
+
 def settle_stage(batch: pa.Table) -> pa.Table:
-    return pa.Table.from_pylist([_settle(item) for item in _items(batch)])
+    """Settle the batch's units, reading every loser file once per group of
+    consecutive units (`SETTLE_GROUP_BYTES`) rather than once per unit: a loser
+    file read costs the same for one unit or many, and there are units x
+    partitions of them."""
+    rows = []
+    for group in _settle_groups(_items(batch)):
+        first = group[0]["file_offset"]
+        end = max(i["file_offset"] + i["n_files"] for i in group)
+        losers = losers_in_range(group[0]["losers"], group[0]["source_index"], first, end)
+        rows += [_settle(item, losers) for item in group]
+    return pa.Table.from_pylist(rows)
 
 
-def _settle(item: dict[str, Any]) -> dict[str, Any]:
-    """Every record of the unit gets its final fate; the kept rows (and their
-    token counts) go to the unit's kept file, the accounts to the driver."""
+def _settle_groups(items: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    groups: list[list[dict[str, Any]]] = []
+    size = 0
+    for item in sorted(items, key=lambda i: (i["source_index"], i["file_offset"])):
+        if (
+            not groups
+            or groups[-1][0]["source_index"] != item["source_index"]
+            or size + item["weight"] > SETTLE_GROUP_BYTES
+        ):
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += item["weight"]
+    return groups
+
+
+def _settle(item: dict[str, Any], losers: dict[tuple[int, int], str]) -> dict[str, Any]:
+    """Every record of the unit gets its final fate (`losers`: by file index among
+    the source's files, and row); the kept rows (and their token counts) go to the
+    unit's kept file, the accounts to the driver."""
     docs = pq.read_table(item["docs"], columns=["file", "row", "location", "reason", "n_tokens"])
-    losers = losers_of_unit(
-        item["losers"], item["source_index"], item["file_offset"], item["n_files"]
-    )
+    offset = item["file_offset"]
     rejected = {r: {"count": 0, "examples": []} for r in REASONS}
     kept_rows, kept_tokens = [], []
     n_tokens = docs.column("n_tokens").to_numpy()
@@ -199,7 +253,7 @@ def _settle(item: dict[str, Any]) -> dict[str, Any]:
             strict=True,
         )
     ):
-        reason = reason or losers.get((f, r))
+        reason = reason or losers.get((offset + f, r))
         if reason is None:
             kept_rows.append(i)
             kept_tokens.append(int(n_tokens[i]))

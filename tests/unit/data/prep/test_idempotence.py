@@ -90,8 +90,8 @@ class CrashAfter(LocalExecutor):
     def __init__(self, n: int, stage: str = "unit_stage"):
         self.n, self.stage = n, stage
 
-    def map_items(self, items, stage, kwargs):
-        for i, table in enumerate(super().map_items(items, stage, kwargs)):
+    def map_items(self, items, stage, kwargs, **options):
+        for i, table in enumerate(super().map_items(items, stage, kwargs, **options)):
             if i == self.n and stage.__name__ == self.stage:
                 raise KeyboardInterrupt
             yield table
