@@ -9,18 +9,16 @@ real `trainlab.data.WorkerLoader`.
 from __future__ import annotations
 
 import copy
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from devtools.datasets import small_dataset
-from trainlab.config import ExperimentConfig, config_hash
-from trainlab.data import WorkerLoader, prepare_run_data
-from trainlab.plan import plan, resolve_layout
+from trainlab.config import ExperimentConfig
+from trainlab.data import WorkerLoader
 from trainlab.train.callbacks import RunContext
-from trainlab.train.job import TrainJob
+from trainlab.train.job import TrainJob, in_process_job
 
 TINY: dict[str, Any] = {
     "name": "unit",
@@ -78,22 +76,7 @@ def tiny_config(dataset: Path, **sections: Any) -> ExperimentConfig:
 
 def make_job(cfg: ExperimentConfig, run_dir: Path) -> TrainJob:
     """What the launcher would hand a worker, for driving the loop in one process."""
-    cfg = resolve_layout(cfg)
-    spec = prepare_run_data(cfg)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "checkpoints").mkdir(exist_ok=True)
-    return TrainJob(
-        cfg=cfg,
-        plan=plan(cfg).to_json(),
-        run_dir=str(run_dir),
-        config_hash=config_hash(cfg),
-        dataset_fingerprint=spec.fingerprint,
-        manifest_path=str(Path(spec.path) / "manifest.json"),
-        data_spec=spec,
-        sources=tuple(spec.sources),
-        session="test",
-        started_at=time.time(),
-    )
+    return in_process_job(cfg, run_dir, "test")
 
 
 def local_loader(job: TrainJob) -> WorkerLoader:

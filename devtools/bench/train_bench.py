@@ -146,32 +146,17 @@ def inprocess_trainer_tokens_per_s(cfg: ExperimentConfig, threads: int, run_dir:
     is trainlab's step overhead; against the Ray run, what Ray and the agent cost."""
     import torch
 
-    from trainlab.config import config_hash
-    from trainlab.data import WorkerLoader, prepare_run_data
-    from trainlab.plan import plan, resolve_layout
+    from trainlab.data import WorkerLoader
     from trainlab.train.distributed import DistEnv
-    from trainlab.train.job import TrainJob
+    from trainlab.train.job import in_process_job
     from trainlab.train.trainer import Trainer
 
     torch.set_num_threads(threads)
     cpu = time.process_time()
-    cfg = resolve_layout(cfg)
-    spec = prepare_run_data(cfg)
-    (run_dir / "logs").mkdir(parents=True)
-    (run_dir / "checkpoints").mkdir()
-    job = TrainJob(
-        cfg=cfg,
-        plan=plan(cfg).to_json(),
-        run_dir=str(run_dir),
-        config_hash=config_hash(cfg),
-        dataset_fingerprint=spec.fingerprint,
-        manifest_path=str(Path(spec.path) / "manifest.json"),
-        data_spec=spec,
-        sources=tuple(spec.sources),
-        session="bench",
-        started_at=time.time(),
+    job = in_process_job(cfg, run_dir, "bench")
+    summary = (
+        Trainer(job, WorkerLoader(job.data_spec, 0, 1, backend="local"), DistEnv()).fit() or {}
     )
-    summary = Trainer(job, WorkerLoader(spec, 0, 1, backend="local"), DistEnv()).fit() or {}
     return {
         "tokens_per_s_median": float(summary.get("tokens_per_s_median") or 0.0),
         "cpu_s": time.process_time() - cpu,

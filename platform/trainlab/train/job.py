@@ -46,3 +46,31 @@ class TrainJob:
     @property
     def logs_dir(self) -> Path:
         return self.run_path / "logs"
+
+
+def in_process_job(cfg: ExperimentConfig, run_dir: Path, session: str) -> TrainJob:
+    """What the launcher would hand a worker, for driving the training loop in one
+    process (tests, benchmarks): the layout resolved, the run's data prepared, the
+    run directory's logs/ and checkpoints/ made."""
+    import time
+
+    from trainlab.config import config_hash
+    from trainlab.data import prepare_run_data
+    from trainlab.plan import plan, resolve_layout
+
+    cfg = resolve_layout(cfg)
+    spec = prepare_run_data(cfg)
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    (run_dir / "checkpoints").mkdir(exist_ok=True)
+    return TrainJob(
+        cfg=cfg,
+        plan=plan(cfg).to_json(),
+        run_dir=str(run_dir),
+        config_hash=config_hash(cfg),
+        dataset_fingerprint=spec.fingerprint,
+        manifest_path=str(Path(spec.path) / "manifest.json"),
+        data_spec=spec,
+        sources=tuple(spec.sources),
+        session=session,
+        started_at=time.time(),
+    )

@@ -278,8 +278,8 @@ class P0Rules:
         rule = self.alerts.non_finite
         if signals.bad:
             return "non_finite" if rule.enabled and rule.severity == "P0" else None
-        fired = None
+        fired, metrics = None, signals.metrics()
         for r in self.rules:  # every rule sees every step, as the monitor's do
-            if r.observe(signals.step, signals.metrics(), 0.0) is not None and fired is None:
+            if r.observe(signals.step, metrics, 0.0) is not None and fired is None:
                 fired = r.name
         return fired
