@@ -284,7 +284,7 @@ def _bare_loop(config: dict[str, Any]) -> None:
 
     from trainlab.config.schema import ModelConfig
     from trainlab.models import build_model
-    from trainlab.train.logs import normal_priority
+    from trainlab.raycluster import normal_priority
 
     if not config.get("ray_defaults"):
         normal_priority()  # what trainlab's worker does: the same priority for both sides

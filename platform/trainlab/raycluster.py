@@ -17,6 +17,7 @@ lines and Ray's errors.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import re
@@ -300,3 +301,13 @@ def ensure_ray(
         if _routed_to is not None:  # a command asked for Ray's output in a file
             _apply_route(_routed_to)
     return ray.cluster_resources()
+
+
+def normal_priority() -> None:
+    """Ray runs its worker processes at nice 15 so its control plane stays responsive;
+    training (the agent and its training process) and prep's workers are the node's
+    main work, so they take back the normal priority when allowed. At nice 15 every nice-0 process on the node
+    (Ray's log monitor, GCS, a user's shell) preempts it almost entirely."""
+    with contextlib.suppress(OSError):  # lowering niceness needs CAP_SYS_NICE
+        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
+            os.setpriority(os.PRIO_PROCESS, 0, 0)

@@ -18,7 +18,8 @@ import time
 import traceback
 from typing import Any
 
-from trainlab.train.logs import flush_logs, normal_priority, setup_logging
+from trainlab.raycluster import normal_priority
+from trainlab.train.logs import flush_logs, setup_logging
 from trainlab.train.protocol import (
     ChildArgs,
     Done,

@@ -1,12 +1,10 @@
-"""Process setup shared by a Ray Train worker (the agent) and its training
-processes: trainlab's log handlers and the process priority; and, in the
-driver, which of the worker output Ray forwards reaches the terminal."""
+"""Logging shared by a Ray Train worker (the agent) and its training processes:
+trainlab's log handlers. The process priority (`normal_priority`) and the
+driver's routing of worker output (`route_worker_output`) are trainlab.raycluster's."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -39,13 +37,3 @@ def flush_logs() -> None:
     """Flush trainlab's handlers (before a hard exit of the process)."""
     for handler in logging.getLogger("trainlab").handlers:
         handler.flush()
-
-
-def normal_priority() -> None:
-    """Ray runs its worker processes at nice 15 so its control plane stays responsive;
-    training (the agent and its training process) is the node's main work, so it takes
-    back the normal priority when allowed. At nice 15 every nice-0 process on the node
-    (Ray's log monitor, GCS, a user's shell) preempts it almost entirely."""
-    with contextlib.suppress(OSError):  # lowering niceness needs CAP_SYS_NICE
-        if os.getpriority(os.PRIO_PROCESS, 0) > 0:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)

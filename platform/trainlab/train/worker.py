@@ -8,10 +8,11 @@ import os
 import uuid
 from typing import Any
 
+from trainlab.raycluster import normal_priority
 from trainlab.train.agent import Agent, free_port, start_fork_server
 from trainlab.train.callbacks import build_callbacks
 from trainlab.train.job import TrainJob
-from trainlab.train.logs import normal_priority, setup_logging
+from trainlab.train.logs import setup_logging
 
 
 class RayRendezvous:

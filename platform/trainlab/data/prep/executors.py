@@ -133,6 +133,9 @@ def timed(stage: Callable) -> Callable:
     and dropped by `Received`)."""
 
     def run(batch: pa.Table, **kwargs: Any) -> pa.Table:
+        from trainlab.raycluster import normal_priority
+
+        normal_priority()  # prep is the node's work, as training is (not Ray's nice 15)
         start = time.time()
         out = stage(batch, **kwargs)
         span = json.dumps([f"{_node_short()}:{os.getpid()}", start, time.time()])
