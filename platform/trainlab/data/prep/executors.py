@@ -7,6 +7,11 @@ token columns) among them, which the stages never send (0; `make bench` and the
 tests check it). The local executor runs the very same functions without Ray;
 it serves tiny inputs and tests.
 
+A stage of real work can also be *pulled* (`blocks="pull"`): one long task per
+worker walks the items heaviest first and claims each one (an exclusive file
+create) before running it, so no worker waits between items for the scheduler
+and the stage ends within one item of its last worker.
+
 It also keeps where the workers' time went (`Received.busy`): each stage's
 summary rows carry the wall seconds the worker spent on them and which worker
 (process) it was, so the driver can tell busy workers from idle ones without
@@ -18,6 +23,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -137,13 +144,51 @@ def timed(stage: Callable) -> Callable:
 
         normal_priority()  # prep is the node's work, as training is (not Ray's nice 15)
         start = time.time()
-        out = stage(batch, **kwargs)
-        span = json.dumps([f"{_node_short()}:{os.getpid()}", start, time.time()])
-        cells = [span] + [None] * (out.num_rows - 1) if out.num_rows else []
-        return out.append_column(BUSY_COLUMN, pa.array(cells, pa.string()))
+        return _with_span(stage(batch, **kwargs), start)
 
     run.__name__ = _stage_name(stage)
     return run
+
+
+def _with_span(out: pa.Table, start: float) -> pa.Table:
+    span = json.dumps([f"{_node_short()}:{os.getpid()}", start, time.time()])
+    cells = [span] + [None] * (out.num_rows - 1) if out.num_rows else []
+    return out.append_column(BUSY_COLUMN, pa.array(cells, pa.string()))
+
+
+PULL_COLUMN = "_item"  # which item a pulled output row answers (read and dropped)
+
+
+def pulled(stage: Callable) -> Callable:
+    """`stage` as the body of a pull task (`blocks="pull"`): walk the listed items
+    (`listing`: [position, item] pairs, heaviest first), claim each one by creating
+    `claims/<position>` exclusively, run the stage on it, and yield its output at
+    once, tagged with the position. Every task walks the same list, so the items
+    spread over the workers as they free up. An item whose claimer died unreported
+    is redone by the driver (`RayDataExecutor.map_items`)."""
+
+    def run(batch: pa.Table, listing: ByRef, claims: str, **kwargs: Any) -> Iterator[pa.Table]:
+        from trainlab.raycluster import normal_priority
+
+        normal_priority()
+        del batch  # one row per task, naming nothing: the work is in `listing`
+        for position, item in json.loads(listing.get()):  # type: ignore[arg-type]
+            if not _claim(os.path.join(claims, str(position))):
+                continue
+            start = time.time()
+            out = _with_span(stage(items_table([item]), **kwargs), start)
+            yield out.append_column(PULL_COLUMN, pa.array([position] * out.num_rows, pa.int64()))
+
+    run.__name__ = _stage_name(stage)
+    return run
+
+
+def _claim(path: str) -> bool:
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    return True
 
 
 def _node_short() -> str:
@@ -174,9 +219,11 @@ class LocalExecutor:
         stage: type | Callable,
         kwargs: dict[str, Any],
         blocks: str = "guided",
+        scratch: str | None = None,
     ) -> Iterable[pa.Table]:
         """`stage`: a class (built once with `kwargs`, called per batch) or a function
-        (called as `stage(batch, **kwargs)`). `blocks` is ignored: one item at a time."""
+        (called as `stage(batch, **kwargs)`). `blocks` and `scratch` are ignored: one
+        item at a time."""
         fn = stage(**kwargs) if isinstance(stage, type) else None
         for item in items:
             batch = items_table([item])
@@ -215,7 +262,6 @@ class RayDataExecutor:
         from trainlab.raycluster import ensure_ray
 
         resources = ensure_ray()
-        _quiet_ray_data_console()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         # One node is this machine (the embedded cluster advertises more logical CPUs
         # than it has cores); on a real cluster the logical CPUs are the cores.
@@ -224,6 +270,11 @@ class RayDataExecutor:
         self.parallelism = self.plan.stage_actors
         self.tokenizer_threads = self.plan.tokenizer_threads
         self.received = Received()
+        # The workers start (and import what every stage needs) while this process
+        # imports Ray Data and plans the work, not after.
+        warm = ray.remote(num_cpus=1)(_warm_up)
+        self._warming = [warm.remote() for _ in range(self.plan.stage_actors)]
+        _quiet_ray_data_console()
         log.info("prep resources: %s", self.plan)
 
     def map_items(
@@ -232,31 +283,87 @@ class RayDataExecutor:
         stage: type | Callable,
         kwargs: dict[str, Any],
         blocks: str = "guided",
+        scratch: str | None = None,
     ) -> Iterator[pa.Table]:
         """A class runs in a fixed pool of actors (built once each), a function in
         at most `stage_actors` concurrent tasks. Results stream back as they
         finish; what the workers write goes straight to storage.
 
-        Each task runs one batch of items (Ray Data notices a finished task within
-        0.1 s, so a task per cheap item would leave workers idle between them):
-        `blocks="guided"` (`guided_blocks`) for items of real work, `"even"`
-        (`even_blocks`: one batch per worker) for cheap ones."""
-        import ray.data
+        A function's items are cut into batches, a task each: `blocks="guided"`
+        (`guided_blocks`) for items of real work, `"even"` (`even_blocks`: one
+        batch per worker) for cheap ones. Ray Data notices a finished task only at
+        its next 0.1 s poll, so every batch boundary leaves its worker idle ~0.15 s;
+        `"pull"` (`pulled`) avoids them: one task per worker, claiming items under
+        `scratch` (a directory every worker can write: the output directory)."""
+        import ray
 
         if not items:
             return
+        if self._warming:
+            ray.get(self._warming)  # else Ray would start more workers beside them
+            self._warming = []
+        if blocks == "pull" and not isinstance(stage, type):
+            if scratch is None:
+                raise ValueError("blocks='pull' needs a scratch directory for its claims")
+            yield from self._pull(items, stage, kwargs, scratch)
+            return
         workers = self.plan.stage_actors
         batches = even_blocks(items, workers) if blocks == "even" else guided_blocks(items, workers)
-        ds = ray.data.from_items(
-            [{"item": json.dumps(b)} for b in batches], override_num_blocks=len(batches)
+        ds = self._dataset([json.dumps(b) for b in batches])
+        kwargs = _by_ref(kwargs)
+        workers = min(workers, len(batches))
+        fn = stage if isinstance(stage, type) else timed(stage)
+        ds = self._map(ds, fn, kwargs, workers)
+        for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+            yield self.received.count(_stage_name(stage), table)
+
+    def _pull(
+        self, items: list[dict[str, Any]], stage: Callable, kwargs: dict[str, Any], scratch: str
+    ) -> Iterator[pa.Table]:
+        import ray
+
+        order = sorted(range(len(items)), key=lambda i: -float(items[i].get("weight", 1)))
+        listing = ByRef(ray.put(json.dumps([[i, items[i]] for i in order])))
+        claims = tempfile.mkdtemp(prefix=f"claims-{_stage_name(stage)}-", dir=scratch)
+        workers = min(self.plan.stage_actors, len(items))
+        ds = self._dataset([str(j) for j in range(workers)])
+        # Each item's output leaves its task as its own block, at once (Ray Data would
+        # otherwise gather a task's outputs up to its block size first).
+        ds.context.target_max_block_size = 1
+        ds = self._map(
+            ds, pulled(stage), {**_by_ref(kwargs), "listing": listing, "claims": claims}, workers
         )
+        reported: set[int] = set()
+        try:
+            for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
+                reported.update(table.column(PULL_COLUMN).to_pylist())
+                yield self.received.count(_stage_name(stage), table.drop_columns([PULL_COLUMN]))
+        finally:
+            shutil.rmtree(claims, ignore_errors=True)
+        lost = [items[i] for i in range(len(items)) if i not in reported]
+        if lost:
+            # A task that died (its worker or node lost) left claimed items unreported;
+            # a retried task skips them. Their results, written atomically, may exist:
+            # redoing an item gives the same bytes.
+            log.warning("%d item(s) of %s unreported: running them again", len(lost), stage)
+            yield from self.map_items(lost, stage, kwargs, blocks="guided")
+
+    def _dataset(self, batches: list[str]) -> Any:
+        import ray.data
+
+        ds = ray.data.from_items([{"item": b} for b in batches], override_num_blocks=len(batches))
         ds.context.execution_options.preserve_order = False
         ds.context.enable_progress_bars = False
         _task_slots_only(ds.context)
-        kwargs = _by_ref(kwargs)
-        workers = min(workers, len(batches))
+        return ds
+
+    @staticmethod
+    def _map(ds: Any, stage: type | Callable, kwargs: dict[str, Any], workers: int) -> Any:
+        """`stage`: a class (an actor pool) or a task function (`timed`, `pulled`)."""
+        import ray.data
+
         if isinstance(stage, type):
-            ds = ds.map_batches(
+            return ds.map_batches(
                 stage,
                 fn_constructor_kwargs=kwargs,
                 batch_size=None,
@@ -264,17 +371,27 @@ class RayDataExecutor:
                 num_cpus=1,
                 compute=ray.data.ActorPoolStrategy(size=workers),
             )
-        else:
-            ds = ds.map_batches(
-                timed(stage),
-                fn_kwargs=kwargs,
-                batch_size=None,
-                batch_format="pyarrow",
-                num_cpus=1,
-                compute=ray.data.TaskPoolStrategy(size=workers),
-            )
-        for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
-            yield self.received.count(_stage_name(stage), table)
+        return ds.map_batches(
+            stage,
+            fn_kwargs=kwargs,
+            batch_size=None,
+            batch_format="pyarrow",
+            num_cpus=1,
+            compute=ray.data.TaskPoolStrategy(size=workers),
+        )
+
+
+def _warm_up() -> int:
+    """Run once in each worker as the prep starts: what every stage's task imports."""
+    from trainlab.raycluster import normal_priority
+
+    normal_priority()
+    import ray.data  # noqa: F401 - Ray Data's task code (~1.5 s)
+    import tokenizers  # noqa: F401
+
+    import trainlab.data.prep.stages  # noqa: F401
+
+    return os.getpid()
 
 
 def _task_slots_only(context: Any) -> None:

@@ -102,6 +102,7 @@ class Executor(Protocol):
         stage: type | Callable,
         kwargs: dict[str, Any],
         blocks: str = "guided",
+        scratch: str | None = None,
     ) -> Iterable[pa.Table]: ...
 
 
@@ -441,7 +442,9 @@ def _tokenize_and_write(
     if progress:
         progress("tokenize", done, total)
     nodes: set[str] = set()
-    for table in ex.map_items(items, unit_stage, stage_kwargs):
+    for table in ex.map_items(
+        items, unit_stage, stage_kwargs, blocks="pull", scratch=str(work.run_dir)
+    ):
         for row in table.to_pylist():
             nodes.add(row["node"])
             done += units[row["index"]].nbytes

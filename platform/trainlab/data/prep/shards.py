@@ -87,13 +87,26 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _canonical(table: pa.Table) -> pa.Table:
+    """The token lists' item field named "element", as Parquet names it on reading:
+    the Arrow schema stored in a shard's footer never depends on which format the
+    rows passed through on their way here."""
+    i = table.schema.get_field_index("tokens")
+    value = table.schema.field(i).type.value_field
+    if value.name == "element":
+        return table
+    return table.set_column(
+        i, "tokens", table.column(i).cast(pa.list_(value.with_name("element")))
+    )
+
+
 def write_shard(path: Path, table: pa.Table) -> str:
     """Write one zstd Parquet shard atomically; return its sha256."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     # One chunk per column, so page boundaries (and so the bytes) never depend on
     # how the rows were batched on their way here.
-    pq.write_table(table.combine_chunks(), tmp, compression="zstd")
+    pq.write_table(_canonical(table).combine_chunks(), tmp, compression="zstd")
     digest = sha256_file(tmp)
     os.replace(tmp, path)
     return digest

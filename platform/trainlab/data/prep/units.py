@@ -41,6 +41,7 @@ CLEANED_SCHEMA = pa.schema(
         ("cpu_read_clean", pa.float64()),
     ]
 )
+_CLEANED_NO_TEXT = CLEANED_SCHEMA.remove(CLEANED_SCHEMA.get_field_index("text"))
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,16 @@ def _unit(
 
 def read_clean_unit(unit: WorkUnit) -> pa.Table:
     """Every raw record of the unit's files, cleaned and hashed, in file order."""
+    table, texts = read_clean(unit)
+    return table.add_column(
+        CLEANED_SCHEMA.get_field_index("text"), "text", pa.array(texts, pa.large_string())
+    )
+
+
+def read_clean(unit: WorkUnit) -> tuple[pa.Table, list[str | None]]:
+    """`read_clean_unit` without its text column, and the texts as a list beside it:
+    the tokenizer takes Python strings, so the unit stage keeps them as such (a
+    round trip through Arrow costs ~1 CPU-second per 100 MB of text)."""
     cpu_start = time.process_time()
     settings = CleaningSettings(min_chars=unit.min_chars, max_chars=unit.max_chars)
     files, rows, locations, doc_ids, texts, reasons = [], [], [], [], [], []
@@ -161,7 +172,7 @@ def read_clean_unit(unit: WorkUnit) -> pa.Table:
             texts.append(text)
             reasons.append(reason)
     n = len(locations)
-    return pa.table(
+    table = pa.table(
         [
             pa.array([unit.index] * n, pa.int64()),
             pa.array([unit.source] * n),
@@ -169,12 +180,12 @@ def read_clean_unit(unit: WorkUnit) -> pa.Table:
             pa.array(rows, pa.int64()),
             pa.array(locations, pa.string()),
             pa.array(doc_ids, pa.string()),
-            pa.array(texts, pa.large_string()),
             pa.array(reasons, pa.string()),
             _first_row(time.process_time() - cpu_start, n),
         ],
-        schema=CLEANED_SCHEMA,
+        schema=_CLEANED_NO_TEXT,
     )
+    return table, texts
 
 
 def _first_row(value: float, n: int) -> pa.Array:
@@ -251,12 +262,15 @@ class TokenizeStage:
         self.dtype = np.dtype(dtype)
         self.exact = exact
 
-    def __call__(self, table: pa.Table) -> pa.Table:
+    def __call__(self, table: pa.Table, texts: list[str | None] | None = None) -> pa.Table:
+        """`texts`: the table's text column as a list, when the caller has it
+        (`units.read_clean`); else it is read from the table."""
         cpu_start = time.process_time()
         reasons = table.column("reason").to_pylist()
         doc_ids = table.column("doc_id").to_pylist()
         todo = _first_copies(doc_ids, reasons, self.exact)
-        texts = table.column("text").to_pylist()
+        if texts is None:
+            texts = table.column("text").to_pylist()
         encodings = self.tokenizer.encode_batch_fast(
             [texts[i] for i in todo], add_special_tokens=False
         )

@@ -1,7 +1,7 @@
 """The work directory of an unfinished prep: `DIR/.prep-work/`.
 
     units/KEY.keys.parquet   a unit's dedup keys          (recorded, reusable)
-    units/KEY.docs.parquet   its documents, tokenized     (written last: marks it done)
+    units/KEY.docs.arrow     its documents, tokenized     (written last: marks it done)
     run/losers-J.parquet     dedup partition J's losers   (this run only)
     run/kept-I.parquet       unit I's kept rows           (this run only)
     run/sample-I.parquet     unit I's tokenizer sample    (this run only)
@@ -27,7 +27,7 @@ from typing import Any
 from trainlab.data.prep.units import WorkUnit
 
 WORK_DIR = ".prep-work"
-WORK_FORMAT_VERSION = 1
+WORK_FORMAT_VERSION = 2  # 2: documents as Arrow IPC (were Parquet)
 
 
 class WorkDir:
@@ -64,7 +64,7 @@ class WorkDir:
         return key
 
     def docs(self, key: str) -> Path:
-        return self.units_dir / f"{key}.docs.parquet"
+        return self.units_dir / f"{key}.docs.arrow"
 
     def keys(self, key: str) -> Path:
         return self.units_dir / f"{key}.keys.parquet"

@@ -163,13 +163,13 @@ def test_process_killed_at_half_its_units_resumes_them(tmp_path):
     )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        if len(list(recorded.glob("*.docs.parquet"))) >= total // 2:
+        if len(list(recorded.glob("*.docs.arrow"))) >= total // 2:
             break
         time.sleep(0.002)
     assert proc.poll() is None, "prep finished before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    done = len(list(recorded.glob("*.docs.parquet")))
+    done = len(list(recorded.glob("*.docs.arrow")))
     assert total // 2 <= done < total
     assert not (out / "manifest.json").exists()
 
@@ -193,7 +193,7 @@ def test_a_changed_input_invalidates_only_its_units(tmp_path):
         run_prep(
             sources, out, tokenizer=tokenizer, executor=CrashAfter(0, "reduce_stage"), unit_bytes=1
         )
-    units = sorted((out / ".prep-work" / "units").glob("*.docs.parquet"))
+    units = sorted((out / ".prep-work" / "units").glob("*.docs.arrow"))
     (tmp_path / "raw/tool.py").write_text("print('a different tool')\n")
     result = run_prep(sources, out, tokenizer=tokenizer, executor="local", unit_bytes=1)
     assert result.units_reused == result.units_total - 1 == len(units) - 1
