@@ -116,8 +116,8 @@ def bench_prep() -> list[BenchResult]:
         ),
         "corpus_build_s": round(build_s, 1),
         # The machine is shared: its 1-minute load before the baseline and after the
-        # last timed call (2 cores: above ~2.5, others' processes took CPU, and Ray's
-        # workers run at nice 15 while the baseline runs at 0, so load does not slow both alike).
+        # last timed call (2 cores: above ~2.5, others' processes took CPU; prep's
+        # workers and the baseline both run at nice 0, but load need not hit both alike).
         "load_avg_1m (before, after)": [round(load_before, 2), round(os.getloadavg()[0], 2)],
     }
     itemsize = 2 if result["tokenizer"]["dtype"] == "uint16" else 4

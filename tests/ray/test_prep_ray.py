@@ -107,3 +107,36 @@ def test_resource_plan_leaves_room_on_small_clusters():
     assert plan_ray_resources(8, 2).stage_actors == 2  # embedded cluster on 2 cores
     assert plan_ray_resources(2, 2).stage_actors == 1  # a num_cpus=2 cluster: no starvation
     assert plan_ray_resources(64, 64).stage_actors == 63
+
+
+def test_pulled_items_of_a_killed_worker_are_run_again(ray_cluster, tmp_path):
+    """A pulled stage (one task per worker claiming items) whose worker process dies
+    in the middle of an item: every item is still answered, and the claims are
+    swept."""
+    marker = tmp_path / "killed"
+
+    def stage(batch, marker):  # defined here: Ray ships it by value
+        import json
+        import os
+        import time
+
+        import pyarrow as pa
+
+        items = [i for s in batch.column("item").to_pylist() for i in json.loads(s)]
+        if items[0]["index"] == 3 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(1)  # the worker process dies, claim held, nothing reported
+        time.sleep(0.05)
+        return pa.table({"index": [i["index"] for i in items]})
+
+    items = [{"index": i, "weight": 10 - i} for i in range(10)]
+    answered = [
+        i
+        for table in RayDataExecutor().map_items(
+            items, stage, {"marker": str(marker)}, blocks="pull", scratch=str(tmp_path)
+        )
+        for i in table.column("index").to_pylist()
+    ]
+    assert marker.exists()
+    assert sorted(set(answered)) == list(range(10))
+    assert not list(tmp_path.glob("claims-*"))
