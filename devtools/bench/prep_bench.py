@@ -4,7 +4,8 @@ on the >= 100 MB variant of the demo corpus, in tokens/s.
 Baseline, measured in the same run over the same (kept, cleaned) texts: one
 process calling `tokenizers` `encode_batch_fast` (the call prep's actors make,
 trainlab.data.prep.units) with its own thread pool, which is the tokenization
-limit of this machine. Half of it runs before prep and half after. The slower
+limit of this machine, cut in slices run before, between and after three prep
+runs (the median run counts). The slower
 `encode_batch` (offsets computed too), the headline baseline before, is kept in
 the notes on a quarter of the batches. The prep time excludes starting Ray and
 training the tokenizer (both reported in notes). Where the time goes: CPU
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -39,9 +41,12 @@ from devtools.bench import BenchResult
 BENCH_DIR = Path("data/bench")
 CORPUS_MB = 110  # code domain cap; with docs and pkgdocs the corpus is ~115 MB
 BASELINE_BATCH = 256
+PREP_SAMPLES = 3  # full-corpus prep runs; the median counts
 
 
 def bench_prep() -> list[BenchResult]:
+    from tokenizers import Tokenizer
+
     from devtools.demo_corpus import DEMO_SOURCES, build_demo_corpus
     from trainlab.raycluster import ensure_ray
 
@@ -62,24 +67,38 @@ def bench_prep() -> list[BenchResult]:
     train_s = time.perf_counter() - t
     batches = [texts[i : i + BASELINE_BATCH] for i in range(0, len(texts), BASELINE_BATCH)]
 
-    # The machine is shared: half of the baseline runs before prep and half after,
-    # so a change in load hits both sides alike.
+    # The machine is shared and drifts: prep runs PREP_SAMPLES times (the median
+    # counts), interleaved with the baseline cut in PREP_SAMPLES + 1 slices, so a
+    # change in load hits both sides alike.
     load_before = os.getloadavg()[0]
-    cpu = time.process_time()
-    first_s, first_tokens = _encode_seconds(tokenizer, batches[0::2], fast=True)
-    baseline_cpu_s = time.process_time() - cpu
-    quarter = _prep_process(quarter_sources, BENCH_DIR / "prepared-quarter", tokenizer)
-    t = time.perf_counter()
-    result = _prep_process(sources, BENCH_DIR / "prepared", tokenizer)
-    wall_s, driver_cpu_s = time.perf_counter() - t, result["driver_cpu_s"]
-    cpu = time.process_time()
-    second_s, second_tokens = _encode_seconds(tokenizer, batches[1::2], fast=True)
-    baseline_cpu_s += time.process_time() - cpu
-    slow_s, slow_tokens = _encode_seconds(tokenizer, batches[0::4])
-    baseline_s, baseline_tokens = first_s + second_s, first_tokens + second_tokens
+    slices = PREP_SAMPLES + 1
+    baseline_s = baseline_cpu_s = 0.0
+    baseline_tokens = 0
+    baseline_tokenizer = Tokenizer.from_file(str(tokenizer))
 
+    def baseline_slice(k: int) -> None:
+        nonlocal baseline_s, baseline_cpu_s, baseline_tokens
+        cpu = time.process_time()
+        seconds, n = _encode_seconds(baseline_tokenizer, batches[k::slices], fast=True)
+        baseline_cpu_s += time.process_time() - cpu
+        baseline_s += seconds
+        baseline_tokens += n
+
+    baseline_slice(0)
+    quarter = _prep_process(quarter_sources, BENCH_DIR / "prepared-quarter", tokenizer)
+    runs = []
+    for k in range(1, slices):
+        t = time.perf_counter()
+        run = _prep_process(sources, BENCH_DIR / "prepared", tokenizer)
+        run["wall_s"] = time.perf_counter() - t
+        phases = run["timings"]
+        run["prep_s"] = phases["check"] + phases["tokenize_write"] + phases["finish"]
+        runs.append(run)
+        baseline_slice(k)
+    slow_s, slow_tokens = _encode_seconds(tokenizer, batches[0::4])
+    result = sorted(runs, key=lambda r: r["prep_s"])[len(runs) // 2]  # the median run
+    wall_s, driver_cpu_s, prep_s = result["wall_s"], result["driver_cpu_s"], result["prep_s"]
     phases = result["timings"]
-    prep_s = phases["check"] + phases["tokenize_write"] + phases["finish"]
     tokens = sum(s["tokens"] for s in result["sources"].values())
     quarter_tokens = sum(s["tokens"] for s in quarter["sources"].values())
     assert baseline_tokens == tokens, (baseline_tokens, tokens)
@@ -87,7 +106,11 @@ def bench_prep() -> list[BenchResult]:
         "corpus_mb": round(sum(s["bytes"] for s in stats.values()) / 2**20, 1),
         "docs_out": len(texts),
         "tokens": tokens,
-        "prep_s (read+clean+dedup+tokenize+write)": round(prep_s, 1),
+        "prep_s (read+clean+dedup+tokenize+write; the median run)": round(prep_s, 1),
+        "prep_s_samples (interleaved with the baseline's slices)": [
+            round(r["prep_s"], 1) for r in runs
+        ],
+        "ratio_samples": [round(baseline_s / r["prep_s"], 3) for r in runs],
         "prep_wall_s (the prep process; Ray already up, its own connect included)": round(
             wall_s, 1
         ),
@@ -225,14 +248,16 @@ def _kept_texts(sources: Path) -> list[str]:
 
 
 def _encode_seconds(
-    tokenizer_path: Path, batches: list[list[str]], fast: bool = False
+    tokenizer: Path | Any, batches: list[list[str]], fast: bool = False
 ) -> tuple[float, int]:
     """Seconds for single-process `encode_batch` (`encode_batch_fast` with `fast`: no
-    offsets; its own thread pool) over `batches`;
-    tokens counted with one EOS per document, as prep counts them."""
+    offsets; its own thread pool) over `batches`, with the tokenizer at `tokenizer`
+    (a file, or a loaded `tokenizers.Tokenizer` kept across calls, its cache warm as
+    prep's workers keep theirs); tokens counted with one EOS per document, as prep
+    counts them."""
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(tokenizer_path))
+    tok = Tokenizer.from_file(str(tokenizer)) if isinstance(tokenizer, Path) else tokenizer
     encode = tok.encode_batch_fast if fast else tok.encode_batch
     tokens = 0
     t = time.perf_counter()
