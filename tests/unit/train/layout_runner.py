@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +63,13 @@ def _worker(rank: int, world: int, port: int, job: Any, out: str, stop_at: int |
         Path(out).write_text(json.dumps(summary))
     if world > 1:
         dist.destroy_process_group()
+        # A spawned process ends as trainlab's training processes do (train/child.py):
+        # without the interpreter's exit, where gloo threads still alive in objects it
+        # tears down can call std::terminate (seen once in CI: SIGABRT after a
+        # completed tensor-parallel run, "terminate called without an active exception").
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def run_layout(
