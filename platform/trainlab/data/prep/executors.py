@@ -362,22 +362,16 @@ class RayDataExecutor:
         """`stage`: a class (an actor pool) or a task function (`timed`, `pulled`)."""
         import ray.data
 
-        if isinstance(stage, type):
-            return ds.map_batches(
-                stage,
-                fn_constructor_kwargs=kwargs,
-                batch_size=None,
-                batch_format="pyarrow",
-                num_cpus=1,
-                compute=ray.data.ActorPoolStrategy(size=workers),
-            )
+        pool = isinstance(stage, type)
         return ds.map_batches(
             stage,
-            fn_kwargs=kwargs,
             batch_size=None,
             batch_format="pyarrow",
             num_cpus=1,
-            compute=ray.data.TaskPoolStrategy(size=workers),
+            compute=(ray.data.ActorPoolStrategy if pool else ray.data.TaskPoolStrategy)(
+                size=workers
+            ),
+            **{"fn_constructor_kwargs" if pool else "fn_kwargs": kwargs},
         )
 
 
