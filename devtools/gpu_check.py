@@ -534,26 +534,16 @@ def experiment_raw(
 
 
 def make_job(raw: dict[str, Any], run_dir: Path, session: str) -> Any:
-    """What the launcher would hand a worker (no prepared dataset: nothing in the
-    trainer reads `data_spec`; the synthetic stream is its own data)."""
-    from trainlab.config import ExperimentConfig, config_hash
-    from trainlab.plan import plan, resolve_layout
-    from trainlab.train.job import TrainJob
+    """What the launcher would hand a worker, fed by the synthetic stream (no
+    prepared dataset)."""
+    from trainlab.config import ExperimentConfig
+    from trainlab.train.job import in_process_job
 
-    cfg = resolve_layout(ExperimentConfig.model_validate(raw))
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "checkpoints").mkdir(exist_ok=True)
-    return TrainJob(
-        cfg=cfg,
-        plan=plan(cfg).to_json(),
-        run_dir=str(run_dir),
-        config_hash=config_hash(cfg),
-        dataset_fingerprint="synthetic",
-        manifest_path="",
-        data_spec=None,
-        sources=(SyntheticLoader.SOURCE,),
-        session=session,
-        started_at=time.time(),
+    return in_process_job(
+        ExperimentConfig.model_validate(raw),
+        run_dir,
+        session,
+        synthetic_source=SyntheticLoader.SOURCE,
     )
 
 

@@ -48,18 +48,25 @@ class TrainJob:
         return self.run_path / "logs"
 
 
-def in_process_job(cfg: ExperimentConfig, run_dir: Path, session: str) -> TrainJob:
+def in_process_job(
+    cfg: ExperimentConfig, run_dir: Path, session: str, *, synthetic_source: str | None = None
+) -> TrainJob:
     """What the launcher would hand a worker, for driving the training loop in one
-    process (tests, benchmarks): the layout resolved, the run's data prepared, the
-    run directory's logs/ and checkpoints/ made."""
+    process (tests, benchmarks, the GPU check): the layout resolved, the run's data
+    prepared (or, with `synthetic_source`, none: the caller feeds a synthetic stream
+    of that name, and nothing in the trainer reads `data_spec`), the run
+    directory's logs/ and checkpoints/ made."""
     import time
 
     from trainlab.config import config_hash
-    from trainlab.data import prepare_run_data
     from trainlab.plan import plan, resolve_layout
 
     cfg = resolve_layout(cfg)
-    spec = prepare_run_data(cfg)
+    spec = None
+    if synthetic_source is None:
+        from trainlab.data import prepare_run_data
+
+        spec = prepare_run_data(cfg)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     (run_dir / "checkpoints").mkdir(exist_ok=True)
     return TrainJob(
@@ -67,10 +74,10 @@ def in_process_job(cfg: ExperimentConfig, run_dir: Path, session: str) -> TrainJ
         plan=plan(cfg).to_json(),
         run_dir=str(run_dir),
         config_hash=config_hash(cfg),
-        dataset_fingerprint=spec.fingerprint,
-        manifest_path=str(Path(spec.path) / "manifest.json"),
+        dataset_fingerprint=spec.fingerprint if spec else "synthetic",
+        manifest_path=str(Path(spec.path) / "manifest.json") if spec else "",
         data_spec=spec,
-        sources=tuple(spec.sources),
+        sources=tuple(spec.sources) if spec else (synthetic_source,),
         session=session,
         started_at=time.time(),
     )

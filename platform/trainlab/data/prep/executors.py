@@ -197,7 +197,7 @@ def _node_short() -> str:
     return ray.get_runtime_context().get_node_id()[:12] if ray.is_initialized() else "local"
 
 
-def _stage_name(stage: type | Callable) -> str:
+def _stage_name(stage: Callable) -> str:
     return getattr(stage, "__name__", type(stage).__name__)
 
 
@@ -216,19 +216,16 @@ class LocalExecutor:
     def map_items(
         self,
         items: list[dict[str, Any]],
-        stage: type | Callable,
+        stage: Callable,
         kwargs: dict[str, Any],
         blocks: str = "guided",
         scratch: str | None = None,
     ) -> Iterable[pa.Table]:
-        """`stage`: a class (built once with `kwargs`, called per batch) or a function
-        (called as `stage(batch, **kwargs)`). `blocks` and `scratch` are ignored: one
+        """`stage(batch, **kwargs)` per item. `blocks` and `scratch` are ignored: one
         item at a time."""
-        fn = stage(**kwargs) if isinstance(stage, type) else None
         for item in items:
-            batch = items_table([item])
             start = time.time()
-            out = fn(batch) if fn is not None else stage(batch, **kwargs)
+            out = stage(items_table([item]), **kwargs)
             self.received.busy.setdefault(_stage_name(stage), []).append(
                 ("local", start, time.time())
             )
@@ -280,16 +277,16 @@ class RayDataExecutor:
     def map_items(
         self,
         items: list[dict[str, Any]],
-        stage: type | Callable,
+        stage: Callable,
         kwargs: dict[str, Any],
         blocks: str = "guided",
         scratch: str | None = None,
     ) -> Iterator[pa.Table]:
-        """A class runs in a fixed pool of actors (built once each), a function in
-        at most `stage_actors` concurrent tasks. Results stream back as they
-        finish; what the workers write goes straight to storage.
+        """`stage(batch, **kwargs)` in at most `stage_actors` concurrent tasks.
+        Results stream back as they finish; what the workers write goes straight
+        to storage.
 
-        A function's items are cut into batches, a task each: `blocks="guided"`
+        The items are cut into batches, a task each: `blocks="guided"`
         (`guided_blocks`) for items of real work, `"even"` (`even_blocks`: one
         batch per worker) for cheap ones. Ray Data notices a finished task only at
         its next 0.1 s poll, so every batch boundary leaves its worker idle ~0.15 s;
@@ -302,7 +299,7 @@ class RayDataExecutor:
         if self._warming:
             ray.get(self._warming)  # else Ray would start more workers beside them
             self._warming = []
-        if blocks == "pull" and not isinstance(stage, type):
+        if blocks == "pull":
             if scratch is None:
                 raise ValueError("blocks='pull' needs a scratch directory for its claims")
             yield from self._pull(items, stage, kwargs, scratch)
@@ -312,8 +309,7 @@ class RayDataExecutor:
         ds = self._dataset([json.dumps(b) for b in batches])
         kwargs = _by_ref(kwargs)
         workers = min(workers, len(batches))
-        fn = stage if isinstance(stage, type) else timed(stage)
-        ds = self._map(ds, fn, kwargs, workers)
+        ds = self._map(ds, timed(stage), kwargs, workers)
         for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             yield self.received.count(_stage_name(stage), table)
 
@@ -358,20 +354,17 @@ class RayDataExecutor:
         return ds
 
     @staticmethod
-    def _map(ds: Any, stage: type | Callable, kwargs: dict[str, Any], workers: int) -> Any:
-        """`stage`: a class (an actor pool) or a task function (`timed`, `pulled`)."""
+    def _map(ds: Any, fn: Callable, kwargs: dict[str, Any], workers: int) -> Any:
+        """`fn` (`timed`, `pulled`) over the dataset's batches, `workers` tasks at most."""
         import ray.data
 
-        pool = isinstance(stage, type)
         return ds.map_batches(
-            stage,
+            fn,
+            fn_kwargs=kwargs,
             batch_size=None,
             batch_format="pyarrow",
             num_cpus=1,
-            compute=(ray.data.ActorPoolStrategy if pool else ray.data.TaskPoolStrategy)(
-                size=workers
-            ),
-            **{"fn_constructor_kwargs" if pool else "fn_kwargs": kwargs},
+            compute=ray.data.TaskPoolStrategy(size=workers),
         )
 
 

@@ -99,7 +99,7 @@ class Executor(Protocol):
     def map_items(
         self,
         items: list[dict[str, Any]],
-        stage: type | Callable,
+        stage: Callable,
         kwargs: dict[str, Any],
         blocks: str = "guided",
         scratch: str | None = None,

@@ -132,9 +132,6 @@ class UnitStage:
         exact: bool,
         near: dict,
     ):
-        from trainlab.raycluster import normal_priority
-
-        normal_priority()  # prep is the node's work, as training is (not Ray's nice 15)
         self.tokenize = TokenizeStage(tokenizer_json, eos_id, dtype, threads, exact)
         self.exact = exact
         self.near = NearDedupSettings.model_validate(near)

@@ -217,9 +217,9 @@ def sample_texts(table: pa.Table, fraction: float) -> pa.Table:
 
 
 class ByRef:
-    """A large stage argument passed through Ray's object store: the actor fetches it
-    in its constructor (a top-level argument that large would be copied into every
-    actor's creation task instead)."""
+    """A large stage argument passed through Ray's object store: a task fetches it
+    when it needs it (an argument that large would be copied into every task's
+    specification instead)."""
 
     def __init__(self, ref: object):
         self.refs = [ref]  # nested in a list, so Ray hands the ref over unresolved
@@ -237,12 +237,11 @@ def resolve(value: object) -> object:
 class TokenizeStage:
     """Tokenize the kept documents of a unit's table; EOS appended to each.
 
-    A Ray Data actor (the tokenizer is built once per actor) or a plain callable.
-    With `exact` dedup, later copies of a document within the same table are
+    Built once per worker process (`stages.unit_stage` keeps it). With `exact` dedup, later copies of a document within the same table are
     marked `duplicate` here and not tokenized; copies across units are found by
     the dedup shuffle (`dedup`).
     `threads=False` turns off the tokenizer's own thread pool, for when the
-    actors already occupy every core.
+    workers already occupy every core.
     """
 
     def __init__(
@@ -262,15 +261,12 @@ class TokenizeStage:
         self.dtype = np.dtype(dtype)
         self.exact = exact
 
-    def __call__(self, table: pa.Table, texts: list[str | None] | None = None) -> pa.Table:
-        """`texts`: the table's text column as a list, when the caller has it
-        (`units.read_clean`); else it is read from the table."""
+    def __call__(self, table: pa.Table, texts: list[str | None]) -> pa.Table:
+        """`table` and `texts`: a unit as `read_clean` gives it."""
         cpu_start = time.process_time()
         reasons = table.column("reason").to_pylist()
         doc_ids = table.column("doc_id").to_pylist()
         todo = _first_copies(doc_ids, reasons, self.exact)
-        if texts is None:
-            texts = table.column("text").to_pylist()
         encodings = self.tokenizer.encode_batch_fast(
             [texts[i] for i in todo], add_special_tokens=False
         )
