@@ -35,17 +35,38 @@ class ConfigError(UserError):
     """One or more problems in an experiment config; one line per problem."""
 
 
+def quote(value: Any, limit: int = 200) -> str:
+    """`repr(value)` for an error line, cut to its first `limit` characters when
+    longer: a line quotes what the user gave, never megabytes of it."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def clip(text: str, limit: int = 300) -> str:
+    """`text` cut to its first `limit` characters when longer (a message that may
+    embed a user's value, e.g. a validator's)."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
 # --------------------------------------------------------------------------- user files
 # Shared by every reader of a user's YAML file (experiment configs, sources files),
 # so they word the same problem the same way.
 
 
 def read_yaml(path: Path, error: type[UserError] = UserError) -> Any:
-    """The parsed YAML of `path` (None for an empty file). A file that cannot be read
-    or parsed raises `error` naming it, with line:column for a syntax error."""
+    """The parsed YAML of `path` (None for an empty file), within the bounds of
+    `trainlab.boundedyaml`. A file that cannot be read or parsed, or that exceeds a
+    bound, raises `error` naming it, with line:column for a syntax error."""
     import yaml
 
+    from trainlab import boundedyaml
+
     try:
+        # Before reading: a huge file is refused without holding it in memory.
+        size = path.stat().st_size
+        if size > boundedyaml.MAX_BYTES:
+            limit = boundedyaml.MAX_BYTES
+            raise error(f"{path}: {size} bytes, more than the limit of {limit} for a YAML file")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise error(f"{path}: file not found") from None
@@ -54,12 +75,14 @@ def read_yaml(path: Path, error: type[UserError] = UserError) -> Any:
     except OSError as e:
         raise error(f"{path}: cannot read ({e.strerror or e})") from None
     try:
-        return yaml.safe_load(text)
+        return boundedyaml.load(text)
+    except boundedyaml.YamlLimitError as e:
+        raise error(f"{path}: refused: {e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise error(f"{where}: invalid YAML ({problem})") from None
+        raise error(f"{where}: invalid YAML ({clip(problem)})") from None
 
 
 @dataclass(frozen=True)

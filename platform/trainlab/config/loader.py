@@ -19,9 +19,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from trainlab import boundedyaml
 from trainlab.config.rules import Problem, check_rules, resolve_parallel_defaults
 from trainlab.config.schema import SECTIONS, ExperimentConfig
-from trainlab.errors import ConfigError, field_errors, read_yaml
+from trainlab.errors import ConfigError, clip, field_errors, quote, read_yaml
 
 EXTENDS_KEY = "extends"
 # What an experiment is and why: each file says it for itself, never inherited.
@@ -68,7 +69,7 @@ def load_raw(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
     if parent is None:
         return data
     if not isinstance(parent, str) or not parent:
-        raise ConfigError(f"{path}: extends = {parent!r}: must be a path to a YAML file")
+        raise ConfigError(f"{path}: extends = {quote(parent)}: must be a path to a YAML file")
     base = load_raw(resolved.parent / parent, (*_chain, resolved))
     for key in NOT_INHERITED:
         base.pop(key, None)
@@ -79,18 +80,22 @@ def load_raw(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
 
 
 def parse_override(item: str) -> tuple[list[str], Any]:
-    """`train.lr=1e-4` -> (["train", "lr"], 0.0001). The value is parsed as YAML."""
+    """`train.lr=1e-4` -> (["train", "lr"], 0.0001). The value is parsed as YAML,
+    within the bounds of a config file (`trainlab.boundedyaml`)."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
-        raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
+        raise ConfigError(f"--set {quote(item)}: expected KEY=VALUE, e.g. --set train.lr=1e-4")
     parts = key.split(".")
     if any(not p for p in parts):
-        raise ConfigError(f"--set {item!r}: empty part in key {key!r}")
+        raise ConfigError(f"--set {quote(item)}: empty part in key {quote(key)}")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = boundedyaml.load(raw) if raw.strip() else ""
+    except boundedyaml.YamlLimitError as e:
+        raise ConfigError(f"--set {quote(item)}: value refused: {e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"--set {item!r}: value is not valid YAML ({e})") from None
+        problem = clip(getattr(e, "problem", None) or str(e).splitlines()[0])
+        raise ConfigError(f"--set {quote(item)}: value is not valid YAML ({problem})") from None
     return parts, value
 
 
@@ -103,7 +108,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
                 where = ".".join(parts[: i + 1])
-                raise ConfigError(f"--set {item!r}: {where} is {child!r}, not a section")
+                raise ConfigError(f"--set {quote(item)}: {where} is {quote(child)}, not a section")
             node = child
         if value is None:
             node.pop(parts[-1], None)
@@ -147,6 +152,12 @@ def _problems_from(err: ValidationError, prefix: tuple[Any, ...] = ()) -> list[P
     return problems
 
 
+def _line(p: Problem) -> str:
+    """`Problem.format` with the value quoted short and the rule clipped (a rule's
+    message may embed the value): a 10 MB value never becomes a 10 MB line."""
+    return f"{clip(p.path, 200)} = {quote(p.value)}: {clip(p.rule)}"
+
+
 def validate_raw(raw: dict[str, Any], source: str | None = None) -> ExperimentConfig:
     """Validate a merged raw mapping; raise ConfigError listing every problem,
     each line prefixed with `source` (the config file) when given."""
@@ -168,7 +179,7 @@ def validate_raw(raw: dict[str, Any], source: str | None = None) -> ExperimentCo
     if "parallel" in typed and "resource" in typed:
         resolve_parallel_defaults(typed["parallel"], typed["resource"])
     problems += check_rules({k: v.model_dump() for k, v in typed.items()})
-    unique = dict.fromkeys(p.format() for p in problems)
+    unique = dict.fromkeys(_line(p) for p in problems)
     prefix = f"{source}: " if source else ""
     raise ConfigError([prefix + line for line in unique])
 

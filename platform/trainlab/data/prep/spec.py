@@ -27,7 +27,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from trainlab.errors import UserError, field_errors, read_yaml
+from trainlab.errors import UserError, clip, field_errors, quote, read_yaml
 
 SOURCE_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
 DEFAULT_EOS_TOKEN = "<|endoftext|>"
@@ -162,7 +162,7 @@ def _format_errors(path: Path, err: ValidationError) -> list[str]:
         elif e.kind == "missing":
             lines.append(f"{path}: {e.where}: required")
         else:
-            lines.append(f"{path}: {e.where} = {e.value!r}: {e.rule}")
+            lines.append(f"{path}: {e.where} = {quote(e.value)}: {clip(e.rule)}")
     return lines
 
 
