@@ -94,7 +94,7 @@ def plain_loop_tokens_per_s(cfg: ExperimentConfig, threads: int) -> dict[str, fl
 
     from trainlab.data import WorkerLoader, prepare_run_data
     from trainlab.models import build_model
-    from trainlab.train.parallel import param_groups
+    from trainlab.optim.base import decay_groups
     from trainlab.train.schedule import lr_at
     from trainlab.train.step import loss_sum_and_count, to_tensors
 
@@ -108,8 +108,12 @@ def plain_loop_tokens_per_s(cfg: ExperimentConfig, threads: int) -> dict[str, fl
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model)
     t = cfg.train
+    o = t.optimizer  # the bench's recipe trains AdamW; the plain loop builds it by hand
     opt = torch.optim.AdamW(
-        param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps
+        decay_groups(list(model.parameters()), o.weight_decay),
+        lr=t.lr,
+        betas=(o.beta1, o.beta2),
+        eps=o.eps,
     )
     tokens = cfg.global_batch_size * cfg.data.seq_len
     started = window_started = 0.0

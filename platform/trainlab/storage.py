@@ -218,16 +218,19 @@ def resolve_inside(root: str | os.PathLike[str], name: object, what: str = "name
 
 # --------------------------------------------------------------------------- disk room
 
-# A checkpoint holds the fp32 weights and AdamW's two fp32 moments (12 bytes per
-# parameter in either format, trainlab.train.checkpointer) plus the trainer state
-# and every rank's RNG (well under this allowance).
-CHECKPOINT_BYTES_PER_PARAM = 12
+# A checkpoint holds the fp32 weights and the optimizer's state (AdamW: two fp32
+# moments, 12 bytes per parameter in all; each optimizer states its figure,
+# trainlab.optim) plus the trainer state and every rank's RNG (well under this
+# allowance).
+CHECKPOINT_BYTES_PER_PARAM = 12  # AdamW's: the default when no figure is given
 CHECKPOINT_OVERHEAD_BYTES = 1 << 20
 
 
-def planned_checkpoint_bytes(num_params: int) -> int:
+def planned_checkpoint_bytes(
+    num_params: int, bytes_per_param: float = CHECKPOINT_BYTES_PER_PARAM
+) -> int:
     """The size on disk of one checkpoint of a model with `num_params` parameters."""
-    return CHECKPOINT_BYTES_PER_PARAM * int(num_params) + CHECKPOINT_OVERHEAD_BYTES
+    return int(bytes_per_param * int(num_params)) + CHECKPOINT_OVERHEAD_BYTES
 
 
 def _tree_bytes(path: Path) -> int:
@@ -245,7 +248,12 @@ def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
-def check_disk_room(run_dir: str | os.PathLike[str], checkpoint_cfg: Any, num_params: int) -> None:
+def check_disk_room(
+    run_dir: str | os.PathLike[str],
+    checkpoint_cfg: Any,
+    num_params: int,
+    bytes_per_param: float = CHECKPOINT_BYTES_PER_PARAM,
+) -> None:
     """Refuse to start a run whose directory's filesystem cannot hold
     `keep_last + keep_best + 1` checkpoints (the retained ones and the one being
     written) of the planned size; the checkpoints already in the run directory
@@ -253,7 +261,7 @@ def check_disk_room(run_dir: str | os.PathLike[str], checkpoint_cfg: Any, num_pa
     run_dir = Path(run_dir)
     keep_last, keep_best = int(checkpoint_cfg.keep_last), int(checkpoint_cfg.keep_best)
     count = keep_last + keep_best + 1
-    size = planned_checkpoint_bytes(num_params)
+    size = planned_checkpoint_bytes(num_params, bytes_per_param)
     ckpts = run_dir / "checkpoints"
     have = _tree_bytes(ckpts) if ckpts.is_dir() else 0
     need = max(0, count * size - have)
@@ -265,7 +273,7 @@ def check_disk_room(run_dir: str | os.PathLike[str], checkpoint_cfg: Any, num_pa
         f"train.runs_root: the filesystem of {run_dir} (at {where}) has {gib(free)} free; "
         f"{count} checkpoints (train.checkpoint.keep_last {keep_last} + keep_best "
         f"{keep_best} + 1 being written) of {gib(size)} each ({num_params:,} parameters x "
-        f"{CHECKPOINT_BYTES_PER_PARAM} bytes) need {gib(need)} more"
+        f"{bytes_per_param:.4g} bytes) need {gib(need)} more"
         + (f" (besides the {gib(have)} of checkpoints already there)" if have else "")
         + "; free space, lower keep_last/keep_best or set train.runs_root to a larger disk"
     )

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -120,36 +121,78 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
 # --------------------------------------------------------------------------- validation
 
 
+def _tagged_classes(annotation: Any) -> dict[str, type[BaseModel]]:
+    """{tag: class} of a discriminated union of sections chosen by `name`
+    (train.optimizer), else {}."""
+    out = {}
+    for arg in typing.get_args(annotation):
+        for cls in typing.get_args(arg) or (arg,):
+            if isinstance(cls, type) and issubclass(cls, BaseModel) and "name" in cls.model_fields:
+                out[cls.model_fields["name"].default] = cls
+    return out
+
+
+def _walk(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], type[BaseModel] | None]:
+    """`loc` as the user writes it (pydantic puts a union member's tag in the path:
+    train.optimizer.muon.momentum is train.optimizer.momentum), and the section
+    class it ends in (None: not a section, or not known)."""
+    model: type[BaseModel] | None = ExperimentConfig
+    out: list[Any] = []
+    parts = list(loc)
+    while parts:
+        part = parts.pop(0)
+        out.append(part)
+        field = model.model_fields.get(str(part)) if model is not None else None
+        if field is None:
+            out += parts
+            return tuple(out), None
+        ann = field.annotation
+        tagged = _tagged_classes(ann)
+        if tagged:
+            model = tagged[parts.pop(0)] if parts and parts[0] in tagged else None
+            continue
+        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    return tuple(out), model
+
+
 def _field_names(loc: tuple[Any, ...]) -> list[str]:
     """Known keys at `loc` in the schema, for "did you mean"."""
-    model: type[BaseModel] | None = ExperimentConfig
-    for part in loc:
-        if model is None:
-            return []
-        field = model.model_fields.get(str(part))
-        if field is None:
-            return []
-        ann = field.annotation
-        model = ann if isinstance(ann, type) and issubclass(ann, BaseModel) else None
+    model = _walk(loc)[1]
     return list(model.model_fields) if model is not None else []
 
 
 def _problems_from(err: ValidationError, prefix: tuple[Any, ...] = ()) -> list[Problem]:
     problems = []
     for e in field_errors(err, prefix):
-        loc = e.loc
+        loc, _ = _walk(e.loc)
+        where = ".".join(map(str, loc))
         if e.kind == "extra_forbidden":
-            known = _field_names(loc[:-1])
+            known = _field_names(e.loc[:-1])
             close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
             hint = f"; did you mean {'.'.join(map(str, (*loc[:-1], close[0])))!r}?" if close else ""
-            problems.append(Problem(e.where, e.value, f"unknown key{hint}"))
+            problems.append(Problem(where, e.value, f"unknown key{hint}"))
+        elif e.kind == "union_tag_invalid":
+            tags = sorted(_tagged_classes(_annotation(loc)))
+            tag = e.value.get("name") if isinstance(e.value, dict) else None
+            close = difflib.get_close_matches(str(tag), tags, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            problems.append(
+                Problem(f"{where}.name", tag, f"unknown name; {hint}known: {', '.join(tags)}")
+            )
         elif e.kind == "missing":
-            problems.append(Problem(e.where, None, "required"))
+            problems.append(Problem(where, None, "required"))
         elif e.kind == "value_error" and len(loc) == len(prefix):
             continue  # a cross-field ValueError: reported by check_rules instead
         else:
-            problems.append(Problem(e.where, e.value, e.rule))
+            problems.append(Problem(where, e.value, e.rule))
     return problems
+
+
+def _annotation(loc: tuple[Any, ...]) -> Any:
+    """The schema's annotation of the field at `loc` (a user's path)."""
+    parent = _walk(loc[:-1])[1]
+    field = parent.model_fields.get(str(loc[-1])) if parent is not None else None
+    return field.annotation if field is not None else None
 
 
 def _line(p: Problem) -> str:
@@ -295,7 +338,9 @@ def override_name(name: str, overrides: list[str] | tuple[str, ...]) -> str:
         if not _is_identity_key(keys) or tuple(keys) in PATH_KEYS:
             continue  # not what is trained, or where (a path says nothing about it)
         value = _UNSAFE.sub("-", item.partition("=")[2]).strip("-.")
-        parts.append(f"{keys[-1]}-{value}" if value else keys[-1])
+        # A section chosen by name (train.optimizer.name=muon) reads as the section.
+        label = keys[-2] if keys[-1] == "name" and len(keys) > 1 else keys[-1]
+        parts.append(f"{label}-{value}" if value else label)
     if not parts:
         return name
     full = "_".join([name, *parts])
@@ -342,6 +387,14 @@ def identity_dict(cfg: ExperimentConfig) -> dict[str, Any]:
             for k in sub:
                 d[key].pop(k, None)
     d["data"]["global_batch_size"] = cfg.global_batch_size  # however it is split
+    optimizer = d["train"].pop("optimizer")
+    if optimizer["name"] == "adamw":
+        # AdamW's fields where they were before train.optimizer existed: the same
+        # experiment keeps its hash, so its runs and checkpoints still resume.
+        optimizer.pop("name")
+        d["train"].update(optimizer)
+    else:
+        d["train"]["optimizer"] = optimizer
     return d
 
 

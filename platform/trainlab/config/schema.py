@@ -12,9 +12,11 @@ comment saying what it does; if it interacts with another field, add a rule.
 from __future__ import annotations
 
 import warnings
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from trainlab.optim import OptimizerConfig
 
 PosInt = Annotated[int, Field(ge=1)]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
@@ -60,6 +62,20 @@ class ModelConfig(Section):
 
         if find_arch(name) is None:
             raise ValueError(unknown_arch_message())
+        return name
+
+    @field_validator("attention")
+    @classmethod
+    def _known_attention(cls, name: str) -> str:
+        import difflib
+
+        from trainlab.models.registry import attention_names
+
+        known = attention_names()
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"unknown attention; {hint}available: {', '.join(known)}")
         return name
 
     @model_validator(mode="after")
@@ -142,16 +158,39 @@ class ChaosConfig(Section):
     spike_factor: float = Field(1000.0, gt=1.0)
 
 
+def _optimizer_union() -> object:
+    """`train.optimizer`'s type: the registered optimizers' config classes, told
+    apart by `name` (a pydantic discriminated union built from trainlab.optim's
+    registry, so a new optimizer is one new file there)."""
+    from trainlab.optim import optimizer_classes
+
+    classes = tuple(optimizer_classes())
+    if len(classes) == 1:
+        return classes[0]
+    return Annotated[Union[classes], Field(discriminator="name")]  # noqa: UP007
+
+
+OptimizerSection = _optimizer_union()
+# Fields that moved from `train` into `train.optimizer`; still read at `train` for
+# one release (docs/optimizers.md).
+OPTIMIZER_ALIASES = ("weight_decay", "beta1", "beta2", "eps")
+
+
+def _default_optimizer() -> OptimizerConfig:
+    from trainlab.optim.adamw import AdamWConfig
+
+    return AdamWConfig()
+
+
 class TrainConfig(Section):
     lr: float = Field(3e-4, gt=0, le=1.0)
     # Cosine decay ends at min_lr_ratio * lr.
     min_lr_ratio: float = Field(0.1, ge=0.0, le=1.0)
     warmup_steps: int = Field(100, ge=0)
     total_steps: int = Field(1000, ge=1, le=100_000_000)
-    weight_decay: float = Field(0.1, ge=0.0, le=10.0)
-    beta1: float = Field(0.9, ge=0.0, lt=1.0)
-    beta2: float = Field(0.95, ge=0.0, lt=1.0)
-    eps: float = Field(1e-8, gt=0, le=1e-2)
+    # The optimizer, by name, with its own fields (one file each in trainlab/optim/):
+    # `adamw` (the default) or `muon`; e.g. {name: muon, momentum: 0.95}.
+    optimizer: OptimizerSection = Field(default_factory=_default_optimizer)
     # Clip the global gradient norm to this value; 0 disables clipping.
     grad_clip: float = Field(1.0, ge=0.0)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
@@ -173,6 +212,30 @@ class TrainConfig(Section):
     # What rollback_and_skip does after an anomaly, given up front (docs/monitoring.md).
     skip_steps: list[tuple[PosInt, PosInt]] = Field(default_factory=list)
     chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _optimizer_fields(cls, data: object) -> object:
+        """`train.optimizer` without a name is AdamW's; `train.beta1` (and the
+        other fields that moved, OPTIMIZER_ALIASES) still mean the optimizer's."""
+        if not isinstance(data, dict):
+            return data
+        moved = {k: data[k] for k in OPTIMIZER_ALIASES if k in data}
+        opt = data.get("optimizer")
+        if not moved and not (isinstance(opt, dict) and "name" not in opt):
+            return data
+        out = {k: v for k, v in data.items() if k not in moved}
+        if opt is None or isinstance(opt, dict):
+            opt = dict(opt or {})
+            twice = sorted(k for k in moved if k in opt)
+            if twice:
+                raise ValueError(
+                    f"train.{twice[0]} and train.optimizer.{twice[0]} both given: "
+                    f"keep train.optimizer.{twice[0]} (train.{twice[0]} is its old name)"
+                )
+            opt.setdefault("name", "adamw")
+            out["optimizer"] = {**moved, **opt}
+        return out
 
 
 # --------------------------------------------------------------------------- parallel

@@ -26,6 +26,7 @@ import math
 import pkgutil
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from trainlab.errors import UserError
@@ -361,6 +362,33 @@ def find_arch(name: str) -> Architecture | None:
 
 def unknown_arch_message() -> str:
     return f"unknown architecture; available: {', '.join(arch_names())}"
+
+
+@functools.cache
+def attention_names() -> tuple[str, ...]:
+    """The names `model.attention` may take, read from the `@register("name")`
+    decorators of trainlab.models.attention's modules without importing them
+    (they import torch; `trainlab validate` must not)."""
+    import ast
+    from importlib.util import find_spec
+
+    spec = find_spec("trainlab.models.attention")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    names: set[str] = set()
+    for folder in folders:
+        for path in sorted(Path(folder).glob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if not isinstance(node, ast.FunctionDef):
+                    continue
+                for dec in node.decorator_list:
+                    if (
+                        isinstance(dec, ast.Call)
+                        and getattr(dec.func, "id", None) == "register"
+                        and dec.args
+                        and isinstance(dec.args[0], ast.Constant)
+                    ):
+                        names.add(str(dec.args[0].value))
+    return tuple(sorted(names))
 
 
 def get_arch(name: str) -> Architecture:

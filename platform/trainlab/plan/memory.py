@@ -8,7 +8,7 @@ step at full size (`trainlab.train.memtrace`, tests/unit/train/test_memtrace.py)
 Model state per device, bytes per parameter (P parameters, d = dp), bf16 and fp32
 alike unless said:
 
-| strategy | parameters | gradients | optimizer (AdamW) | communication |
+| strategy | parameters | gradients | optimizer (AdamW; others: trainlab.optim) | communication |
 |---|---|---|---|---|
 | one device | 4 | 4 | 8 | - |
 | DDP (zero 0) | 4 | 4 | 8 | 4 (gradient buckets) |
@@ -17,6 +17,9 @@ alike unless said:
 
 plus, during the optimizer step, AdamW `foreach`'s sqrt(exp_avg_sq) of the
 larger parameter group (4 per parameter of it; CUDA) and a 4-byte step per tensor.
+Each optimizer states its own state and step figures (`memory` in
+trainlab.optim's modules; Muon: 4 bytes per hidden-matrix element, AdamW's 8 for
+the rest, and one matrix's Newton-Schulz working set during the step).
 FSDP gathers (16-bit with mixed precision) the root group (embeddings, final
 norm, output) and one block at a time, the next block prefetched; ZeRO-2 keeps
 every block gathered from its forward to its backward.
@@ -89,15 +92,18 @@ from typing import Any
 
 from trainlab.config.schema import ExperimentConfig
 from trainlab.models.registry import ParamShape, StepDtypes, get_arch
+from trainlab.optim import PlanParam, StepMemory
 
 __all__ = [
     "CATEGORIES",
     "FRAMEWORK_BYTES",
     "MemoryEstimate",
+    "checkpoint_bytes_per_param",
     "estimate_memory",
     "framework_bytes",
     "layout_config",
     "memory_breakdown",
+    "optimizer_memory",
     "step_dtypes",
 ]
 
@@ -243,25 +249,36 @@ def _param_shapes(cfg: ExperimentConfig) -> list[ParamShape]:
     return _SHAPES[key]
 
 
-_OPT: dict[tuple[str, int, bool, bool], tuple[float, int, float, float]] = {}
+_OPT: dict[tuple[str, str, int, bool, bool, int, bool], StepMemory] = {}
 
 
-def _optimizer_sizes(
-    cfg: ExperimentConfig, dp: int, fsdp: bool, zero1: bool
-) -> tuple[float, int, float, float]:
-    """Rank 0's optimizer: elements it steps, tensors, the larger parameter group's
-    elements (AdamW foreach's temporary) and the largest tensor's (per-tensor loop)."""
-    key = (cfg.model.model_dump_json(), dp, fsdp, zero1)
+def optimizer_memory(
+    cfg: ExperimentConfig, dp: int, fsdp: bool, zero1: bool, mp: int = 1
+) -> StepMemory:
+    """Rank 0's optimizer state and step temporaries, as the configured optimizer
+    counts them (trainlab.optim: each optimizer states its own figures) over the
+    parameters rank 0 steps: ZeRO-1's greedy share, FSDP's row-padded shards, the
+    tp*pp split (`mp`)."""
+    gpu = cfg.resource.use_gpu
+    opt = cfg.train.optimizer
+    key = (cfg.model.model_dump_json(), opt.model_dump_json(), dp, fsdp, zero1, mp, gpu)
     if key not in _OPT:
         if len(_OPT) > 256:
             _OPT.clear()
         shapes = _param_shapes(cfg)
         mine = _zero1_share(shapes, dp) if zero1 else shapes
-        sizes = [float(_shard(s, dp)) if fsdp else float(s.numel) for s in mine]
-        decay = sum(x for s, x in zip(mine, sizes, strict=True) if len(s.shape) >= 2)
-        no_decay = sum(x for s, x in zip(mine, sizes, strict=True) if len(s.shape) < 2)
-        _OPT[key] = (sum(sizes), len(mine), max(decay, no_decay), max(sizes, default=0.0))
+        params = [
+            PlanParam(s.name, s.shape, s.layer, (_shard(s, dp) if fsdp else s.numel) / mp)
+            for s in mine
+        ]
+        _OPT[key] = opt.memory(params, gpu)
     return _OPT[key]
+
+
+def checkpoint_bytes_per_param(cfg: ExperimentConfig) -> float:
+    """Bytes per parameter of one checkpoint: fp32 weights and the optimizer's state."""
+    params = [PlanParam(s.name, s.shape, s.layer, s.numel) for s in _param_shapes(cfg)]
+    return cfg.train.optimizer.checkpoint_bytes_per_param(params)
 
 
 def _block_sizes(
@@ -351,11 +368,9 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
     total_numel = numel(root) + sum(layer_numel)
     local_numel = local(root) + sum(layer_local)
     pbytes = 2 if (fsdp and d.compute == 2) else 4  # FSDP's gathered parameters
-    # Optimizer: AdamW's exp_avg and exp_avg_sq (fp32) and a 4-byte step per tensor.
-    opt_numel, opt_tensors, opt_group, opt_largest = (
-        x / mp if i != 1 else x for i, x in enumerate(_optimizer_sizes(cfg, dp, fsdp, zero1))
-    )
-    optimizer = 8 * opt_numel + 4 * opt_tensors
+    # Optimizer: its state, and its step's temporaries (trainlab.optim).
+    opt_memory = optimizer_memory(cfg, dp, fsdp, zero1, mp)
+    optimizer = opt_memory.state
     parameters = 4 * local_numel
     buckets = 4 * total_numel if ddp else 0.0  # DDP: gradient_as_bucket_view=False
     snapshot = 0.0
@@ -523,10 +538,11 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
             gradients=done_grads + d.grad * numel(root),
             communication=4 * padded(root),
         )
-    # Optimizer step: all gradients; AdamW foreach (CUDA) makes sqrt(exp_avg_sq) of a
-    # whole parameter group at once, the per-tensor loop (CPU) of one tensor, twice.
-    temp = 4 * opt_group if gpu else 8 * opt_largest
-    marks["optimizer"] = persistent.plus(gradients=all_grads, optimizer=temp)
+    # Optimizer step: all gradients, and the optimizer's temporaries (AdamW:
+    # sqrt(exp_avg_sq); Muon: one matrix's gathered update and Newton-Schulz).
+    marks["optimizer"] = persistent.plus(
+        gradients=all_grads, optimizer=opt_memory.step_temporary
+    )
 
     breakdowns = {name: mark.as_dict() for name, mark in marks.items()}
     phase = max(breakdowns, key=lambda name: breakdowns[name]["total"])

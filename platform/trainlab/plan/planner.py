@@ -109,6 +109,9 @@ class Plan:
     # The layout (tp/pp/dp/zero_stage) that would fit if tensor/pipeline parallelism
     # ran, when no executable one does; None otherwise.
     would_fit_with_tp_pp: dict[str, int] | None = None
+    # train.optimizer.name, and what one checkpoint takes per parameter with it.
+    optimizer: str = "adamw"
+    checkpoint_bytes_per_param: float = 12.0
 
     def to_json(self) -> dict[str, Any]:
         mem = {k: int(round(v)) for k, v in self.memory_per_device_bytes.items()}
@@ -131,8 +134,16 @@ class Plan:
             "tokens_per_step": self.tokens_per_step,
             "fits": self.fits,
             "would_fit_with_tp_pp": self.would_fit_with_tp_pp,
+            "optimizer": self.optimizer,
+            "checkpoint_bytes_per_param": round(self.checkpoint_bytes_per_param, 4),
             "notes": self.notes,
         }
+
+
+def _checkpoint_bytes_per_param(cfg: ExperimentConfig) -> float:
+    from trainlab.plan.memory import checkpoint_bytes_per_param
+
+    return checkpoint_bytes_per_param(cfg)
 
 
 def host_memory_bytes() -> float:
@@ -604,6 +615,8 @@ def plan(cfg: ExperimentConfig) -> Plan:
     return Plan(
         num_params=pc.total,
         params_breakdown=pc.as_dict(),
+        optimizer=cfg.train.optimizer.name,
+        checkpoint_bytes_per_param=_checkpoint_bytes_per_param(cfg),
         world_size=r.num_workers,
         strategy=lay.strategy,
         parallel={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero_stage": lay.zero_stage},

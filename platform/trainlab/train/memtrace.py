@@ -328,7 +328,7 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
             if hasattr(model, "register_comm_hook"):  # DDP on the fake process group
                 model.register_comm_hook(None, _bucket_as_result)
         _use_foreach(optimizer, cfg.resource.use_gpu)
-        _create_optimizer_state(optimizer)
+        cfg.train.optimizer.create_state(optimizer)  # the state of step 2 onwards
         snapshot = None
         if cfg.train.checkpoint.async_save and not fsdp and env.is_main:
             # The trainer's async save of the torch format (rank 0) clones the model
@@ -475,29 +475,6 @@ def _use_foreach(optimizer: Any, foreach: bool) -> None:
             opt.defaults["foreach"] = foreach
             for group in opt.param_groups:
                 group["foreach"] = foreach
-
-
-def _create_optimizer_state(optimizer: Any) -> None:
-    """The optimizer state of step 2 onwards, as AdamW's first step creates it
-    (`step`, `exp_avg`, `exp_avg_sq`; torch.optim.adamw `_init_group`), for the
-    parameters this rank steps (ZeroRedundancyOptimizer: its partition). Cheaper
-    than a step (no DTensor propagation of the foreach kernels); a different
-    optimizer would create its own state in the traced step, still counted."""
-    import torch
-
-    local = getattr(optimizer, "optim", optimizer)
-    if not isinstance(local, torch.optim.AdamW):
-        return
-    for group in local.param_groups:
-        for p in group["params"]:
-            if not p.requires_grad or local.state.get(p):
-                continue
-            state = local.state[p]
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
 def _categories(

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from trainlab.config.schema import ExperimentConfig, TrainConfig
+from trainlab.config.schema import ExperimentConfig
 from trainlab.errors import UserError
 from trainlab.train.distributed import DistEnv
 
@@ -247,36 +247,10 @@ def uses_zero1(cfg: ExperimentConfig, env: DistEnv) -> bool:
     return env.distributed and cfg.parallel.strategy == "ddp" and cfg.parallel.zero_stage == 1
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices (and embeddings), none on norms and biases."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    # A pipeline stage may hold no parameters of a kind: no empty groups (their
-    # state cannot be named by parameter, which resharding needs).
-    return [g for g in groups if g["params"]]
-
-
 def build_optimizer(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> torch.optim.Optimizer:
-    """AdamW over `model` (one per pipeline stage: ZeRO-1 only without tp/pp)."""
-    t: TrainConfig = cfg.train
-    kwargs = {"lr": t.lr, "betas": (t.beta1, t.beta2), "eps": t.eps}
-    groups = param_groups(model, t.weight_decay)
-    if uses_zero1(cfg, env):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        opt = ZeroRedundancyOptimizer(
-            groups[0]["params"],
-            optimizer_class=torch.optim.AdamW,
-            weight_decay=t.weight_decay,
-            **kwargs,
-        )
-        opt.add_param_group(groups[1])
-        return opt
-    return torch.optim.AdamW(groups, **kwargs)
+    """The configured optimizer (train.optimizer, trainlab.optim) over `model`: one
+    per pipeline stage; ZeRO-1 shards its state (only without tp/pp)."""
+    return cfg.train.optimizer.build(model, cfg.train.lr, zero1=uses_zero1(cfg, env))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,75 @@
+"""AdamW (Loshchilov & Hutter, decoupled weight decay): the default optimizer.
+
+State per parameter: exp_avg and exp_avg_sq in fp32 (8 bytes per element) and a
+4-byte `step` per tensor. During `step()`, torch's `foreach` implementation
+(CUDA's default) makes sqrt(exp_avg_sq) of a whole parameter group at once (4
+bytes per element of the larger group); the per-tensor loop (CPU's) makes two
+temporaries of one tensor at a time (8 bytes per element of the largest).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from trainlab.optim import register_optimizer
+from trainlab.optim.base import OptimizerConfig, PlanParam, StepMemory, decay_groups, trainable
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+@register_optimizer
+class AdamWConfig(OptimizerConfig):
+    name: Literal["adamw"] = "adamw"
+    # Decoupled weight decay on matrices and embeddings (none on norms and biases).
+    weight_decay: float = Field(0.1, ge=0.0, le=10.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    eps: float = Field(1e-8, gt=0, le=1e-2)
+
+    def build(self, model: nn.Module, lr: float, zero1: bool = False) -> torch.optim.Optimizer:
+        import torch
+
+        kwargs = {"lr": lr, "betas": (self.beta1, self.beta2), "eps": self.eps}
+        groups = decay_groups(trainable(model), self.weight_decay)
+        if zero1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(
+                groups[0]["params"],
+                optimizer_class=torch.optim.AdamW,
+                weight_decay=groups[0]["weight_decay"],
+                **kwargs,
+            )
+            for group in groups[1:]:
+                opt.add_param_group(group)
+            return opt
+        return torch.optim.AdamW(groups, **kwargs)
+
+    def create_state(self, optimizer: torch.optim.Optimizer) -> None:
+        """As AdamW's first step creates it (torch.optim.adamw `_init_group`), for
+        the parameters this rank steps (ZeroRedundancyOptimizer: its partition)."""
+        import torch
+
+        local = getattr(optimizer, "optim", optimizer)
+        for group in local.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad or local.state.get(p):
+                    continue
+                state = local.state[p]
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+    def memory(self, params: list[PlanParam], gpu: bool) -> StepMemory:
+        state = 8 * sum(p.local for p in params) + 4 * len(params)
+        if gpu:  # foreach: one temporary per element of the larger group
+            decay = sum(p.local for p in params if len(p.shape) >= 2)
+            no_decay = sum(p.local for p in params if len(p.shape) < 2)
+            temp = 4 * max(decay, no_decay)
+        else:  # the per-tensor loop: two temporaries of one tensor
+            temp = 8 * max((p.local for p in params), default=0.0)
+        return StepMemory(state, temp)
