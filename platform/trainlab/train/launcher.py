@@ -21,6 +21,7 @@ none of them itself.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -40,6 +41,7 @@ from trainlab.train import rundir
 from trainlab.train.interrupt import Interrupts, call_in_thread
 from trainlab.train.job import TrainJob
 from trainlab.train.records import RunRecords, failed_summary, interrupted_summary
+from trainlab.train.runlock import RunLock
 
 log = logging.getLogger("trainlab.train")
 
@@ -200,13 +202,16 @@ def run(
     larger train.total_steps (rundir.check_same_experiment). Ctrl-C
     (trainlab.train.interrupt) returns the summary with status "interrupted".
     """
-    with Interrupts() as interrupts:
-        return _run(cfg, interrupts, run_dir, resume, smoke, extend, base_dir, callbacks)
+    # The run directory's lock (trainlab.train.runlock) is held from before the first
+    # write into it until this returns: one writer per run.
+    with Interrupts() as interrupts, contextlib.ExitStack() as lock:
+        return _run(cfg, interrupts, lock, run_dir, resume, smoke, extend, base_dir, callbacks)
 
 
 def _run(
     cfg: ExperimentConfig,
     interrupts: Interrupts,
+    lock: contextlib.ExitStack,
     run_dir: str | Path | None,
     resume: bool,
     smoke: bool,
@@ -225,10 +230,18 @@ def _run(
     if done is not None:  # nothing to do: not one file of the run is touched
         return {**done, "already_complete": True}
     chash = identity.config_hash
-    if cfg.resource.storage and (resume or run_dir is not None) and not smoke:
+    restoring = bool(cfg.resource.storage) and (resume or run_dir is not None) and not smoke
+    # Locked before the first write into it; a new run's directory is made only
+    # after the checks below pass, so a refused start leaves nothing behind.
+    locked = path.exists() or restoring
+    if locked:
+        lock.enter_context(RunLock.acquire(path))
+    if restoring:
         restore_from_storage(cfg, path)
     check_resumable(path, cfg, chash, data)
     check_disk_room(path, cfg.train.checkpoint, plan_json["num_params"])  # else UserError
+    if not locked:
+        lock.enter_context(RunLock.acquire(path))
     if identity.extension is not None:
         RunRecords(path).add_extension(identity.extension)
     rundir.write_run_files(path, cfg, plan_json)

@@ -6,6 +6,8 @@
                                     each attempt completed its first step
     {run_dir}/logs/progress.json    rank 0's newest logged step
     {run_dir}/logs/extensions.jsonl each `--extend` of the run past its total_steps
+    {run_dir}/logs/lock.jsonl       stale run locks taken over (written by
+                                    trainlab.train.runlock, which owns the lock)
 
 Summary keys checked from outside (keep them): name, status, final_step,
 final_loss, val_loss, tokens_seen, restarts, weights_sha256, last_checkpoint,

@@ -106,3 +106,42 @@ def test_run_dir_resume_with_set_extends_the_run(run, monkeypatch):
     summary = json.loads(out.strip().splitlines()[-1])
     assert summary["final_step"] == 6 and summary["start_step"] == 4
     assert summary["extensions"][0]["changed"] == {"train.total_steps": [4, 6]}
+
+
+def test_a_run_held_by_a_live_process_is_refused_in_one_line(run, monkeypatch, capsys):
+    from tests.unit.train.test_runlock import hold
+
+    _, run_dir = run
+    monkeypatch.setattr(launcher, "_fit", must_not_train)
+    proc = hold(run_dir)  # another driver of this run, alive
+    try:
+        before = snapshot(run_dir)
+        with pytest.raises(SystemExit) as e:
+            main(["train", str(run_dir), "--resume", "--extend", "--set", "train.total_steps=8"])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+        assert f"in use by another trainlab process (pid {proc.pid} on host " in err
+        assert snapshot(run_dir) == before
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_the_driver_holds_the_lock_while_it_trains(run, monkeypatch):
+    import os
+
+    from trainlab.train import runlock
+
+    _, run_dir = run
+    seen = []
+
+    def fit_checking_the_lock(cfg, job):
+        seen.append(runlock.live_holder(job.run_dir))
+        return fit_in_process(cfg, job)
+
+    monkeypatch.setattr(launcher, "_fit", fit_checking_the_lock)
+    rv, _, _ = train(str(run_dir), "--resume", "--extend", "--set", "train.total_steps=8")
+    assert rv == 0, rv
+    assert seen and seen[0].startswith(f"pid {os.getpid()} on host ")
+    assert runlock.live_holder(run_dir) is None  # released when the run ended
+    assert runlock.read_holder(run_dir) is None

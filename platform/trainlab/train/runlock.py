@@ -1,0 +1,239 @@
+"""One writer per run directory: the driver's lock on it.
+
+    {run_dir}/.lock            an OS file lock (flock), held by the driver process
+                               of `trainlab train` (or of the `ray job` entrypoint)
+                               from before it writes anything into the run
+                               directory until it ends; the OS drops it when the
+                               process dies, however it dies
+    {run_dir}/.lock.json       who holds it: host, pid, since, and a beat the
+                               holder rewrites every TRAINLAB_HEARTBEAT_S (default
+                               30 s), for readers on another host, whose flock a
+                               shared filesystem may not show
+    {run_dir}/logs/lock.jsonl  each stale lock taken over: whose, and when
+
+A second writer (`--resume` of a running run, a job retry overlapping its
+previous attempt) is refused with `RunLockHeld` (exit 2) naming the holder.
+A lock whose holder is gone (the flock is free; on another host, the beat is
+older than TRAINLAB_LOST_AFTER_S, default 4 beats) is stale: it is taken over
+and the takeover recorded. `trainlab gc` asks `live_holder` and never touches a
+run that has one. Ray's workers never take the lock: only the driver writes
+run-level state, and it outlives its workers.
+
+The `.lock` file is never deleted while the run directory exists: deleting it
+would let a second process lock a new file while the first holds the old one.
+Its descriptor is not inherited across exec (Python's default), so Ray's
+processes that the driver starts do not keep a dead driver's lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from trainlab.errors import UserError
+from trainlab.fileutil import write_text_atomic
+
+log = logging.getLogger(__name__)
+
+LOCK = ".lock"
+HOLDER = ".lock.json"
+TAKEOVERS = "logs/lock.jsonl"
+DEFAULT_BEAT_S = 30.0
+MISSED_BEATS = 4
+UNKNOWN_HOLDER = "a process that has not said who it is yet"
+
+
+def beat_s() -> float:
+    """How often a holder rewrites its beat (the MLflow heartbeat's setting)."""
+    return float(os.environ.get("TRAINLAB_HEARTBEAT_S") or DEFAULT_BEAT_S)
+
+
+def stale_after_s() -> float:
+    """How old a beat from another host is when its holder counts as gone."""
+    return float(os.environ.get("TRAINLAB_LOST_AFTER_S") or MISSED_BEATS * beat_s())
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds (or last held) a run directory's lock."""
+
+    host: str
+    pid: int
+    since: float  # epoch seconds the lock was taken
+    beat: float  # epoch seconds of the holder's newest beat
+
+    def describe(self) -> str:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
+        return f"pid {self.pid} on host {self.host} since {when}"
+
+    def on_this_host(self) -> bool:
+        return self.host == socket.gethostname()
+
+    def fresh(self, now: float | None = None) -> bool:
+        return (now or time.time()) - self.beat <= stale_after_s()
+
+
+class RunLockHeld(UserError):
+    """Another live process holds the run directory's lock."""
+
+    def __init__(self, run_dir: Path, holder: Holder | None):
+        who = holder.describe() if holder else UNKNOWN_HOLDER
+        super().__init__(
+            f"{run_dir}: in use by another trainlab process ({who}); a run has one "
+            "writer: wait for it to end, or stop it first"
+        )
+        self.holder = holder
+
+
+def read_holder(run_dir: Path) -> Holder | None:
+    """The holder `.lock.json` names (a live one, or a dead one that never released),
+    or None when there is none or it cannot be read."""
+    try:
+        d = json.loads((run_dir / HOLDER).read_text())
+        return Holder(str(d["host"]), int(d["pid"]), float(d["since"]), float(d["beat"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _try_flock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def _remote_and_fresh(holder: Holder | None) -> bool:
+    """A holder on another host that beat recently: alive as far as this host can
+    tell, whatever flock says here (a shared filesystem may not carry the lock)."""
+    return holder is not None and not holder.on_this_host() and holder.fresh()
+
+
+class RunLock:
+    """The lock of one run directory, held by this process; `release` (or leaving
+    the `with` block, or the process ending) gives it up."""
+
+    def __init__(self, run_dir: Path, fd: int, holder: Holder):
+        self.run_dir, self.holder = run_dir, holder
+        self._fd: int | None = fd
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat_loop, name="trainlab-runlock", daemon=True
+        )
+
+    @classmethod
+    def acquire(cls, run_dir: str | Path) -> RunLock:
+        """Take `run_dir`'s lock (creating the directory), or raise RunLockHeld
+        naming its live holder. A stale lock is taken over and recorded."""
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if not _try_flock(fd):
+                raise RunLockHeld(run_dir, read_holder(run_dir))
+            previous = read_holder(run_dir)  # a holder that ended without releasing
+            if _remote_and_fresh(previous):
+                raise RunLockHeld(run_dir, previous)
+        except BaseException:
+            os.close(fd)  # drops the flock with it
+            raise
+        now = time.time()
+        lock = cls(run_dir, fd, Holder(socket.gethostname(), os.getpid(), now, now))
+        lock._write_holder()
+        if previous is not None:
+            lock._record_takeover(previous)
+        lock._thread.start()
+        return lock
+
+    def release(self) -> None:
+        """Stop beating, say nobody holds it, drop the flock. Idempotent."""
+        if self._fd is None:
+            return
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            (self.run_dir / HOLDER).unlink(missing_ok=True)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def _write_holder(self) -> None:
+        write_text_atomic(self.run_dir / HOLDER, json.dumps(asdict(self.holder)) + "\n")
+
+    def _beat_loop(self) -> None:
+        while not self._stop.wait(beat_s()):
+            self.holder = Holder(**{**asdict(self.holder), "beat": time.time()})
+            try:
+                self._write_holder()
+            except OSError as e:  # a vanished directory: the run's own writes will say so
+                log.warning("could not renew the lock record of %s: %s", self.run_dir, e)
+
+    def _record_takeover(self, previous: Holder) -> None:
+        record = {
+            "time": time.time(),
+            "host": self.holder.host,
+            "pid": self.holder.pid,
+            "took_over_from": asdict(previous),
+        }
+        log.warning(
+            "%s: took over the lock of %s, which ended without releasing it",
+            self.run_dir,
+            previous.describe(),
+        )
+        try:
+            path = self.run_dir / TAKEOVERS
+            path.parent.mkdir(exist_ok=True)
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as e:
+            log.warning("could not record the lock takeover in %s: %s", self.run_dir, e)
+
+
+def live_holder(run_dir: str | Path) -> str | None:
+    """Who holds `run_dir`'s lock ("pid N on host H since T") when a live process
+    does, else None. Changes nothing: a free flock is taken and dropped at once."""
+    run_dir = Path(run_dir)
+    holder = read_holder(run_dir)
+    try:
+        fd = os.open(run_dir / LOCK, os.O_RDONLY)
+    except FileNotFoundError:
+        fd = None
+    if fd is not None:
+        try:
+            if not _try_flock(fd):
+                return holder.describe() if holder else UNKNOWN_HOLDER
+        finally:
+            os.close(fd)
+    return holder.describe() if _remote_and_fresh(holder) else None
+
+
+@contextlib.contextmanager
+def held_quietly(run_dir: str | Path) -> Iterator[bool]:
+    """Hold `run_dir`'s flock for a moment (gc deleting it), without a holder
+    record or beat; yields False, holding nothing, when a live process has it."""
+    path = Path(run_dir) / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        yield True
+        return
+    try:
+        yield _try_flock(fd)
+    finally:
+        os.close(fd)
