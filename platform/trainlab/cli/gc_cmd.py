@@ -16,6 +16,12 @@ whose validation passed) and the best one (lowest validation loss); a run that
 has neither is deleted whole. `--force` deletes selected runs whole, those two
 checkpoints included. `--dry-run` says what would go and deletes nothing. The
 MLflow records are never touched (they are small and say what the run was).
+
+A live run is never touched, whatever its age, status or `--force`: one whose
+lock (trainlab.train.runlock) a live process holds, or whose lock record names
+another host with a fresh beat. gc says which runs it skipped and why, and
+holds each run's lock while it deletes from it, so a run that starts meanwhile
+is skipped too (or refused, if it starts while gc holds the lock).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import click
 
 from trainlab.cli.common import echo_json, json_option
 from trainlab.errors import UserError
+from trainlab.train import runlock
 
 STATUSES = (
     "completed",
@@ -45,6 +52,8 @@ STATUSES = (
 )
 # What a trimmed run keeps besides its two checkpoints: the record of what it was.
 RECORDS = ("config.yaml", "plan.json", "run_summary.json", "logs")
+# The run's lock file stays while the directory does (trainlab.train.runlock says why).
+KEPT_FILES = (*RECORDS, runlock.LOCK)
 _DATE_DIR = re.compile(r"^\d{4}-\d\d-\d\d$")
 _UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -79,6 +88,7 @@ class RunInfo:
     status: str  # one of STATUSES but "smoke" (a summary's status, or unfinished)
     smoke: bool
     age_s: float  # since anything in the run directory last changed
+    live: str | None = None  # who holds its lock ("pid N on host H since T"), if alive
 
     @property
     def statuses(self) -> set[str]:
@@ -112,6 +122,9 @@ def _run_name(path: Path) -> str:
 def read_run(path: Path, now: float) -> RunInfo:
     from trainlab.train.records import RunRecords
 
+    live = runlock.live_holder(path)
+    if live is not None:  # not walked: a live run's files come and go
+        return RunInfo(path, "unfinished", False, 0.0, live)
     summary = RunRecords(path).read_summary() or {}
     status = str(summary.get("status") or "unfinished")
     smoke = "smoke" in summary or _run_name(path).endswith("-smoke")
@@ -135,6 +148,17 @@ def find_runs(runs_root: Path, now: float | None = None) -> list[RunInfo]:
 
 
 # --------------------------------------------------------------------------- deciding
+
+
+@dataclass
+class Skipped:
+    """A run gc left alone, and why."""
+
+    run: RunInfo
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"run": str(self.run.path), "reason": self.reason}
 
 
 @dataclass
@@ -181,7 +205,7 @@ def decide(run: RunInfo, force: bool) -> Action:
         return Action(run, whole=True, remove=[run.path], freed_bytes=_tree_bytes(run.path))
     remove = []
     for child in sorted(run.path.iterdir()):
-        if child.name in RECORDS:
+        if child.name in KEPT_FILES:
             continue
         if child.name == "checkpoints" and child.is_dir() and not child.is_symlink():
             remove += [c for c in sorted(child.iterdir()) if c.name not in kept]
@@ -191,23 +215,43 @@ def decide(run: RunInfo, force: bool) -> Action:
     return Action(run, whole=False, remove=remove, kept=kept, freed_bytes=freed)
 
 
+def live_reason(holder: str) -> str:
+    return f"live ({holder})"
+
+
 def plan_gc(
     runs: list[RunInfo], older_than_s: float, statuses: set[str], force: bool
-) -> list[Action]:
-    chosen = [r for r in runs if r.age_s >= older_than_s and r.statuses & statuses]
-    return [a for a in (decide(r, force) for r in chosen) if a.whole or a.remove]
+) -> tuple[list[Action], list[Skipped]]:
+    """What to delete from which runs, and the live runs left alone."""
+    skipped = [Skipped(r, live_reason(r.live)) for r in runs if r.live is not None]
+    chosen = [
+        r
+        for r in runs
+        if r.live is None and r.age_s >= older_than_s and r.statuses & statuses
+    ]
+    actions = [a for a in (decide(r, force) for r in chosen) if a.whole or a.remove]
+    return actions, skipped
 
 
-def apply(actions: list[Action]) -> None:
+def apply(actions: list[Action]) -> list[Skipped]:
+    """Delete what each action says, holding the run's lock meanwhile; a run that
+    came alive since it was read is left alone and returned."""
+    skipped = []
     for action in actions:
-        for path in action.remove:
-            if path.is_dir() and not path.is_symlink():
-                shutil.rmtree(path)
-            else:
-                path.unlink(missing_ok=True)
+        holder = runlock.live_holder(action.run.path)  # a holder on another host, too
+        with runlock.held_quietly(action.run.path) as held:
+            if holder is not None or not held:
+                skipped.append(Skipped(action.run, live_reason(holder or runlock.UNKNOWN_HOLDER)))
+                continue
+            for path in action.remove:
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
         day = action.run.path.parent
         if action.whole and day.is_dir() and not any(day.iterdir()):
             day.rmdir()
+    return skipped
 
 
 # --------------------------------------------------------------------------- command
@@ -221,8 +265,12 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
+def _rel(path: Path, root: Path) -> Path:
+    return path.relative_to(root) if path.is_relative_to(root) else path
+
+
 def _describe(a: Action, root: Path) -> str:
-    rel = a.run.path.relative_to(root) if a.run.path.is_relative_to(root) else a.run.path
+    rel = _rel(a.run.path, root)
     what = ", ".join(sorted(a.run.statuses))
     head = f"{'delete' if a.whole else 'trim'} {rel} ({what}, {a.run.age_s / 86400:.1f} days)"
     if a.whole:
@@ -274,9 +322,12 @@ def gc(
     age, wanted = parse_age(older_than), parse_statuses(statuses)
     if not root.is_dir():
         raise UserError(f"--runs-root {runs_root}: no such directory")
-    actions = plan_gc(find_runs(root), age, wanted, force)
+    actions, skipped = plan_gc(find_runs(root), age, wanted, force)
     if not dry_run:
-        apply(actions)
+        late = apply(actions)
+        skipped += late
+        left_alone = {s.run.path for s in late}
+        actions = [a for a in actions if a.run.path not in left_alone]
     freed = sum(a.freed_bytes for a in actions)
     if as_json:
         echo_json(
@@ -285,12 +336,15 @@ def gc(
                 "dry_run": dry_run,
                 "force": force,
                 "runs": [a.to_json() for a in actions],
+                "skipped": [s.to_json() for s in skipped],
                 "freed_bytes": freed,
             }
         )
         return 0
     for a in actions:
         click.echo(_describe(a, root))
+    for s in skipped:
+        click.echo(f"skip {_rel(s.run.path, root)}: {s.reason}")
     verb = "would free" if dry_run else "freed"
     click.echo(f"{len(actions)} run(s); {verb} {_size(freed)}" + (" (dry run)" if dry_run else ""))
     return 0

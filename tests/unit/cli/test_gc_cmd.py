@@ -175,3 +175,84 @@ def test_a_passed_rehearsal_is_removed_and_a_failed_one_kept(tmp_path):
     real = make_run(root, "2026-12-04", "tiny", "completed", [(3, 2.0, True)])
     summary = {"status": "completed", "run_dir": str(real)}
     assert clean_up_rehearsal(summary)["run_dir_removed"] is False and real.exists()
+
+
+# --------------------------------------------------------------------------- live runs
+# A run whose lock a live process holds (trainlab.train.runlock) is never touched,
+# whatever its age, status or --force; the holders below are real processes.
+
+
+def test_a_live_run_survives_gc_force_and_is_collected_once_its_holder_ends(tmp_path, capsys):
+    from tests.unit.train.test_runlock import hold
+
+    root = tmp_path / "runs"
+    # old files, and a summary from an earlier attempt: only the lock says it is live
+    live = make_run(root, "2026-10-01", "conc", "failed", [(10, 2.0, True), (20, 1.9, True)])
+    proc = hold(live)
+    try:
+        before = _left(live)
+        code, report = gc(capsys, "--runs-root", str(root), "--older-than", "0", "--force")
+        assert code == 0 and report["runs"] == [] and report["freed_bytes"] == 0
+        (skipped,) = report["skipped"]
+        assert skipped["run"] == str(live)
+        assert skipped["reason"].startswith(f"live (pid {proc.pid} on host ")
+        assert _left(live) == before
+
+        with pytest.raises(SystemExit):
+            main(["gc", "--runs-root", str(root), "--older-than", "0", "--force"])
+        out = capsys.readouterr().out
+        assert f"skip 2026-10-01/conc: live (pid {proc.pid} on host " in out
+        assert "0 run(s); freed 0 B" in out and live.exists()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    code, report = gc(capsys, "--runs-root", str(root), "--older-than", "0", "--force")
+    assert code == 0 and report["skipped"] == []
+    assert [x["run_dir"] for x in report["runs"]] == [str(live)] and not live.exists()
+
+
+def test_a_run_that_comes_alive_after_planning_is_left_alone(tmp_path):
+    from tests.unit.train.test_runlock import hold
+    from trainlab.cli import gc_cmd
+
+    root = tmp_path / "runs"
+    run = make_run(root, "2026-10-01", "late", "completed", [(10, 2.0, True)])
+    actions, skipped = gc_cmd.plan_gc(gc_cmd.find_runs(root), 0, set(gc_cmd.STATUSES), True)
+    assert [a.run.path for a in actions] == [run] and skipped == []
+    proc = hold(run)  # a resume starts between gc's reading and its deleting
+    try:
+        (late,) = gc_cmd.apply(actions)
+        assert late.run.path == run and f"pid {proc.pid}" in late.reason
+        assert (run / "checkpoints" / "step-00000010" / "model.pt").exists()
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_fresh_holder_on_another_host_is_skipped_a_silent_one_is_not(tmp_path, capsys):
+    from trainlab.train import runlock
+
+    root = tmp_path / "runs"
+    fresh = make_run(root, "2026-10-01", "remote", "completed", [(10, 2.0, True)])
+    silent = make_run(root, "2026-10-01", "gone", "completed", [(10, 2.0, True)])
+    now = time.time()
+    for run, beat in ((fresh, now), (silent, now - 3 * DAY)):
+        record = {"host": "elsewhere", "pid": 7, "since": now - DAY, "beat": beat}
+        (run / runlock.HOLDER).write_text(json.dumps(record))
+    code, report = gc(capsys, "--runs-root", str(root), "--older-than", "0", "--force")
+    assert code == 0
+    assert [(s["run"], s["reason"][:31]) for s in report["skipped"]] == [
+        (str(fresh), "live (pid 7 on host elsewhere s")
+    ]
+    assert fresh.exists() and not silent.exists()
+
+
+def test_a_trimmed_run_keeps_its_lock_file(tmp_path, capsys):
+    from trainlab.train.runlock import LOCK, RunLock
+
+    root = tmp_path / "runs"
+    run = make_run(root, "2026-10-01", "tiny", "completed", [(10, 2.0, True), (20, 1.5, True)])
+    RunLock.acquire(run).release()  # a run that was trained and ended
+    code, report = gc(capsys, "--runs-root", str(root), "--older-than", "0")
+    assert code == 0 and report["runs"][0]["action"] == "trim"
+    assert (run / LOCK).exists() and not (run / "ray").exists()
