@@ -190,6 +190,26 @@ def find_resume(root: Path, require_valid: bool = True) -> CheckpointInfo | None
     return None
 
 
+def refusals(root: Path, require_valid: bool = True) -> list[tuple[Path, str]]:
+    """Each checkpoint directory under `root` that `find_resume` would not take, with
+    why, newest first (what a resume that finds none has to say)."""
+    if not root.is_dir():
+        return []
+    out = []
+    dirs = [c for c in root.iterdir() if c.is_dir() and parse_step(c.name) is not None]
+    for child in sorted(dirs, key=lambda c: parse_step(c.name) or 0, reverse=True):
+        info = read_info(child)
+        if info is None:
+            reason = f"no readable {META_FILE}"
+        elif require_valid and not info.valid:
+            reason = f"not valid: {info.meta.get('error') or 'it failed validation'}"
+        else:
+            reason = verify(info) or ""
+        if reason:
+            out.append((child, reason))
+    return out
+
+
 def foreign_config(info: CheckpointInfo, config_hash: str) -> str | None:
     """What makes checkpoint `info` not this experiment's, or None. (Whether its
     dataset may differ is the data stream's rule: trainlab.data.check_resume.)"""

@@ -120,11 +120,23 @@ def prepare_data(cfg: ExperimentConfig) -> DataInfo:
 
 def check_resumable(run_dir: Path, cfg: ExperimentConfig, chash: str, data: DataInfo) -> None:
     """A checkpoint in run_dir must be of this experiment (`chash`: the run's, see
-    rundir.check_same_experiment) and (unless allowed) dataset."""
+    rundir.check_same_experiment) and (unless allowed) dataset. A run directory
+    whose checkpoints are all refused (invalid, corrupted) is not restarted from
+    step 0 over them: the error names each and why."""
     from trainlab.data import check_resume
 
-    info = ck.find_resume(run_dir / "checkpoints", require_valid=cfg.train.checkpoint.validate)
+    root, require_valid = run_dir / "checkpoints", cfg.train.checkpoint.validate
+    info = ck.find_resume(root, require_valid=require_valid)
     if info is None:
+        refused = ck.refusals(root, require_valid=require_valid)
+        if refused:  # never a silent restart from step 0 over them
+            why = "; ".join(f"{path.name} ({reason})" for path, reason in refused)
+            raise UserError(
+                f"{run_dir}: no checkpoint to resume from, every one is refused: {why}; "
+                "to start over from step 0 deliberately, start a new run (trainlab train "
+                f"{run_dir / 'config.yaml'} without --resume/--run-dir: a new run "
+                "directory, these checkpoints stay as they are)"
+            )
         return
     problem = ck.foreign_config(info, chash)
     if problem:

@@ -145,3 +145,53 @@ def test_the_driver_holds_the_lock_while_it_trains(run, monkeypatch):
     assert seen and seen[0].startswith(f"pid {os.getpid()} on host ")
     assert runlock.live_holder(run_dir) is None  # released when the run ended
     assert runlock.read_holder(run_dir) is None
+
+
+def test_a_run_whose_checkpoints_are_all_refused_is_not_restarted_from_zero(
+    tmp_path_factory, monkeypatch, capsys
+):
+    from trainlab.train import checkpoint as ck
+
+    base = tmp_path_factory.mktemp("all-refused")
+    cfg = tiny_config(
+        dataset_dir(tmp_path_factory),
+        train={**STEPS, "runs_root": str(base / "runs"), "checkpoint": {"every_steps": 2}},
+    )
+    config = base / "unit.yaml"
+    config.write_text(to_yaml(cfg))
+    monkeypatch.setattr(launcher, "_fit", fit_in_process)
+    rv, out, _ = train(str(config), "--json")
+    assert rv == 0, rv
+    run_dir = Path(json.loads(out.strip().splitlines()[-1])["run_dir"])
+    two, four = (run_dir / "checkpoints" / ck.dir_name(s) for s in (2, 4))
+    # step 4 corrupted on disk, step 2 marked invalid by its validation
+    payload = next(p for p in sorted(four.rglob("*")) if p.is_file() and p.suffix == ".pt")
+    payload.write_bytes(b"corrupted" + payload.read_bytes()[9:])
+    meta = json.loads((two / ck.META_FILE).read_text())
+    (two / ck.META_FILE).write_text(json.dumps({**meta, "valid": False, "error": "loss is nan"}))
+
+    def state() -> dict:
+        # Not logs/driver.log: in one process the "trainlab" logger keeps every earlier
+        # run's driver.log handler, which the refusal's warnings then reach (a CLI
+        # process trains one run and attaches its handler only after the checks).
+        return {k: v for k, v in snapshot(run_dir).items() if k != "logs/driver.log"}
+
+    monkeypatch.setattr(launcher, "_fit", must_not_train)
+    before = state()
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(run_dir), "--resume", "--extend", "--set", "train.total_steps=6"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "no checkpoint to resume from, every one is refused" in err
+    assert f"step-00000004 ({payload.relative_to(four)} does not match its sha256" in err
+    assert "step-00000002 (not valid: loss is nan)" in err
+    assert f"trainlab train {run_dir / 'config.yaml'} without --resume/--run-dir" in err
+    assert state() == before
+
+    # What it says to do starts over in a new run directory, the old one left as it is.
+    monkeypatch.setattr(launcher, "_fit", fit_in_process)
+    rv, out, _ = train(str(run_dir / "config.yaml"), "--json")
+    assert rv == 0, rv
+    fresh = Path(json.loads(out.strip().splitlines()[-1])["run_dir"])
+    assert fresh != run_dir and fresh.name == f"{run_dir.name}-2"
+    assert state() == before
