@@ -76,6 +76,15 @@ class OptimizerConfig(BaseModel):
         """State and step temporaries for the parameters one rank steps."""
         raise NotImplementedError
 
+    def plan_groups(self, params: list[PlanParam]) -> list[list[PlanParam]]:
+        """`params` in the parameter groups `build()` makes, in its order (ZeRO-1
+        partitions group by group). Default: decayed matrices, then the rest."""
+        return [
+            g
+            for g in ([p for p in params if len(p.shape) >= 2], [p for p in params if len(p.shape) < 2])
+            if g
+        ]
+
     def checkpoint_bytes_per_param(self, params: list[PlanParam]) -> float:
         """Bytes per model parameter of one checkpoint of the model state: the
         fp32 weights and this optimizer's state, over the whole model (`params`

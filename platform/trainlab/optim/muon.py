@@ -115,6 +115,11 @@ class MuonConfig(OptimizerConfig):
                 if p.requires_grad:
                     local.init_param_state(p, group)
 
+    def plan_groups(self, params: list[PlanParam]) -> list[list[PlanParam]]:
+        matrices = [p for p in params if is_hidden_matrix(p.layer, p.shape)]
+        rest = [p for p in params if not is_hidden_matrix(p.layer, p.shape)]
+        return [g for g in (matrices, *super().plan_groups(rest)) if g]
+
     def memory(self, params: list[PlanParam], gpu: bool) -> StepMemory:
         matrices = [p for p in params if is_hidden_matrix(p.layer, p.shape)]
         rest = [p for p in params if not is_hidden_matrix(p.layer, p.shape)]

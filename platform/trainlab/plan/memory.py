@@ -208,16 +208,14 @@ class _Parts:
         return {**{k: float(getattr(self, k)) for k in CATEGORIES}, "total": self.total}
 
 
-def _zero1_share(shapes: list[ParamShape], dp: int) -> list[ParamShape]:
-    """Rank 0's parameters under ZeroRedundancyOptimizer: per parameter group
-    (decay: matrices; then no decay), largest first, each to the rank with the
-    fewest elements so far (torch's greedy partition; ties to the lowest rank)."""
+def _zero1_share(groups: list[list[PlanParam]], dp: int) -> list[PlanParam]:
+    """Rank 0's parameters under ZeroRedundancyOptimizer: per parameter group (in
+    the optimizer's order, `OptimizerConfig.plan_groups`), largest first, each to
+    the rank with the fewest elements so far (torch's greedy partition; ties to
+    the lowest rank)."""
     sizes = [0] * dp
-    mine: list[ParamShape] = []
-    for group in (
-        [p for p in shapes if len(p.shape) >= 2],
-        [p for p in shapes if len(p.shape) < 2],
-    ):
+    mine: list[PlanParam] = []
+    for group in groups:
         for p in sorted(group, key=lambda p: p.numel, reverse=True):
             rank = sizes.index(min(sizes))
             sizes[rank] += p.numel
@@ -265,11 +263,12 @@ def optimizer_memory(
     if key not in _OPT:
         if len(_OPT) > 256:
             _OPT.clear()
-        shapes = _param_shapes(cfg)
-        mine = _zero1_share(shapes, dp) if zero1 else shapes
+        shapes = {s.name: s for s in _param_shapes(cfg)}
+        whole = [PlanParam(s.name, s.shape, s.layer, s.numel) for s in shapes.values()]
+        mine = _zero1_share(opt.plan_groups(whole), dp) if zero1 else whole
         params = [
-            PlanParam(s.name, s.shape, s.layer, (_shard(s, dp) if fsdp else s.numel) / mp)
-            for s in mine
+            PlanParam(p.name, p.shape, p.layer, (_shard(shapes[p.name], dp) if fsdp else p.numel) / mp)
+            for p in mine
         ]
         _OPT[key] = opt.memory(params, gpu)
     return _OPT[key]

@@ -251,7 +251,12 @@ def _run(
     if restoring:
         restore_from_storage(cfg, path)
     check_resumable(path, cfg, chash, data)
-    check_disk_room(path, cfg.train.checkpoint, plan_json["num_params"])  # else UserError
+    check_disk_room(  # else UserError
+        path,
+        cfg.train.checkpoint,
+        plan_json["num_params"],
+        plan_json.get("checkpoint_bytes_per_param", 12),
+    )
     if not locked:
         lock.enter_context(RunLock.acquire(path))
     if identity.extension is not None:

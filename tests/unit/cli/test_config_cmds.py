@@ -102,3 +102,45 @@ def test_config_commands_import_neither_ray_nor_torch():
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "HEAVY []"
+
+
+def test_registered_names_are_checked_at_validate_without_torch():
+    """Attention and optimizer names are the registries' (read without importing
+    torch): a typo fails `validate`, not the run's workers."""
+    out = trainlab(
+        "validate", TINY, "--set", "model.attention=flexx", "--set", "train.optimizer.name=adam"
+    )
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "model.attention = 'flexx': unknown attention; available: eager, sdpa" in out.stderr
+    assert "train.optimizer.name = 'adam': unknown name; did you mean 'adamw'?" in out.stderr
+    out = trainlab(
+        "validate", TINY, "--set", "train.optimizer.name=muon", "--set", "train.optimizer.momentum=1.5"
+    )
+    assert out.returncode == 2
+    assert "train.optimizer.momentum = 1.5: input should be less than 1" in out.stderr
+    code = (
+        "import sys; from trainlab.config import load_config; "
+        f"load_config({TINY!r}, ['train.optimizer.name=muon', 'model.attention=eager']); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_old_optimizer_fields_still_read_and_keep_the_config_hash():
+    """train.beta1 (and weight_decay, beta2, eps) moved to train.optimizer: the old
+    spelling still loads, means the same, and the hash of an AdamW experiment is
+    what it was before train.optimizer existed (its runs still resume)."""
+    from trainlab.config import config_hash, load_config
+    from trainlab.config.loader import identity_dict
+
+    old = load_config(TINY, ["train.beta1=0.8", "train.weight_decay=0.05"])
+    new = load_config(TINY, ["train.optimizer.beta1=0.8", "train.optimizer.weight_decay=0.05"])
+    assert old.train.optimizer == new.train.optimizer
+    assert old.train.optimizer.name == "adamw" and new.train.optimizer.beta1 == 0.8
+    assert config_hash(old) == config_hash(new)
+    # AdamW's fields sit where they did before train.optimizer: the same hash.
+    plain = load_config(TINY)
+    identity = identity_dict(plain)["train"]
+    assert "optimizer" not in identity and identity["beta2"] == 0.95
+    assert config_hash(load_config(TINY, ["train.optimizer.name=muon"])) != config_hash(plain)

@@ -9,6 +9,7 @@ import pytest
 
 from trainlab.config import ExperimentConfig
 from trainlab.models.registry import StepDtypes, arch_names, get_arch
+from trainlab.optim import PlanParam
 from trainlab.plan import Layout, count_params, estimate_memory, memory_breakdown
 from trainlab.plan.memory import CATEGORIES, GiB, _zero1_share, step_dtypes
 from trainlab.plan.model_math import activation_bytes_per_layer, model_state_bytes
@@ -130,9 +131,10 @@ def test_zero1_shards_only_adam():
 
 
 def test_zero1_partition_is_torchs_greedy_one():
-    m = cfg().model
-    shapes = get_arch("llama").param_shapes(m)
-    mine = _zero1_share(shapes, 8)
+    c = cfg()
+    shapes = [PlanParam(s.name, s.shape, s.layer, s.numel) for s in get_arch("llama").param_shapes(c.model)]
+    # In the optimizer's parameter groups (AdamW: matrices, then the rest).
+    mine = _zero1_share(c.train.optimizer.plan_groups(shapes), 8)
     share = sum(s.numel for s in mine) / sum(s.numel for s in shapes)
     assert 0.11 < share < 0.14  # 1/8, per tensor
     # the largest tensor goes first, to rank 0

@@ -116,8 +116,10 @@ def test_a_plan_that_does_not_fit_is_refused(dataset):
 
 
 def test_unknown_attention_is_refused_before_launch(dataset):
-    with pytest.raises(UserError, match="unknown attention"):
-        launcher.prepare_layout(tiny_config(dataset, model={"attention": "flashy"}))
+    # Refused by the config itself now (torch-free, at `trainlab validate`), so no
+    # launch can even be prepared with it (tests/unit/cli/test_config_cmds.py).
+    with pytest.raises(ValueError, match="unknown attention"):
+        tiny_config(dataset, model={"attention": "flashy"})
 
 
 def test_failure_cause_follows_the_last_failure():

@@ -46,6 +46,12 @@ MODELS = {
         arch="gpt2", hidden_size=768, num_layers=12, num_heads=12, vocab_size=50257,
         max_seq_len=1024, tie_embeddings=True,
     ),
+    # Wide blocks, a small vocabulary and short rows: the optimizer step is the peak
+    # (Muon's gathered update and Newton-Schulz working set of the 4096 x 14336 MLP).
+    "wide": dict(
+        arch="llama", hidden_size=4096, num_layers=4, num_heads=32, num_kv_heads=8,
+        ffn_hidden_size=14336, vocab_size=512, max_seq_len=256, tie_embeddings=False,
+    ),
     "tiny": dict(
         arch="gpt2", hidden_size=64, num_layers=2, num_heads=4, vocab_size=256,
         max_seq_len=64, tie_embeddings=True,
@@ -53,14 +59,20 @@ MODELS = {
 }  # fmt: skip
 
 
-def make_cfg(model, precision, recompute, world, *, gpu=True, accum=1, async_save=False):
+def make_cfg(
+    model, precision, recompute, world, *, gpu=True, accum=1, async_save=False, optimizer="adamw"
+):
     m = MODELS[model]
     return ExperimentConfig.model_validate(
         {
             "name": "trace",
             "model": m,
             "data": {"seq_len": m["max_seq_len"], "micro_batch_size": 1, "grad_accum_steps": accum},
-            "train": {"precision": precision, "checkpoint": {"async_save": async_save}},
+            "train": {
+                "precision": precision,
+                "checkpoint": {"async_save": async_save},
+                "optimizer": {"name": optimizer},
+            },
             "parallel": {"activation_checkpointing": recompute},
             "resource": {"num_workers": world, "use_gpu": gpu},
         }
@@ -83,6 +95,13 @@ MATRIX = [
     ("gpt2", 3, "bf16", "selective", 8, {"accum": 2}),
     ("llama1b", 3, "fp32", "full", 8, {}),
     ("llama70b_8", 3, "bf16", "full", 64, {}),
+    # Muon (trainlab.optim.muon): its state, ZeRO-1's share of its groups, FSDP's
+    # shards, and its step where the step is the peak.
+    ("llama1b", 0, "bf16", "none", 8, {"optimizer": "muon"}),
+    ("gpt2", 1, "bf16", "full", 8, {"optimizer": "muon"}),
+    ("llama1b", 3, "bf16", "none", 8, {"optimizer": "muon"}),
+    ("wide", 0, "bf16", "full", 1, {"optimizer": "muon"}),
+    ("wide", 0, "fp32", "full", 2, {"optimizer": "muon", "gpu": False}),
 ]
 
 
@@ -109,6 +128,8 @@ def test_estimate_within_10_percent_of_the_trace(case):
     # Categories that do not move during the step match closely.
     assert e["optimizer"] == pytest.approx(t["optimizer"], rel=0.02, abs=2**20)
     assert e["checkpoint_snapshot"] == pytest.approx(t["checkpoint_snapshot"], rel=0.02)
+    if model == "wide":  # the case is there to check the optimizer step's figures
+        assert est.phase == traced.phase == "optimizer"
     if zero < 2:
         assert e["parameters"] == pytest.approx(t["parameters"], rel=0.01)
         assert e["communication"] == pytest.approx(t["communication"], rel=0.01)
