@@ -70,6 +70,34 @@ class Callback:
         close whatever an earlier instance opened for `run_dir`."""
 
 
+# Every hook, declared once: the `on_*` methods of `Callback` above. Fan-out
+# (CallbackList), the pipe to the agent (trainlab.train.protocol) and the agent's
+# dispatch are derived from this tuple, so a new hook is one method on Callback
+# (and the loop's call of it).
+HOOKS: tuple[str, ...] = tuple(name for name in vars(Callback) if name.startswith("on_"))
+# Hooks the driver calls itself; a training process never forwards them.
+DRIVER_HOOKS = frozenset({"on_run_abandoned"})
+FORWARDED_HOOKS = tuple(h for h in HOOKS if h not in DRIVER_HOOKS)
+
+
+def derive_hooks(cls: type, names: tuple[str, ...], call: str) -> type:
+    """Give `cls` a method per hook in `names` that calls `self.<call>(name, *args)`,
+    with the hook's documentation (class decorator: `functools.partial` would not
+    bind `self`)."""
+
+    def make(name: str) -> Any:
+        def hook(self: Any, *args: Any) -> None:
+            getattr(self, call)(name, *args)
+
+        hook.__name__ = hook.__qualname__ = name
+        hook.__doc__ = getattr(Callback, name).__doc__
+        return hook
+
+    for name in names:
+        setattr(cls, name, make(name))
+    return cls
+
+
 class CallbackList(Callback):
     """Fan a hook out to several callbacks; one failing callback never kills a run."""
 
@@ -87,30 +115,6 @@ class CallbackList(Callback):
                     "callback %s.%s failed", type(cb).__name__, hook
                 )
 
-    def on_run_start(self, ctx: RunContext) -> None:
-        self._each("on_run_start", ctx)
-
-    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
-        self._each("on_step_end", step, metrics)
-
-    def on_step_signals(self, step: int, signals: dict[str, float]) -> None:
-        self._each("on_step_signals", step, signals)
-
-    def on_rollback(self, record: dict[str, Any]) -> None:
-        self._each("on_rollback", record)
-
-    def on_eval(self, step: int, val_losses: dict[str, float]) -> None:
-        self._each("on_eval", step, val_losses)
-
-    def on_checkpoint(self, step: int, path: str, valid: bool, val_loss: float | None) -> None:
-        self._each("on_checkpoint", step, path, valid, val_loss)
-
-    def on_run_end(self, summary: dict[str, Any]) -> None:
-        self._each("on_run_end", summary)
-
-    def on_run_abandoned(self, run_dir: str, summary: dict[str, Any]) -> None:
-        self._each("on_run_abandoned", run_dir, summary)
-
     @property
     def stop_requested(self) -> bool:  # type: ignore[override]
         return any(cb.stop_requested for cb in self.callbacks)
@@ -118,6 +122,9 @@ class CallbackList(Callback):
     @property
     def stop_reason(self) -> str:  # type: ignore[override]
         return "; ".join(cb.stop_reason for cb in self.callbacks if cb.stop_requested)
+
+
+derive_hooks(CallbackList, HOOKS, "_each")
 
 
 def build_callbacks(factories: tuple[str, ...] | list[str], cfg: Any) -> CallbackList:

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from trainlab.train.callbacks import Callback, RunContext
+from trainlab.train.callbacks import FORWARDED_HOOKS, Callback, derive_hooks
 
 if TYPE_CHECKING:
     from trainlab.train.job import TrainJob
@@ -71,18 +71,8 @@ class LoadLoaderState:
     state: dict[str, Any]
 
 
-# The Callback hooks a training process forwards (on_run_abandoned is the driver's).
-HOOKS = frozenset(
-    {
-        "on_run_start",
-        "on_step_signals",
-        "on_step_end",
-        "on_rollback",
-        "on_eval",
-        "on_checkpoint",
-        "on_run_end",
-    }
-)
+# The Callback hooks a training process forwards (declared once, on Callback).
+HOOKS = frozenset(FORWARDED_HOOKS)
 
 
 @dataclass(frozen=True)
@@ -204,7 +194,7 @@ class PipeLoader:
 class PipeCallbacks(Callback):
     """Rank 0's callbacks, run by the agent; a stop request comes back with each reply
     (the agent runs hooks off its main thread, so a stop a hook asks for arrives with
-    the reply to a later hook)."""
+    the reply to a later hook). One method per forwarded hook, derived from Callback."""
 
     def __init__(self, client: PipeClient):
         self.client = client
@@ -213,27 +203,6 @@ class PipeCallbacks(Callback):
     def _hook(self, name: str, *args: Any) -> None:
         self._stop = self.client.call(Hook(name, args))
 
-    def on_run_start(self, ctx: RunContext) -> None:
-        self._hook("on_run_start", ctx)
-
-    def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
-        self._hook("on_step_end", step, metrics)
-
-    def on_step_signals(self, step: int, signals: dict[str, float]) -> None:
-        self._hook("on_step_signals", step, signals)
-
-    def on_rollback(self, record: dict[str, Any]) -> None:
-        self._hook("on_rollback", record)
-
-    def on_eval(self, step: int, val_losses: dict[str, float]) -> None:
-        self._hook("on_eval", step, val_losses)
-
-    def on_checkpoint(self, step: int, path: str, valid: bool, val_loss: float | None) -> None:
-        self._hook("on_checkpoint", step, path, valid, val_loss)
-
-    def on_run_end(self, summary: dict[str, Any]) -> None:
-        self._hook("on_run_end", summary)
-
     @property
     def stop_requested(self) -> bool:  # type: ignore[override]
         return self._stop.requested
@@ -241,3 +210,6 @@ class PipeCallbacks(Callback):
     @property
     def stop_reason(self) -> str:  # type: ignore[override]
         return self._stop.reason
+
+
+derive_hooks(PipeCallbacks, FORWARDED_HOOKS, "_hook")
