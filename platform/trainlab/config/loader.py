@@ -387,6 +387,8 @@ def identity_dict(cfg: ExperimentConfig) -> dict[str, Any]:
             for k in sub:
                 d[key].pop(k, None)
     d["data"]["global_batch_size"] = cfg.global_batch_size  # however it is split
+    if not d["train"].get("components"):
+        d["train"].pop("components", None)  # none: the hash of before they existed
     optimizer = d["train"].pop("optimizer")
     if optimizer["name"] == "adamw":
         # AdamW's fields where they were before train.optimizer existed: the same

@@ -20,6 +20,8 @@ from trainlab.optim import OptimizerConfig
 
 PosInt = Annotated[int, Field(ge=1)]
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
+# "package.module:function"
+IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
 class Section(BaseModel):
@@ -212,6 +214,28 @@ class TrainConfig(Section):
     # What rollback_and_skip does after an anomaly, given up front (docs/monitoring.md).
     skip_steps: list[tuple[PosInt, PosInt]] = Field(default_factory=list)
     chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+    # More parts of the training loop, by import path "package.module:factory" with
+    # factory(cfg) -> list of trainlab.train.components.Component; they run on every
+    # rank after the built-in ones, before checkpointing (docs/contracts.md).
+    components: list[Annotated[str, Field(pattern=IMPORT_PATH)]] = Field(
+        default_factory=list, max_length=64
+    )
+
+    @field_validator("components")
+    @classmethod
+    def _components_importable(cls, paths: list[str]) -> list[str]:
+        """The module of each path must exist (found, not imported: no torch here)."""
+        from importlib.util import find_spec
+
+        for path in paths:
+            module = path.partition(":")[0]
+            try:
+                found = find_spec(module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise ValueError(f"{path!r}: no module {module!r} on the Python path")
+        return paths
 
     @model_validator(mode="before")
     @classmethod

@@ -364,11 +364,22 @@ def unknown_arch_message() -> str:
     return f"unknown architecture; available: {', '.join(arch_names())}"
 
 
-@functools.cache
 def attention_names() -> tuple[str, ...]:
-    """The names `model.attention` may take, read from the `@register("name")`
-    decorators of trainlab.models.attention's modules without importing them
-    (they import torch; `trainlab validate` must not)."""
+    """The names `model.attention` may take: those of the `@register("name")`
+    decorators in trainlab.models.attention's modules, read without importing them
+    (they import torch; `trainlab validate` must not), and any registered at run
+    time when that package is already loaded."""
+    import sys
+
+    names = set(_attention_files_names())
+    loaded = sys.modules.get("trainlab.models.attention")
+    if loaded is not None:
+        names |= set(getattr(loaded, "_REGISTRY", {}))
+    return tuple(sorted(names))
+
+
+@functools.cache
+def _attention_files_names() -> tuple[str, ...]:
     import ast
     from importlib.util import find_spec
 

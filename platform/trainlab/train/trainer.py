@@ -14,20 +14,28 @@ stream for global step 20 (the 21st batch).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import signal
+import math
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
+from trainlab.runstatus import RunStatus
 from trainlab.train import checkpoint as ck
 from trainlab.train.callbacks import Callback, CallbackList, RunContext
 from trainlab.train.checkpointer import Checkpointer, layout_of
+from trainlab.train.components import (
+    ROLLED_BACK,
+    Chaos,
+    Checkpointing,
+    Component,
+    Evaluator,
+    MetricsLog,
+    P0Guard,
+    build_components,
+)
 from trainlab.train.distributed import DistEnv
 from trainlab.train.job import TrainJob
 from trainlab.train.metrics import (
@@ -36,12 +44,10 @@ from trainlab.train.metrics import (
     STOP_AND_SAVE,
     Meter,
     P0Rules,
-    PendingSignals,
     StepSignals,
     launch,
     memory_gap,
     peak_memory_bytes,
-    progress_line,
 )
 from trainlab.train.parallel import reshard
 from trainlab.train.records import (
@@ -106,16 +112,24 @@ class Trainer:
         self.last_loss: float | None = None
         self.last_checkpoint: ck.CheckpointInfo | None = None
         self.checkpoints: list[ck.CheckpointInfo] = []
-        self.last_valid_at = time.time()
         self.stop_reason = ""
         self.stopped_at: int | None = None  # the step a P0 action stopped the run at
         self.stop_signal = NO_STOP  # the newest stop request every rank agreed on
-        self._saved_at = time.time()  # when the newest state on disk was (or the start)
+        self.stop = NO_STOP  # this step's stop decision (MetricsLog, request_stop)
         self.last_signals = StepSignals(0, float("nan"), float("nan"), 0, 0.0, 0.0)
         self.p0_rules = P0Rules(self.cfg.tracking.alerts, job.p0_rules)
-        self._eval_step = 0  # the step of the latest evaluation
-        self._best_val_loss: float | None = None  # the lowest evaluation of this start
-        self._chaos_fired: set[int] = set()
+        # The loop's components (trainlab.train.components), in the order they act
+        # at a step's end; more from train.components, before checkpointing.
+        self.guard, self.chaos = P0Guard(), Chaos()
+        self.evaluator, self.saver = Evaluator(), Checkpointing()
+        self.components: list[Component] = [
+            self.guard,
+            self.chaos,
+            MetricsLog(),
+            self.evaluator,
+            *build_components(self.cfg.train.components, self.cfg),
+            self.saver,
+        ]
 
     @property
     def step(self) -> int:
@@ -128,83 +142,81 @@ class Trainer:
     # ----------------------------------------------------------------- the loop
 
     def fit(self) -> dict[str, Any] | None:
-        """Train to the end (or until a callback or a P0 action stops the run); rank 0
-        returns the run summary and writes run_summary.json.
+        """Train to the end (or until a callback, a component or a P0 action stops
+        the run); rank 0 returns the run summary and writes run_summary.json.
 
-        Every step's health signals are read one step late (train.metrics): step
-        s-1's after step s is queued, and a step's own at the steps that log,
-        evaluate or checkpoint, so no checkpoint ever holds a state whose step was
-        non-finite. A P0 action (tracking.alerts.on_p0) is decided on every rank
-        from the same all-reduced values."""
-        if self.env.is_main:
-            self.checkpointer.validation_batch = self._validation_batch()
-            self.checkpoints = ck.committed(self.job.checkpoint_root)
-        self.last_checkpoint = self.checkpointer.restore()
-        start = self.start_step = self._eval_step = self.step
-        self._announce_start(start)
-        t = self.cfg.train
-        self._chaos_fired = self._chaos_markers()
+        Each pass: skip what the skip windows say, or get the step's batches, take
+        the step, and hand it to the components (trainlab.train.components), which
+        decide for themselves. Every step's health signals are read one step late
+        (train.metrics): step s-1's after step s is queued, and a step's own when
+        a component acts at it, so no checkpoint ever holds a state whose step was
+        non-finite."""
+        self._start()
         stream: Iterator[tuple[int, list[Batch]]] | None = None
-        pending: PendingSignals | None = None
-        self.meter.reset()
-        status = None
-        while self.step < t.total_steps and status is None:
-            target = self._skip_target(self.step)
+        status: str | None = None
+        total = self.cfg.train.total_steps
+        while self.step < total and status is None:
+            target = self.guard.skip_target(self, self.step)
             if target != self.step:
-                status, pending = self._observe(pending), None
-                if status == "rolled_back":
-                    status, stream = None, None
-                    continue
-                if status is not None:
-                    break
-                log.info("skipping the batches of steps %d-%d", self.step + 1, target)
-                self.state.progress.step, stream = target, None
-                continue
-            if stream is None:
-                stream = self.loader.iter_from(self.step)
-            t0 = time.perf_counter()
-            got_step, micro_batches = next(stream)
-            if got_step != self.step:
-                raise RuntimeError(f"data stream gave step {got_step}, expected {self.step}")
-            t1 = time.perf_counter()
-            loss, grad_norm = self.train_step(micro_batches)
-            step_time = time.perf_counter() - t0
-            self.meter.record(data_wait=t1 - t0, step_time=step_time)
-            if self.step == start + 1 and self.env.is_main:
-                self.records.first_step_done(self.job.session, self.step)
-            self._maybe_chaos_kill()
-            asked = self._stop_request()  # rank 0's, carried with this step's signals
-            current = launch(self.env, self.step, loss, grad_norm, step_time, t1 - t0, asked)
-            status, pending = self._observe(pending), current  # the previous step's
-            last = self.step == t.total_steps
-            # A stop rank 0 asked for (Ctrl-C, a callback) is read one step late, the
-            # same on every rank: the run stops at this step, logging it.
-            log_now = self.step % t.log_interval == 0 or last or self.stop_signal != NO_STOP
-            eval_now = self.step % t.eval_interval == 0 or last
-            save_now = self.step % t.checkpoint.every_steps == 0 or last
-            if status is None and (log_now or eval_now or save_now):
-                status, pending = self._observe(pending), None  # this step's, now
-            if status == "rolled_back":
-                status, stream, pending = None, None, None
-                continue
-            if status is not None:
-                break
-            log_now = log_now or self.stop_signal != NO_STOP  # this step's own may ask
-            stop = max(self._log_step() if log_now else NO_STOP, self.stop_signal)
-            if eval_now:
-                self._evaluate_now()
-            if save_now or stop == STOP_AND_SAVE:
-                self._save()
-            self._deliver_checkpoints()
-            if stop != NO_STOP:
-                status = "stopped"
-                if self.env.is_main and not self.stop_reason:
-                    self.stop_reason = self.callbacks.stop_reason or "a callback requested a stop"
+                status = self.guard.observe(self)
+                if status is None:
+                    log.info("skipping the batches of steps %d-%d", self.step + 1, target)
+                    self.state.progress.step = target
+                stream = None
+            else:
+                if stream is None:
+                    stream = self.loader.iter_from(self.step)
+                status = self._advance(stream)
+            if status == ROLLED_BACK:
+                status, stream = None, None
         if status is None:
-            status, pending = self._observe(pending), None
-        self.checkpointer.wait()
-        self._deliver_checkpoints()
-        return self._finish("completed" if status in (None, "rolled_back") else status)
+            status = self.guard.observe(self)
+        status = RunStatus.COMPLETED if status in (None, ROLLED_BACK) else status
+        for component in self.components:
+            component.on_end(self, status)
+        return self._finish(status)
+
+    def _advance(self, stream: Iterator[tuple[int, list[Batch]]]) -> str | None:
+        """One step from `stream` and its components; a status when the run ends
+        (or ROLLED_BACK), else None."""
+        t0 = time.perf_counter()
+        got_step, micro_batches = next(stream)
+        if got_step != self.step:
+            raise RuntimeError(f"data stream gave step {got_step}, expected {self.step}")
+        t1 = time.perf_counter()
+        loss, grad_norm = self.train_step(micro_batches)
+        step, last = self.step, self.step == self.cfg.train.total_steps
+        step_time = time.perf_counter() - t0
+        self.meter.record(data_wait=t1 - t0, step_time=step_time)
+        if step == self.start_step + 1 and self.env.is_main:
+            self.records.first_step_done(self.job.session, step)
+        for component in self.components:
+            component.after_step(self, step)
+        asked = self.stop_request()  # rank 0's, carried with this step's signals
+        current = launch(self.env, step, loss, grad_norm, step_time, t1 - t0, asked)
+        status = self.guard.launch(self, current)  # judges the previous step
+        # A stop rank 0 asked for (Ctrl-C, a callback) is read one step late, the same
+        # on every rank: the run stops at this step, logging it.
+        if status is None and any(c.due(self, step, last) for c in self.components):
+            status = self.guard.observe(self)  # this step's own, before anyone acts on it
+        if status is not None:
+            return status
+        self.stop = self.stop_signal
+        for component in self.components:
+            component.at_step_end(self, step, last)
+        if self.stop == NO_STOP:
+            return None
+        if self.env.is_main and not self.stop_reason:
+            self.stop_reason = self.callbacks.stop_reason or "a callback requested a stop"
+        return RunStatus.STOPPED
+
+    def request_stop(self, reason: str, save: bool = True) -> None:
+        """A component's stop at this step (with a checkpoint unless `save` is False).
+        Components run on every rank: call it on all of them, at the same step."""
+        from trainlab.train.metrics import STOP
+
+        self.stop = max(self.stop, STOP_AND_SAVE if save else STOP)
+        self.stop_reason = self.stop_reason or reason
 
     def train_step(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro batches; returns (local mean
@@ -216,135 +228,10 @@ class Trainer:
             self.step,
             micro_batches,
             self.env.device,
-            loss_factor=self._chaos_factor(self.step + 1),
+            loss_factor=math.prod(c.loss_factor(self, self.step + 1) for c in self.components),
         )
         self.state.progress.step += 1
         return out
-
-    # ----------------------------------------------------------------- health and P0
-
-    def _observe(self, pending: PendingSignals | None) -> str | None:
-        """Read a step's signals, hand them to the callbacks (rank 0) and the P0
-        rules (every rank, train.metrics.P0Rules); returns what the P0 action did:
-        None (nothing), "rolled_back" or "stopped_by_alert"."""
-        if pending is None:
-            return None
-        signals = self.last_signals = pending.read()
-        self.stop_signal = max(self.stop_signal, signals.stop)
-        if self.env.is_main:
-            self.callbacks.on_step_signals(signals.step, signals.metrics())
-        rule = self.p0_rules.check(signals)
-        action = self.cfg.tracking.alerts.on_p0
-        if rule is None or action == "notify":
-            return None
-        reason = f"P0 alert {rule} at step {signals.step}: {signals.describe()}"
-        if action == "rollback_and_skip":
-            done = len(self.checkpointer.rollbacks)
-            if done < self.cfg.tracking.alerts.max_rollbacks:
-                if self._rollback(rule, signals.step):
-                    return "rolled_back"
-                reason += " (no valid checkpoint before it to roll back to)"
-            else:
-                reason += f" (tracking.alerts.max_rollbacks = {done} used up)"
-        log.error("stopping: %s", reason)
-        self.stop_reason = reason
-        self.stopped_at = signals.step
-        return "stopped_by_alert"
-
-    def _rollback(self, rule: str, at: int) -> bool:
-        """Reload the newest valid checkpoint before the alert's step and skip the
-        batches since (every rank at the same step); False when there is none."""
-        self.checkpointer.wait()
-        self._deliver_checkpoints()
-        choice = None
-        if self.env.is_main:
-            before = [c for c in ck.committed(self.job.checkpoint_root) if c.valid and c.step < at]
-            choice = str(max(before, key=lambda c: c.step).path) if before else None
-        choice = self.env.broadcast_object(choice)
-        if choice is None:
-            return False
-        rollbacks = list(self.checkpointer.rollbacks)
-        self.checkpointer.load(Path(choice))
-        to_step = self.step
-        record = {
-            "from_step": at,
-            "to_step": to_step,
-            "skipped": [to_step + 1, at],
-            "rule": rule,
-        }
-        self.checkpointer.rollbacks = [*rollbacks, record]
-        self._eval_step = to_step
-        self.meter.reset()
-        log.warning(
-            "P0 %s at step %d: rolled back to step %d, skipping steps %d-%d",
-            rule,
-            at,
-            to_step,
-            to_step + 1,
-            at,
-        )
-        if self.env.is_main:
-            self.callbacks.on_rollback(dict(record))
-        return True
-
-    def _skip_target(self, step: int) -> int:
-        """The step to continue from when the next steps' batches are skipped
-        (train.skip_steps and the rollbacks' windows); `step` when none is."""
-        windows = [tuple(w) for w in self.cfg.train.skip_steps]
-        windows += [tuple(r["skipped"]) for r in self.checkpointer.rollbacks]
-        moved = True
-        while moved:
-            moved = False
-            for first, last in windows:
-                if first <= step + 1 <= last:
-                    step, moved = last, True
-        return step
-
-    def _chaos_factor(self, step: int) -> float:
-        """train.chaos.nan_at_steps / spike_at_steps: the loss factor for step `step`
-        (1-based), each firing once per run directory (a marker, like kill_at_steps)."""
-        chaos = self.cfg.train.chaos
-        if step in self._chaos_fired:
-            return 1.0
-        if step in chaos.nan_at_steps:
-            factor = float("nan")
-        elif step in chaos.spike_at_steps:
-            factor = chaos.spike_factor
-        else:
-            return 1.0
-        self._chaos_fired.add(step)
-        if self.env.is_main:
-            marker = self._chaos_marker(step)
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps({"step": step, "loss_factor": str(factor)}))
-        log.warning("chaos: step %d's loss multiplied by %s", step, factor)
-        return factor
-
-    def _chaos_marker(self, step: int) -> Path:
-        return Path(self.job.run_dir) / "logs" / f"chaos-loss-step-{step:08d}.json"
-
-    def _chaos_markers(self) -> set[int]:
-        chaos = self.cfg.train.chaos
-        steps = set(chaos.nan_at_steps) | set(chaos.spike_at_steps)
-        return {s for s in steps if self._chaos_marker(s).exists()}
-
-    def _evaluate_now(self) -> None:
-        self.state.progress.val_losses = self.evaluate()
-        self._eval_step = self.step
-        now = self.state.progress.val_losses.get("all")
-        if now is not None and (self._best_val_loss is None or now < self._best_val_loss):
-            self._best_val_loss = now
-        if self.env.is_main and self.state.progress.val_losses:
-            self.callbacks.on_eval(self.step, dict(self.state.progress.val_losses))
-
-    def _save(self) -> None:
-        """A checkpoint of this step. keep_best ranks it by the held-out evaluation
-        of this very step (val_loss, as reported); a checkpoint saved between
-        evaluations has no val_loss and is not ranked (no extra evaluation)."""
-        t0 = time.perf_counter()
-        self._saved_at = time.time()
-        self.checkpointer.save(evaluated=self._eval_step == self.step)
-        self.meter.record_checkpoint(time.perf_counter() - t0)
 
     def evaluate(self) -> dict[str, float]:
         """Validation loss per source on its held-out split, and "all" (token-weighted)."""
@@ -409,6 +296,18 @@ class Trainer:
 
     # ----------------------------------------------------------------- around the loop
 
+    def _start(self) -> None:
+        """Restore the newest valid checkpoint, record the attempt, start the components."""
+        if self.env.is_main:
+            self.checkpointer.validation_batch = self._validation_batch()
+            self.checkpoints = ck.committed(self.job.checkpoint_root)
+        self.last_checkpoint = self.checkpointer.restore()
+        self.start_step = self.step
+        self._announce_start(self.start_step)
+        for component in self.components:
+            component.on_start(self)
+        self.meter.reset()
+
     def _validation_batch(self) -> Batch:
         """The fixed batch checkpoint validation runs a forward on."""
         for source in self.job.sources:
@@ -454,27 +353,7 @@ class Trainer:
             )
         )
 
-    def _log_step(self) -> int:
-        """Metrics of the window since the last log, on rank 0; returns rank 0's stop
-        request (`_stop_request`: a callback may ask in `on_step_end`), the same on
-        every rank (collectives: every rank calls this at the same steps). The
-        step's loss and grad norm are its agreed signals (already read)."""
-        signals = self.last_signals
-        self.last_loss = signals.loss
-        metrics = self.meter.window(
-            self.step, signals.loss, signals.grad_norm, time.time() - self.last_valid_at
-        )
-        for source, share in self.loader.delivered_shares(self.step).items():
-            metrics[f"share/{source}"] = float(share)
-        if self.env.is_main:
-            self.callbacks.on_step_end(self.step, metrics)
-            log.info(progress_line(self.step, self.cfg.train.total_steps, metrics))
-        if self.report is not None:
-            self.report({"step": self.step, **metrics})
-        self.meter.reset()
-        return int(self.env.broadcast_object(self._stop_request()))
-
-    def _stop_request(self) -> int:
+    def stop_request(self) -> int:
         """Rank 0's stop request (NO_STOP on other ranks): a callback's stop saves a
         checkpoint; a Ctrl-C's (INTERRUPT_REASON) only when the newest state on disk
         is at least train.checkpoint.on_interrupt_min_age_s old, else the run
@@ -483,35 +362,8 @@ class Trainer:
             return NO_STOP
         if self.callbacks.stop_reason != INTERRUPT_REASON:
             return STOP_AND_SAVE
-        age = time.time() - self._saved_at
+        age = time.time() - self.saver.saved_at
         return STOP_AND_SAVE if age >= self.cfg.train.checkpoint.on_interrupt_min_age_s else STOP
-
-    def _deliver_checkpoints(self) -> None:
-        for info in self.checkpointer.completed():
-            self.checkpoints = [c for c in self.checkpoints if c.step != info.step] + [info]
-            self.last_checkpoint = info
-            if info.valid:
-                self.last_valid_at = time.time()
-            log.info(
-                "checkpoint %s: %s%s",
-                info.path,
-                "valid" if info.valid else "NOT valid",
-                f" (val_loss {info.val_loss:.4f})" if info.val_loss is not None else "",
-            )
-            self.callbacks.on_checkpoint(info.step, str(info.path), info.valid, info.val_loss)
-
-    def _maybe_chaos_kill(self) -> None:
-        """train.chaos.kill_at_steps: hard-kill this training process the first time
-        step k is reached (right after optimizer step k, before its logs and checkpoint)."""
-        chaos = self.cfg.train.chaos
-        if self.step not in chaos.kill_at_steps or self.env.rank != chaos.kill_rank:
-            return
-        if self.records.chaos_marker(self.step).exists():
-            return
-        log.warning(self.records.record_chaos_kill(self.step, self.env.rank))
-        for handler in logging.getLogger("trainlab").handlers:
-            handler.flush()
-        os.kill(os.getpid(), signal.SIGKILL)
 
     def weights_sha256(self) -> str | None:
         """Hash of the full model state dict on rank 0 (a collective under FSDP)."""
@@ -536,7 +388,7 @@ class Trainer:
         summary = run_summary(
             self.job,
             status,
-            step=self.stopped_at if status == "stopped_by_alert" else self.step,
+            step=self.stopped_at if status == RunStatus.STOPPED_BY_ALERT else self.step,
             restarts=self.restarts,
             last_checkpoint=self.last_checkpoint,
             best_checkpoint=ck.best(self.checkpoints),
@@ -551,11 +403,11 @@ class Trainer:
         summary["rollbacks"] = list(self.checkpointer.rollbacks)
         # val_loss is the latest evaluation; best_val_loss the lowest of the run's:
         # this start's and those its kept checkpoints hold (keep_best keeps the lowest).
-        lowest = [v for v in (self._best_val_loss, summary.get("best_val_loss")) if v is not None]
+        lowest = [v for v in (self.evaluator.best, summary.get("best_val_loss")) if v is not None]
         summary["best_val_loss"] = min(lowest) if lowest else None
         saved = self.last_checkpoint is not None and self.last_checkpoint.step == self.step
         # The state in memory is past the anomaly, or a Ctrl-C stopped without saving.
-        if status == "stopped_by_alert" or (status == "stopped" and not saved):
+        if status == RunStatus.STOPPED_BY_ALERT or (status == RunStatus.STOPPED and not saved):
             resume = ck.find_resume(self.job.checkpoint_root, require_valid=True)
             summary["resume_step"] = resume.step if resume else 0
         self.records.write_summary(summary)

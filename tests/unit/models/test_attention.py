@@ -14,8 +14,13 @@ from trainlab.models import build_model
 
 
 def test_unknown_attention_is_a_user_error_naming_the_choices():
+    # The config refuses it at validation now (torch-free); a model section that
+    # skipped validation still gets the error naming the choices when built.
+    with pytest.raises(ValueError, match=r"unknown attention; available: eager, sdpa"):
+        small("llama", attention="nope")
+    unchecked = small("llama").model_copy(update={"attention": "nope"})
     with pytest.raises(UserError, match=r"model.attention = 'nope'.*eager, sdpa"):
-        build_model(small("llama", attention="nope"))
+        build_model(unchecked)
 
 
 def test_a_new_attention_variant_is_one_file(tmp_path, monkeypatch):

@@ -1,0 +1,31 @@
+"""A loop component for tests/unit/train/test_components.py, loaded by import path
+(`train.components: ["tests.unit.train.loop_components:stop_after_four"]`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from trainlab.train.components import Component
+
+
+class StopAfter(Component):
+    """Records the steps it saw on each rank; stops the run (with a checkpoint) at
+    `at`, deciding from the step alone, so every rank agrees."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, []
+
+    def after_step(self, loop: Any, step: int) -> None:
+        self.seen.append(step)
+
+    def at_step_end(self, loop: Any, step: int, last: bool) -> None:
+        out = Path(loop.job.run_dir) / "logs" / f"component-rank{loop.env.rank}.json"
+        out.write_text(json.dumps(self.seen))
+        if step == self.at:
+            loop.request_stop(f"the test component stops at step {step}")
+
+
+def stop_after_four(cfg: Any) -> list[Component]:
+    return [StopAfter(4)]
