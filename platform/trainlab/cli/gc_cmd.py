@@ -38,18 +38,12 @@ import click
 
 from trainlab.cli.common import echo_json, json_option
 from trainlab.errors import UserError
+from trainlab.runstatus import RunStatus
 from trainlab.train import runlock
 
-STATUSES = (
-    "completed",
-    "stopped",
-    "stopped_by_alert",
-    "interrupted",
-    "lost",
-    "failed",
-    "unfinished",
-    "smoke",
-)
+# How runs ended (trainlab.runstatus), and gc's own two: a run without a summary,
+# and a --smoke rehearsal.
+STATUSES = (*RunStatus, "unfinished", "smoke")
 # What a trimmed run keeps besides its two checkpoints: the record of what it was.
 RECORDS = ("config.yaml", "plan.json", "run_summary.json", "logs")
 # The run's lock file stays while the directory does (trainlab.train.runlock says why).

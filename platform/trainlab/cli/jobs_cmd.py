@@ -11,6 +11,7 @@ import sys
 import click
 
 from trainlab.cli.common import config_args, echo_json, json_option
+from trainlab.runstatus import RunStatus
 
 
 def _address_option(fn):  # noqa: ANN001, ANN202 - click decorator
@@ -178,7 +179,7 @@ def _end_stopped_run(info: object, job_id: str) -> dict | None:
     if run_dir is None:
         return None
     try:
-        return end_run(run_dir, "stopped", f"stopped by trainlab stop {job_id}")
+        return end_run(run_dir, RunStatus.STOPPED, f"stopped by trainlab stop {job_id}")
     except OSError as e:  # the run directory is on storage this machine does not see
         click.echo(f"  could not mark the run in {run_dir} stopped: {e}", err=True)
         return None

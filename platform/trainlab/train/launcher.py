@@ -35,6 +35,7 @@ from typing import Any
 from trainlab.config import ExperimentConfig
 from trainlab.errors import UserError
 from trainlab.plan import plan, require_fit, resolve_layout
+from trainlab.runstatus import RunStatus
 from trainlab.storage import check_disk_room
 from trainlab.train import checkpoint as ck
 from trainlab.train import rundir
@@ -293,7 +294,7 @@ def _run(
         summary = _fit(cfg, job)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once
         return _interrupted(job, shutdown=True)
-    if smoke and summary.get("status") != "interrupted":
+    if smoke and summary.get("status") != RunStatus.INTERRUPTED:
         summary = _check_smoke(path, summary)
     return summary
 
@@ -365,7 +366,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     summary = RunRecords(job.run_dir).read_summary()
     if summary is None:
         raise RuntimeError(f"{job.run_dir}: the run ended without writing run_summary.json")
-    if summary.get("status") == "failed":  # the agents ran out of restarts
+    if summary.get("status") == RunStatus.FAILED:  # the agents ran out of restarts
         raise TrainingFailed(summary)
     return summary
 
@@ -453,7 +454,7 @@ def _check_smoke(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     records = RunRecords(run_dir)
     resumed_from = [a["start_step"] for a in records.attempts()][1:]
     checks = {
-        "completed": summary.get("status") == "completed",
+        "completed": summary.get("status") == RunStatus.COMPLETED,
         "checkpoint_saved_and_validated": bool(ck.committed(run_dir / "checkpoints"))
         and all(i.valid for i in ck.committed(run_dir / "checkpoints")),
         "worker_killed_and_restarted": summary.get("restarts", 0) >= 1,
@@ -462,7 +463,7 @@ def _check_smoke(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     summary = {**summary, "smoke": {"checks": checks, "resumed_from": resumed_from}}
     if not all(checks.values()):
         failed = ", ".join(k for k, ok in checks.items() if not ok)
-        summary.update(status="failed", error=f"smoke rehearsal failed: {failed}")
+        summary.update(status=RunStatus.FAILED, error=f"smoke rehearsal failed: {failed}")
         records.write_summary(summary)
         raise TrainingFailed(summary)
     records.write_summary(summary)

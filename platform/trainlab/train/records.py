@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.fileutil import write_text_atomic
+from trainlab.runstatus import RunStatus
 
 SUMMARY = "run_summary.json"
 FAILURES = "failures.jsonl"
@@ -259,8 +260,8 @@ def run_summary(
     val_losses = dict(val_losses or {})
     val_loss = val_losses.get("all")
     if stop_reason == INTERRUPT_REASON:  # a stop the user asked for with Ctrl-C
-        status = "interrupted"
-    if status == "failed" and best_checkpoint is not None:
+        status = RunStatus.INTERRUPTED
+    if status == RunStatus.FAILED and best_checkpoint is not None:
         val_loss = best_checkpoint.val_loss  # the evaluation of what a retry resumes
     summary: dict[str, Any] = {
         "name": job.cfg.name,
@@ -291,7 +292,7 @@ def run_summary(
         "planned_memory_bytes": planned_memory_bytes(job.plan),
         "failures": failures,
     }
-    if status == "failed":
+    if status == RunStatus.FAILED:
         summary["error"] = error
         summary["failure_cause"] = failure_cause(failures)
     extensions = RunRecords(job.run_dir).extensions()
@@ -309,13 +310,13 @@ def interrupted_summary(job: Any) -> dict[str, Any]:
     """The summary of a run the user interrupted before its training processes could
     write one (a Ctrl-C during startup, or a second Ctrl-C): status "interrupted"
     at the newest valid checkpoint, which `--resume` continues from."""
-    return _summary_at_newest_checkpoint(job, "interrupted", stop_reason=INTERRUPT_REASON)
+    return _summary_at_newest_checkpoint(job, RunStatus.INTERRUPTED, stop_reason=INTERRUPT_REASON)
 
 
 def failed_summary(job: Any, error: str) -> dict[str, Any]:
     """The summary of a run that ran out of restarts: every failure with its step,
     rank and error, and the checkpoint a later --run-dir/--resume would use."""
-    return _summary_at_newest_checkpoint(job, "failed", error=error)
+    return _summary_at_newest_checkpoint(job, RunStatus.FAILED, error=error)
 
 
 def _summary_at_newest_checkpoint(job: Any, status: str, **extra: Any) -> dict[str, Any]:

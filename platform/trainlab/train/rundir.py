@@ -42,6 +42,7 @@ import yaml
 from trainlab.config import ExperimentConfig, config_hash, to_yaml
 from trainlab.config.loader import identity_diff
 from trainlab.errors import UserError
+from trainlab.runstatus import RunStatus
 from trainlab.train.records import RunRecords
 
 EXTEND_KEY = "train.total_steps"
@@ -207,7 +208,7 @@ def completed_summary(run_dir: Path, cfg: ExperimentConfig) -> dict[str, Any] | 
     summary = RunRecords(run_dir).read_summary()
     if (
         summary
-        and summary.get("status") == "completed"
+        and summary.get("status") == RunStatus.COMPLETED
         and summary.get("final_step") == cfg.train.total_steps
     ):
         return summary
