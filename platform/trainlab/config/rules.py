@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from trainlab.config.dims import default_dp, layout_executes
+
 
 @dataclass(frozen=True)
 class Problem:
@@ -54,7 +56,7 @@ def resolve_parallel_defaults(parallel: Any, resource: Any) -> None:
     parallel.tp = parallel.tp or 1
     parallel.pp = parallel.pp or 1
     if parallel.dp is None:
-        parallel.dp = max(1, resource.num_workers // (parallel.tp * parallel.pp))
+        parallel.dp = default_dp(resource.num_workers, parallel.tp, parallel.pp)
     if parallel.zero_stage is None:
         parallel.zero_stage = 0 if parallel.strategy == "ddp" else 3
     if parallel.pp_virtual_stages is None:
@@ -346,14 +348,9 @@ def _zero_matches_strategy(cfg: dict[str, Any]) -> Iterator[Problem]:
 @rule("parallel", "train")
 def _layout_executes(cfg: dict[str, Any]) -> Iterator[Problem]:
     p = cfg["parallel"]
-    model_parallel = (p["tp"] or 1) > 1 or (p["pp"] or 1) > 1
-    if model_parallel and p["zero_stage"] == 1 and (p["dp"] or 1) > 1:
-        yield Problem(
-            "parallel.zero_stage",
-            1,
-            "ZeRO-1 (DDP with a sharded optimizer) does not compose with tp/pp > 1: "
-            "use zero_stage 0 (DDP) or strategy fsdp (2, 3)",
-        )
+    why = layout_executes(p["tp"] or 1, p["pp"] or 1, p["dp"] or 1, p["zero_stage"])
+    if why:
+        yield Problem("parallel.zero_stage", p["zero_stage"], why)
     if (p["pp"] or 1) > 1 and cfg["train"]["precision"] == "fp16":
         yield Problem(
             "train.precision",

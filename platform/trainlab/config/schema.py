@@ -506,7 +506,9 @@ class ExperimentConfig(Section):
         d = self.data
         if d.global_batch_size is not None:
             return d.global_batch_size
-        dp = self.parallel.dp or self.resource.num_workers
+        from trainlab.config.dims import ParallelDims
+
+        dp = ParallelDims.of(self).dp
         # Without a stated global batch the rules make micro_batch_size an int and the
         # validator fills grad_accum_steps (1 unless given).
         return int(d.micro_batch_size) * (d.grad_accum_steps or 1) * dp

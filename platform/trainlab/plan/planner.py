@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainlab.config.dims import ParallelDims, layout_executes
 from trainlab.config.schema import ExperimentConfig
 from trainlab.errors import UserError
 from trainlab.plan.model_math import (
@@ -61,9 +62,8 @@ class Layout:
 
     @property
     def executes(self) -> bool:
-        """Whether the trainer runs it: every layout but ZeRO-1 beside tp/pp over
-        more than one replica (trainlab.train.parallel)."""
-        return not (self.zero_stage == 1 and self.dp > 1 and (self.tp > 1 or self.pp > 1))
+        """Whether the trainer runs it (decided in trainlab.config.dims)."""
+        return layout_executes(self.tp, self.pp, self.dp, self.zero_stage) is None
 
     def describe(self) -> str:
         return (
@@ -399,9 +399,10 @@ def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 def _executable_groups(cfg: ExperimentConfig) -> list[list[Layout]]:
     """The layouts the trainer runs, as the planner would consider them."""
-    p, world = cfg.parallel, cfg.resource.num_workers
+    p = cfg.parallel
     if p.strategy != "auto":
-        return [[Layout(p.tp or 1, p.pp or 1, p.dp or world, p.zero_stage or 0)]]
+        dims = ParallelDims.of(cfg)
+        return [[Layout(dims.tp, dims.pp, dims.dp, dims.zero_stage)]]
     return _groups([lay for lay in candidate_layouts(cfg) if lay.executes])
 
 
@@ -448,7 +449,8 @@ def _what_to_change(cfg: ExperimentConfig) -> list[str]:
     if mb != "auto" and mb > 1:
         smaller = {mb >> k for k in range(1, mb.bit_length())}
         if d.global_batch_size is not None:
-            smaller |= {x for x in _divisors(d.global_batch_size // (p.dp or world)) if x < mb}
+            dp = ParallelDims.of(cfg).dp
+            smaller |= {x for x in _divisors(d.global_batch_size // dp) if x < mb}
         for x in sorted(smaller, reverse=True):
             if _runs_and_fits(_variant(cfg, data={"micro_batch_size": x, **accum})):
                 fixes.append(f"data.micro_batch_size: {x}")

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from trainlab.config.dims import ParallelDims
 from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.train import checkpoint as ck
 from trainlab.train.distributed import DistEnv
@@ -240,14 +241,8 @@ class Checkpointer:
 
 def layout_of(cfg: ExperimentConfig) -> dict[str, Any]:
     """What a checkpoint records of the layout that wrote it."""
-    p = cfg.parallel
-    return {
-        "tp": p.tp or 1,
-        "pp": p.pp or 1,
-        "dp": p.dp or cfg.resource.num_workers,
-        "strategy": p.strategy,
-        "zero_stage": p.zero_stage,
-    }
+    dims, p = ParallelDims.of(cfg), cfg.parallel
+    return {**dims.degrees, "strategy": p.strategy, "zero_stage": p.zero_stage}
 
 
 def _describe(layout: dict[str, Any]) -> str:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from trainlab.config.dims import Coords
 from trainlab.train.mesh import MeshLayout
 
 
@@ -37,15 +38,15 @@ class DistEnv:
         return self.world_size > 1 and dist.is_available() and dist.is_initialized()
 
     @property
-    def coords(self) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank)."""
+    def coords(self) -> Coords:
+        """Where this rank sits (pp, dp, tp), by name."""
         if self.layout.world_size != self.world_size:  # a plain data-parallel world
-            return 0, self.rank, 0
+            return Coords(pp=0, dp=self.rank, tp=0)
         return self.layout.coords(self.rank)
 
     @property
     def dp_rank(self) -> int:
-        return self.coords[1]
+        return self.coords.dp
 
     @property
     def dp_size(self) -> int:
@@ -53,8 +54,8 @@ class DistEnv:
 
     @property
     def owns_loss(self) -> bool:
-        pp_rank, _, tp_rank = self.coords
-        return tp_rank == 0 and pp_rank == self.layout.pp - 1
+        at = self.coords
+        return at.tp == 0 and at.pp == self.layout.pp - 1
 
     def group(self, dim: str) -> Any:
         """The process group of mesh dimension `dim` ("pp", "dp" or "tp")."""

@@ -1,4 +1,4 @@
-"""The run's device mesh: where each rank sits in the (pp, dp, tp) layout.
+"""The run's device mesh over its parallel dimensions (trainlab.config.dims).
 
 Ranks are laid out pp-major, tp-minor, as in torchtitan and Megatron:
 
@@ -17,54 +17,13 @@ rows (trainlab.data.WorkerLoader(spec, dp_rank, dp)).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from trainlab.config.schema import ExperimentConfig
+from trainlab.config.dims import MESH_DIMS, ParallelDims
 
-MESH_DIMS = ("pp", "dp", "tp")
-
-
-@dataclass(frozen=True)
-class MeshLayout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-
-    @classmethod
-    def of(cls, cfg: ExperimentConfig) -> MeshLayout:
-        """The resolved layout of `cfg` (tp/pp/dp filled by the config rules or the
-        planner)."""
-        p = cfg.parallel
-        tp, pp = p.tp or 1, p.pp or 1
-        dp = p.dp or max(1, cfg.resource.num_workers // (tp * pp))
-        return cls(tp, pp, dp)
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
-    @property
-    def model_parallel(self) -> bool:
-        return self.tp > 1 or self.pp > 1
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(pp_rank, dp_rank, tp_rank) of global `rank`."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank {rank} not in a world of {self.world_size}")
-        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
-
-    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
-        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
-
-    def tp_groups(self) -> list[list[int]]:
-        """The ranks of every tensor-parallel group."""
-        return [
-            [self.rank_of(p, d, t) for t in range(self.tp)]
-            for p in range(self.pp)
-            for d in range(self.dp)
-        ]
+# The run's layout: trainlab.config.dims.ParallelDims (named degrees, coordinates,
+# tensor-parallel groups), under the name this module has always used.
+MeshLayout = ParallelDims
 
 
 def check_tp_groups(layout: MeshLayout, hosts: list[str]) -> None:

@@ -143,7 +143,7 @@ def apply_layout(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> Paral
     from trainlab.train.tensor_parallel import apply_tensor_parallel
 
     p = cfg.parallel
-    pp_rank = env.coords[0]
+    pp_rank = env.coords.pp
     pipeline = None
     if layout.pp > 1:
         virtual = p.pp_virtual_stages or 1

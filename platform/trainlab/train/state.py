@@ -100,7 +100,7 @@ class ModelState:
         self.format = "dcp" if self.sharded else "torch"
         # Dropout differs per model replica, reproducibly; the ranks of one
         # tensor-parallel group share their stream (their activations are replicas).
-        tp_rank = env.coords[2]
+        tp_rank = env.coords.tp
         seed_everything(cfg.train.seed + 1 + env.rank - tp_rank)
 
     def parameters(self) -> list[nn.Parameter]:
@@ -201,7 +201,7 @@ class ModelState:
         import torch.distributed as dist
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        _, dp_rank, tp_rank = self.env.coords
+        dp_rank, tp_rank = self.env.coords.dp, self.env.coords.tp
         # One rank per pipeline stage contributes (rank 0 alone without pipelines).
         contributes = dp_rank == tp_rank == 0 if self.parallel.sharded else self.env.is_main
         digests: dict[str, str] = {}

@@ -65,7 +65,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
     # split by data-parallel rank.
     layout = MeshLayout.of(job.cfg)
     dp_rank, dp = (
-        (layout.coords(rank)[1], layout.dp) if layout.world_size == world else (rank, world)
+        (layout.coords(rank).dp, layout.dp) if layout.world_size == world else (rank, world)
     )
     loader = WorkerLoader(job.data_spec, dp_rank, dp)
     callbacks = None
