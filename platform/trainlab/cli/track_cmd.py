@@ -1,4 +1,5 @@
-"""`trainlab compare | runs | ui`: reading the experiment records back.
+"""`trainlab compare | runs | ui | track-flush`: reading the experiment records back,
+and writing those that waited for a busy store (trainlab.track.journal).
 
 All three read the store `trainlab.track.tracking_uri(--runs-root)`: the
 embedded SQLite store in the runs root, or MLFLOW_TRACKING_URI when set.
@@ -140,6 +141,12 @@ def _mix(mix: dict[str, Any]) -> str:
     )
 
 
+def _status_cell(row: dict[str, Any]) -> str:
+    """A run's status, and how many of its records still wait for the store."""
+    pending = row.get("records_pending")
+    return f"{row['status']} ({pending} records pending)" if pending else str(row["status"])
+
+
 def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
     from rich.table import Table
 
@@ -149,7 +156,7 @@ def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
         [
             r["name"],
             r["run_id"][:8],
-            r["status"],
+            _status_cell(r),
             _num(r["final_loss"], ".4f"),
             _num(r["val_loss"], ".4f"),
             _num(r["best_val_loss"], ".4f"),
@@ -250,7 +257,7 @@ def runs(
             r["name"],
             r["run_id"],
             r["experiment"],
-            r["status"],
+            _status_cell(r),
             r["started"] or "-",
             _duration(r["active_s"]) if r.get("active_s") is not None else "-",
             _duration(r["duration_s"]),
@@ -271,6 +278,44 @@ def _duration(seconds: float) -> str:
     minutes, secs = divmod(int(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+# --------------------------------------------------------------------------- track-flush
+
+
+@click.command("track-flush")
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option(
+    "--runs-root",
+    default=None,
+    type=click.Path(file_okay=False),
+    help="Runs root whose store the run belongs to (default: RUN_DIR's grandparent).",
+)
+def track_flush(run_dir: str, runs_root: str | None) -> int:
+    """Write the records of RUN_DIR that wait in its journal
+    (logs/mlflow-journal.jsonl) because the MLflow store did not answer. Exit 0
+    when all are in the store, 1 when some still wait (the store is still busy)."""
+    from pathlib import Path
+
+    from trainlab.track.journal import Journal, clear_pending_in_summary, flush_journal, store_busy
+    from trainlab.track.store import client_for, tracking_uri
+
+    journal = Journal(run_dir)
+    before = journal.pending_count()
+    if not before:
+        click.echo(f"{run_dir}: no records wait; the store has them all")
+        return 0
+    uri = tracking_uri(runs_root or Path(run_dir).resolve().parents[1])
+    if store_busy(uri):
+        click.echo(f"{run_dir}: {before} record(s) wait; the store is locked by another process")
+        return 1
+    left = flush_journal(journal, client_for(uri, flush_records=False))
+    if left:
+        click.echo(f"{run_dir}: {before - left} record(s) written, {left} still wait")
+        return 1
+    clear_pending_in_summary(run_dir)
+    click.echo(f"{run_dir}: {before} record(s) written; the store has them all")
+    return 0
 
 
 # --------------------------------------------------------------------------- ui

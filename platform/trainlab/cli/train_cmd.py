@@ -168,6 +168,8 @@ def clean_up_rehearsal(summary: dict) -> dict:
 
     smoke = summary.get("smoke") or {}
     passed = summary.get("status") == "completed" and all(smoke.get("checks", {}).values())
+    # Its records that wait for the MLflow store live in it (logs/mlflow-journal.jsonl).
+    passed = passed and not summary.get("records_pending")
     run_dir = Path(str(summary.get("run_dir") or ""))
     if not (passed and smoke and run_dir.name and (run_dir / "config.yaml").is_file()):
         return {**summary, "run_dir_removed": False}
@@ -181,11 +183,14 @@ def clean_up_rehearsal(summary: dict) -> dict:
 def _print_done(s: dict) -> None:
     loss = f"{s['final_loss']:.4f}" if s.get("final_loss") is not None else "n/a"
     val = f"{s['val_loss']:.4f}" if s.get("val_loss") is not None else "n/a"
+    pending = s.get("records_pending") or 0
+    status = f"{s['status']}, records not all in the MLflow store" if pending else s["status"]
     click.echo(
-        f"{s['name']}: {s['status']} at step {s['final_step']} (loss {loss}, val_loss "
+        f"{s['name']}: {status} at step {s['final_step']} (loss {loss}, val_loss "
         f"{val}, restarts {s['restarts']}, {s['wall_seconds']:.0f} s)",
         err=True,
     )
+    _print_pending(s)
     removed = " (removed: the rehearsal passed; --keep-smoke keeps it)"
     click.echo(
         f"  run dir:         {s.get('run_dir')}{removed if s.get('run_dir_removed') else ''}",
@@ -210,14 +215,28 @@ def _print_interrupted(s: dict) -> None:
     click.echo(f"  run dir:         {s.get('run_dir')}", err=True)
     click.echo(f"  last checkpoint: {checkpoint}", err=True)
     click.echo(f"  resume with:     trainlab train {s.get('run_dir')} --resume", err=True)
+    _print_pending(s)
     if s.get("resume_step") is not None:  # no checkpoint at the stop: a recent one sufficed
         click.echo(
             f"  (resumes from step {s['resume_step']}, the newest valid checkpoint)", err=True
         )
 
 
+def _print_pending(s: dict) -> None:
+    """The run's records that wait for the MLflow store, and how to write them."""
+    pending = s.get("records_pending") or 0
+    if pending:
+        click.echo(
+            f"  records pending: {pending} wait in {s.get('run_dir')}/logs/mlflow-journal.jsonl "
+            f"(the MLflow store did not answer); `trainlab track-flush {s.get('run_dir')}` "
+            "or any command that opens the store (trainlab runs) writes them",
+            err=True,
+        )
+
+
 def _print_failure(s: dict) -> None:
     click.echo(f"{s.get('name')}: FAILED: {s.get('error')}", err=True)
+    _print_pending(s)
     for f in s.get("failures", []):
         step = f.get("step") if f.get("step") is not None else "?"
         click.echo(f"  failure: step {step}, rank {f.get('rank')}: {f.get('error')}", err=True)

@@ -6,20 +6,18 @@ group continues the same MLflow run. Steps redone after restoring a
 checkpoint are not logged again: each metric keeps a high-water mark of its
 logged steps (seeded from the store on resume), so every metric's steps stay
 strictly increasing and the first-logged value of a step is the one kept.
-Metric points go to the store from a background worker (trainlab.track.writer);
-everything else (params, tags, artifacts) is written synchronously.
+Every record goes through the run's journal first (trainlab.track.journal) and
+reaches the store from a background flusher: a busy store delays it, never loses it.
 """
 
 from __future__ import annotations
 
 import getpass
-import hashlib
 import json
 import logging
 import math
 import re
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,14 +25,19 @@ from trainlab.redact import redact
 from trainlab.track import heartbeat
 from trainlab.track.gitinfo import git_info
 from trainlab.track.heartbeat import Heartbeat
-from trainlab.track.plots import loss_curve_figure, mix_share_figure, normalized_mix
+from trainlab.track.journal import (  # noqa: F401 - run_key re-exported
+    FLUSH_COMMAND,
+    Flusher,
+    Journal,
+    end_wait_s,
+    now_ms,
+    run_key,
+)
 from trainlab.track.store import (
     artifact_location,
     client_for,
-    get_or_create_experiment,
     tracking_uri,
 )
-from trainlab.track.writer import MetricWriter
 from trainlab.train.callbacks import Callback, RunContext
 
 if TYPE_CHECKING:
@@ -79,11 +82,6 @@ _MLFLOW_STATUS = {
 
 
 # --------------------------------------------------------------------------- pure helpers
-
-
-def run_key(run_dir: str) -> str:
-    """Identity of a training run in MLflow: a hash of its absolute run directory."""
-    return hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:32]
 
 
 def experiment_name(cfg: Any) -> str:
@@ -196,8 +194,12 @@ class StepFilter:
 class MlflowCallback(Callback):
     """Creates (or continues) the run's MLflow record and writes everything into it.
 
-    Also the tracker the monitor writes through: `log_metrics`, `set_tags`,
-    `log_artifact`. Holds no connection until `on_run_start`, so it pickles.
+    Every record goes through the run's journal (trainlab.track.journal:
+    `{run_dir}/logs/mlflow-journal.jsonl`, fsynced) and reaches the store from a
+    background flusher; a store that is locked, slow or down delays the record,
+    never loses it. Also the tracker the monitor writes through: `log_metrics`,
+    `set_tags`, `log_artifact`. Holds no connection until `on_run_start`, so it
+    pickles.
     """
 
     def __init__(self, cfg: Any, runs_root: str | None = None):
@@ -206,19 +208,24 @@ class MlflowCallback(Callback):
         self.runs_root = str(Path(runs_root).resolve()) if runs_root else None
         self.run_id: str | None = None
         self.tracking_uri: str | None = None
+        self.records_pending = 0  # entries the store had not taken at the run's end
         self._client: MlflowClient | None = None
         self._steps = StepFilter()
         self._system_monitor: Any = None
-        self._writer: MetricWriter | None = None
+        self._journal: Journal | None = None
+        self._flusher: Flusher | None = None
         self._run_dir: str = ""
         self._best_val_loss = math.inf
         self._heartbeat: Heartbeat | None = None
+        self._active_before: float | None = None
+        self._ending = False  # on_run_end under way: no heartbeat is started any more
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_client"] = None
         state["_system_monitor"] = None
-        state["_writer"] = None
+        state["_journal"] = None
+        state["_flusher"] = None
         state["_heartbeat"] = None
         return state
 
@@ -226,39 +233,42 @@ class MlflowCallback(Callback):
 
     def log_metrics(self, step: int, metrics: dict[str, float]) -> int:
         """Log numeric metrics at `step`, skipping steps already logged; returns the count."""
-        if self._client is None or self.run_id is None:
+        if self._journal is None:
             return 0
-        from mlflow.entities import Metric
-
-        now = int(time.time() * 1000)
+        now = now_ms()
         points = []
         for key, value in metrics.items():
             if isinstance(value, bool) or not isinstance(value, int | float):
                 continue
             name = metric_name(key)
             if self._steps.admit(name, step):
-                points.append(Metric(name, float(value), now, int(step)))
-        if self._writer is not None:
-            self._writer.put(points)
+                points.append([name, float(value), now, int(step)])
+        if points:
+            self._record({"op": "metrics", "points": points})
         return len(points)
 
-    def flush(self) -> None:
-        """Wait until the metrics logged so far are in the store."""
-        if self._writer is not None:
-            self._writer.flush()
+    def flush(self, timeout: float = 120.0) -> int:
+        """Wait (bounded) until the records so far are in the store; returns how
+        many still wait."""
+        if self._flusher is None:
+            return 0
+        return self._flusher.wait(timeout)
 
     def set_tags(self, tags: dict[str, str]) -> None:
-        if self._client is None or self.run_id is None:
+        if self._journal is None:
             return
-        from mlflow.entities import RunTag
-
-        items = [RunTag(k, redact(str(v))[:MAX_TAG_VALUE]) for k, v in tags.items()]
-        for i in range(0, len(items), TAGS_PER_BATCH):
-            self._client.log_batch(self.run_id, tags=items[i : i + TAGS_PER_BATCH])
+        items = {k: redact(str(v))[:MAX_TAG_VALUE] for k, v in tags.items()}
+        self._record({"op": "tags", "tags": items})
 
     def log_artifact(self, path: str, artifact_path: str | None = None) -> None:
-        if self._client is not None and self.run_id is not None:
-            self._client.log_artifact(self.run_id, path, artifact_path)
+        if self._journal is not None:
+            self._record(
+                {
+                    "op": "artifact",
+                    "path": str(Path(path).resolve()),
+                    "artifact_path": artifact_path,
+                }
+            )
 
     # ---------------------------------------------------------------- hooks
 
@@ -267,32 +277,23 @@ class MlflowCallback(Callback):
             log.warning("MLflow callback called off rank 0; not logging from this worker")
             return
         # The same callback sees every in-place restart (trainlab.train.agent):
-        # one system-metrics thread at a time.
+        # one system-metrics thread and one flusher at a time.
         self._stop_system_metrics()
-        self._close_writer()
-        active = self._heartbeat.stop() if self._heartbeat is not None else None
-        runs_root = self._connect(str(ctx.run_dir))
-        exp_id = get_or_create_experiment(
-            self._client, experiment_name(ctx.cfg), artifact_location(runs_root)
-        )
-        existing = self._find_run(exp_id, run_key(ctx.run_dir))
-        if existing is None:
-            self._start_new_run(exp_id, ctx)
-            resumed = False
-        else:
-            self._resume_run(existing, ctx)
-            resumed = True
-        self._writer = MetricWriter(self._client, self.run_id)
+        self._close_flusher(0.0)
         # In-place restarts continue this start's active time; a resume, the record's.
-        before = active if active is not None else heartbeat.active_before(existing)
-        self._heartbeat = Heartbeat(self._client, self.run_id, before).start()
-        self._start_system_metrics(resumed)
-        log.info(
-            "MLflow run %s (%s) at %s",
-            self.run_id,
-            "continued" if resumed else "new",
-            redact(self.tracking_uri or ""),
-        )
+        self._active_before = self._heartbeat.stop() if self._heartbeat is not None else None
+        self._heartbeat = None
+        self._ending = False
+        runs_root = self._open(str(ctx.run_dir))
+        assert self._journal is not None
+        for key, step in self._journal.metric_high_water().items():
+            self._steps.seed(key, step)
+        self._journal.append([self._start_entry(ctx, runs_root)])
+        # One attempt now (a free store: the run exists before the first step, and a
+        # run from before journals is seeded from the store); then in the background.
+        if self._flusher is not None:
+            self._flusher.try_flush()
+            self._flusher.start()
 
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
         self.log_metrics(step, metrics)
@@ -307,148 +308,205 @@ class MlflowCallback(Callback):
             tags |= {"checkpoint.best": path, "checkpoint.best_val_loss": f"{val_loss:.6g}"}
         self.set_tags(tags)
         if valid and self.cfg.tracking.log_checkpoints and Path(path).is_dir():
-            self._client.log_artifacts(self.run_id, path, f"checkpoints/{Path(path).name}")
+            self._record(
+                {
+                    "op": "artifacts",
+                    "path": str(Path(path).resolve()),
+                    "artifact_path": f"checkpoints/{Path(path).name}",
+                }
+            )
 
     def on_run_end(self, summary: dict[str, Any]) -> None:
-        if self._client is None or self.run_id is None:
+        if self._journal is None:
             return
-        self._close_writer()  # the curves below are read back from the store
-        try:
-            self._log_end_artifacts(summary)
-            self._log_memory(summary)
-        finally:
-            self._stop_system_metrics()
-            if self._heartbeat is not None:
-                self._heartbeat.stop()
-                self._heartbeat = None
-            status = str(summary.get("status", "completed")).lower()
-            tags = {"status": status}
-            for key in ("last_checkpoint", "best_checkpoint", "weights_sha256"):
-                if summary.get(key):
-                    tags[key] = str(summary[key])
-            self.set_tags(tags)
-            self._client.set_terminated(self.run_id, _MLFLOW_STATUS.get(status, "FAILED"))
+        self._ending = True
+        self._stop_system_metrics()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
+            self._heartbeat = None
+        status = str(summary.get("status", "completed")).lower()
+        tags = {"status": status}
+        for key in ("last_checkpoint", "best_checkpoint", "weights_sha256"):
+            if summary.get(key):
+                tags[key] = str(summary[key])
+        entries = [
+            *self._memory_entries(summary),
+            {"op": "dict", "data": summary, "file": "run_summary.json"},
+            self._alert_log_entry(),
+            {"op": "figures", "name": self.cfg.name, "mix": dict(self.cfg.data.mix)},
+            {"op": "tags", "tags": {k: redact(v)[:MAX_TAG_VALUE] for k, v in tags.items()}},
+            {"op": "end", "status": _MLFLOW_STATUS.get(status, "FAILED"), "time": now_ms()},
+        ]
+        self._journal.append(entries)
+        left = self._close_flusher(end_wait_s())
+        self.run_id = self._journal.state().get("run_id") or self.run_id
+        self.records_pending = left
+        if left:
+            self._say_pending(summary, left)
 
-    def _log_memory(self, summary: dict[str, Any]) -> None:
+    def _say_pending(self, summary: dict[str, Any], left: int) -> None:
+        """The run ends with records not in the store: its summary says so."""
+        from trainlab.train.records import RunRecords
+
+        assert self._journal is not None
+        log.warning(
+            "%d record(s) of this run are not in the MLflow store yet (it did not answer); "
+            "they wait in %s: `%s %s` or any trainlab command that opens the store "
+            "(e.g. trainlab runs) writes them",
+            left,
+            self._journal.path,
+            FLUSH_COMMAND,
+            self._run_dir,
+        )
+        summary["records_pending"] = left
+        records = RunRecords(self._run_dir)
+        written = records.read_summary()
+        if written is not None and written.get("status") == summary.get("status"):
+            records.write_summary({**written, "records_pending": left})
+
+    def _memory_entries(self, summary: dict[str, Any]) -> list[dict[str, Any]]:
         """Peak memory per device (max over ranks) next to the plan's estimate."""
         peak, planned = summary.get("peak_memory_bytes"), summary.get("planned_memory_bytes")
         values = {"peak_memory_bytes": peak, "planned_memory_bytes": planned}
         if peak and planned:
             values["memory_estimate_error"] = planned / peak - 1
         step = int(summary.get("final_step") or 0)
-        for key, value in values.items():
-            if value is not None:
-                self._client.log_metric(self.run_id, key, float(value), step=step)
+        now = now_ms()
+        points = [[k, float(v), now, step] for k, v in values.items() if v is not None]
+        return [{"op": "metrics", "points": points}] if points else []
+
+    def _alert_log_entry(self) -> dict[str, Any]:
+        from trainlab.monitor import alert_log_path
+
+        path = alert_log_path(self._run_dir)
+        if path.is_file():
+            return {"op": "artifact", "path": str(path.resolve()), "artifact_path": None}
+        # The artifact is always there; empty means no alert fired.
+        return {"op": "text", "text": "", "file": ALERT_LOG_ARTIFACT}
 
     def on_run_abandoned(self, run_dir: str, summary: dict[str, Any]) -> None:
         """The driver's close of a run whose workers never reached `on_run_end`
-        (Ray Train gave up): attach to the MLflow run of `run_dir`, if there is
-        one, and end it as `on_run_end` would (run_summary.json, alert log,
-        curves, status tag and MLflow status). Nothing happens without a run."""
+        (Ray Train gave up): attach to the MLflow record of `run_dir`, if there is
+        one (its journal, or a run in the store), and end it as `on_run_end` would
+        (run_summary.json, alert log, curves, status tag and MLflow status).
+        Nothing happens without a record."""
         if self.attach(run_dir):
             self.on_run_end(summary)
 
     def attach(self, run_dir: str) -> bool:
-        """Connect to the existing MLflow run of `run_dir` without creating one
-        (for closing a run from the driver); False when there is none."""
-        self._connect(run_dir)
-        exp = self._client.get_experiment_by_name(experiment_name(self.cfg))
-        run = self._find_run(exp.experiment_id, run_key(run_dir)) if exp else None
+        """Open the record of `run_dir` without creating one (for closing a run
+        from the driver); False when there is none."""
+        self._open(run_dir)
+        assert self._journal is not None
+        if self._journal.has_start():
+            return True
+        try:  # a run recorded before journals
+            client = self._connect()
+            exp = client.get_experiment_by_name(experiment_name(self.cfg))
+            run = self._find_run(client, exp.experiment_id, run_key(run_dir)) if exp else None
+        except Exception as e:  # noqa: BLE001 - no store, no record to close
+            log.warning(
+                "MLflow store did not answer; cannot close the record of %s: %s", run_dir, e
+            )
+            run = None
         if run is None:
+            self._journal = None
+            self._flusher = None
             return False
         self.run_id = run.info.run_id
         return True
 
     # ---------------------------------------------------------------- internals
 
-    def _connect(self, run_dir: str) -> str:
-        """Open the store for `run_dir`; returns the runs root it lives in."""
+    def _open(self, run_dir: str) -> str:
+        """The journal of `run_dir` and its flusher (not started); returns the
+        runs root whose store it goes to."""
         self._run_dir = run_dir
         # Contract: the run directory is {runs_root}/{date}/{name}.
         runs_root = self.runs_root or str(Path(run_dir).resolve().parents[1])
         self.tracking_uri = tracking_uri(runs_root)
-        self._client = client_for(self.tracking_uri)
+        self._journal = Journal(run_dir)
+        self._flusher = Flusher(
+            self._journal, self._connect, self.tracking_uri, on_start=self._store_ready
+        )
         return runs_root
 
-    def _find_run(self, exp_id: str, key: str) -> Any:
-        runs = self._client.search_runs(
+    def _connect(self) -> MlflowClient:
+        """Open the store (the flusher's client; another run's pending records are
+        flushed by commands, not by training processes)."""
+        assert self.tracking_uri is not None
+        self._client = client_for(self.tracking_uri, flush_records=False)
+        return self._client
+
+    def _record(self, entry: dict[str, Any]) -> None:
+        assert self._journal is not None
+        self._journal.append([entry])
+        if self._flusher is not None:
+            self._flusher.wake()
+
+    def _start_entry(self, ctx: RunContext, runs_root: str) -> dict[str, Any]:
+        from trainlab.config import to_yaml
+
+        artifacts: list[dict[str, Any]] = [
+            {"text": to_yaml(ctx.cfg), "file": "config.yaml"},
+            {"data": ctx.plan, "file": "plan.json"},
+        ]
+        if ctx.manifest_path and Path(ctx.manifest_path).is_file():
+            artifacts.append(
+                {"path": str(Path(ctx.manifest_path).resolve()), "artifact_path": "data"}
+            )
+        resume_tags = {"status": "running", "restarts": str(ctx.restarts)}
+        if ctx.ray_job_id:
+            resume_tags["ray_job_id"] = ctx.ray_job_id
+        return {
+            "op": "start",
+            "time": now_ms(),
+            "experiment": experiment_name(ctx.cfg),
+            "artifact_location": artifact_location(runs_root),
+            "run_key": run_key(ctx.run_dir),
+            # Named after its run directory ({name}, {name}-2, ...: unique per date), so
+            # the UI tells apart runs of one config; `runs`/`compare` also match cfg.name.
+            "run_name": Path(ctx.run_dir).name,
+            "tags": run_tags(ctx),
+            "params": run_params(ctx.cfg, ctx.plan),
+            "artifacts": artifacts,
+            "resume_tags": resume_tags,
+        }
+
+    def _store_ready(self, run: Any, existed: bool) -> None:
+        """The journal's start reached the store (the flusher's thread): the run's
+        id, its high-water marks on resume, its heartbeat and system metrics."""
+        self.run_id = run.info.run_id
+        if existed:
+            # The latest point of each metric is the one at its largest step.
+            for metric in run.data._metric_objs:
+                self._steps.seed(metric.key, metric.step)
+            best = run.data.tags.get("checkpoint.best_val_loss")
+            if best:
+                self._best_val_loss = min(self._best_val_loss, float(best))
+        if self._heartbeat is None and self._client is not None and not self._ending:
+            before = (
+                self._active_before
+                if self._active_before is not None
+                else heartbeat.active_before(run if existed else None)
+            )
+            self._heartbeat = Heartbeat(self._client, self.run_id, before).start()
+            self._start_system_metrics(existed)
+        log.info(
+            "MLflow run %s (%s) at %s",
+            self.run_id,
+            "continued" if existed else "new",
+            redact(self.tracking_uri or ""),
+        )
+
+    def _find_run(self, client: Any, exp_id: str, key: str) -> Any:
+        runs = client.search_runs(
             [exp_id],
             filter_string=f"tags.run_key = '{key}'",
             max_results=1,
             order_by=["attributes.start_time DESC"],
         )
         return runs[0] if runs else None
-
-    def _start_new_run(self, exp_id: str, ctx: RunContext) -> None:
-        from mlflow.entities import Param
-
-        # Named after its run directory ({name}, {name}-2, ...: unique per date), so
-        # the UI tells apart runs of one config; `runs`/`compare` also match cfg.name.
-        run_name = Path(ctx.run_dir).name
-        run = self._client.create_run(exp_id, run_name=run_name, tags=run_tags(ctx))
-        self.run_id = run.info.run_id
-        params = [Param(k, v) for k, v in run_params(ctx.cfg, ctx.plan).items()]
-        for i in range(0, len(params), PARAMS_PER_BATCH):
-            self._client.log_batch(self.run_id, params=params[i : i + PARAMS_PER_BATCH])
-        self._log_start_artifacts(ctx)
-
-    def _resume_run(self, run: Any, ctx: RunContext) -> None:
-        self.run_id = run.info.run_id
-        # The latest point of each metric is the one at its largest step.
-        for metric in run.data._metric_objs:
-            self._steps.seed(metric.key, metric.step)
-        best = run.data.tags.get("checkpoint.best_val_loss")
-        if best:
-            self._best_val_loss = min(self._best_val_loss, float(best))
-        self._client.update_run(self.run_id, status="RUNNING")
-        tags = {"status": "running", "restarts": str(ctx.restarts)}
-        if ctx.ray_job_id:
-            tags["ray_job_id"] = ctx.ray_job_id
-        self.set_tags(tags)
-
-    def _log_start_artifacts(self, ctx: RunContext) -> None:
-        from trainlab.config import to_yaml
-
-        self._client.log_text(self.run_id, to_yaml(ctx.cfg), "config.yaml")
-        self._client.log_dict(self.run_id, ctx.plan, "plan.json")
-        if ctx.manifest_path and Path(ctx.manifest_path).is_file():
-            self._client.log_artifact(self.run_id, ctx.manifest_path, "data")
-
-    def _log_end_artifacts(self, summary: dict[str, Any]) -> None:
-        self._client.log_dict(self.run_id, summary, "run_summary.json")
-        self._log_alert_log()
-        self._log_figures()
-
-    def _log_alert_log(self) -> None:
-        from trainlab.monitor import alert_log_path
-
-        path = alert_log_path(self._run_dir)
-        if path.is_file():
-            self._client.log_artifact(self.run_id, str(path))
-        else:  # the artifact is always there; empty means no alert fired
-            self._client.log_text(self.run_id, "", ALERT_LOG_ARTIFACT)
-
-    def _log_figures(self) -> None:
-        from trainlab.track.series import metric_series
-
-        series = metric_series(self._client, self.run_id, prefixes=("loss", "val_loss/", "share/"))
-        val = {
-            k.removeprefix("val_loss/"): v for k, v in series.items() if k.startswith("val_loss/")
-        }
-        shares = {k.removeprefix("share/"): v for k, v in series.items() if k.startswith("share/")}
-        name = self.cfg.name
-        self._client.log_figure(
-            self.run_id,
-            loss_curve_figure(series.get("loss", []), val, title=f"{name}: loss"),
-            "loss_curve.png",
-        )
-        self._client.log_figure(
-            self.run_id,
-            mix_share_figure(
-                shares, normalized_mix(self.cfg.data.mix), title=f"{name}: delivered token share"
-            ),
-            "mix_shares.png",
-        )
 
     def _start_system_metrics(self, resumed: bool) -> None:
         if not self.cfg.tracking.system_metrics:
@@ -463,10 +521,12 @@ class MlflowCallback(Callback):
         )
         self._system_monitor.start()
 
-    def _close_writer(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+    def _close_flusher(self, timeout: float) -> int:
+        """Flush (bounded by `timeout`) and stop the flusher; returns what waits."""
+        if self._flusher is None:
+            return 0
+        flusher, self._flusher = self._flusher, None
+        return flusher.close(timeout)
 
     def _stop_system_metrics(self) -> None:
         if self._system_monitor is not None:

@@ -180,7 +180,22 @@ def run_overview(run: Run, experiment_names: dict[str, str]) -> dict[str, Any]:
         "started": _iso(run.info.start_time),
         "duration_s": _wall_time_s(run),
         "active_s": _active_s(run),
+        "records_pending": _records_pending(run),
     }
+
+
+def _records_pending(run: Run) -> int:
+    """Records of the run still waiting in its journal for the store (opening the
+    store wrote what it could; a live run's own flusher may hold the rest)."""
+    from trainlab.track.journal import Journal
+
+    run_dir = run.data.tags.get("run_dir")
+    if not run_dir:
+        return 0
+    try:
+        return Journal(run_dir).pending_count()
+    except OSError:
+        return 0
 
 
 def _active_s(run: Run) -> float | None:

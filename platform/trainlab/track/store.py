@@ -13,6 +13,12 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from trainlab.track.experiments import (  # noqa: F401 - re-exported
+    EXPERIMENT_KIND_TAG,
+    MODEL_TRAINING_KIND,
+    get_or_create_experiment,
+)
+
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
@@ -47,12 +53,15 @@ def embedded_db_path(uri: str) -> Path | None:
     return Path(uri.removeprefix("sqlite:///")) if is_embedded(uri) else None
 
 
-def client_for(uri: str) -> MlflowClient:
+def client_for(uri: str, flush_records: bool = True) -> MlflowClient:
     """An MLflow client on `uri`; creates the embedded store's folder if needed.
 
     Every trainlab command that touches the store opens it here, so this is where
     runs whose processes vanished are ended as `lost` (trainlab.track.heartbeat
-    .correct_lost: one query of the RUNNING runs).
+    .correct_lost: one query of the RUNNING runs), and where the records that
+    waited for a busy store are written: with `flush_records`, the pending
+    journals of the run directories under the embedded store's runs root
+    (trainlab.track.journal.flush_pending; a stat per run directory when none wait).
 
     A new embedded store is created under an exclusive file lock (`mlflow.db.lock`,
     `filelock.FileLock`): runs starting at once on a fresh runs root (Tune trials,
@@ -72,37 +81,8 @@ def client_for(uri: str) -> MlflowClient:
             client = MlflowClient(tracking_uri=uri)
             client.search_experiments(max_results=1)  # creates or migrates the tables
     correct_lost(client)
+    if flush_records and db is not None:
+        from trainlab.track.journal import flush_pending
+
+        flush_pending(client, db.parent)
     return client
-
-
-# MLflow (3.x) records an experiment's kind in this tag; its UI opens a
-# `custom_model_development` experiment on the training runs table, where an
-# untagged one may be taken for GenAI (traces) and opened on an empty view.
-EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
-MODEL_TRAINING_KIND = "custom_model_development"
-
-
-def get_or_create_experiment(client: MlflowClient, name: str, artifact_root: str | None) -> str:
-    """The id of experiment `name`, created (with `artifact_root`) when missing, as
-    a model-training experiment (EXPERIMENT_KIND_TAG)."""
-    from mlflow.exceptions import MlflowException
-
-    exp = client.get_experiment_by_name(name)
-    if exp is not None:
-        if EXPERIMENT_KIND_TAG not in exp.tags:  # created before trainlab set it
-            client.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND)
-        return exp.experiment_id
-    try:
-        # Run ids are unique, so every experiment can share the artifact root:
-        # a run's files land in {root}/{run_id}/artifacts.
-        return client.create_experiment(
-            name,
-            artifact_location=artifact_root,
-            tags={EXPERIMENT_KIND_TAG: MODEL_TRAINING_KIND},
-        )
-    except MlflowException:
-        # Another process created it between our lookup and create.
-        exp = client.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id

@@ -73,6 +73,7 @@ def test_mlflow_sink_tags_the_run_and_uploads_the_alert_log(rank0, client):
     r0 = rank0()
     callbacks = r0.start()
     _nan_at(callbacks, 30)
+    callbacks.callbacks[0].flush()  # records reach the store from the run's journal
     run = only_run(client)
     assert run.data.tags["alert.non_finite"].startswith("P0 at step 30: loss is nan")
     assert run.data.tags["alerts_fired"] == "1"
