@@ -39,4 +39,5 @@ def log_export(cfg: Any, run_dir: Path, out: Path, record: dict[str, Any]) -> st
             "export.latest.artifacts": artifact_dir,
         }
     )
+    tracker.finish()  # what the store did not take waits in the run's journal
     return tracker.run_id

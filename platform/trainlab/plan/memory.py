@@ -68,13 +68,11 @@ communicator buffers (~0.25 GiB each): 1 GiB on GPU. On CPU workers, the
 Python process with torch loaded: 0.5 GiB. Allocator fragmentation is left to
 the planner's safety margin.
 
-`checkpoint_snapshot`: with `train.checkpoint.async_save`, the torch format (one
-process, DDP, ZeRO-1) clones the state dicts on rank 0 on their own device
-(`trainlab.train.state.cloned`: `.detach().clone()`) and keeps the clone while
-training goes on: the weights (a tied weight twice: the state dict names it
-twice) and, under DDP, Adam's state, all on the GPU; ZeRO-1 consolidates Adam
-on the host first (torch does). FSDP's DCP async save stages to host memory:
-0 on the device. Without async_save nothing is copied on the device.
+`checkpoint_snapshot`: 0. Every layout checkpoints through
+torch.distributed.checkpoint; with `train.checkpoint.async_save` its async save
+stages the state to host memory and writes from there: nothing is copied on the
+device. (On a CPU worker that staging copy is host memory too; the plan does not
+count it, as the resident-set figures in the run record show.)
 
 Tensor and pipeline parallelism (trainlab.train.tensor_parallel, .pipeline):
 the estimate divides the model state by tp*pp and the blocks' internal
@@ -372,16 +370,10 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
     optimizer = opt_memory.state
     parameters = 4 * local_numel
     buckets = 4 * total_numel if ddp else 0.0  # DDP: gradient_as_bucket_view=False
-    snapshot = 0.0
-    if t.checkpoint.async_save and not fsdp:
-        # The model's state dict names a tied weight twice; each name is cloned.
-        tied = 4 * V * h / mp if m.tie_embeddings else 0.0
-        snapshot = 4 * total_numel + tied + (0 if zero1 else optimizer)
-    persistent = _Parts(
+    persistent = _Parts(  # checkpoint_snapshot: 0, DCP stages to the host
         parameters=parameters,
         optimizer=optimizer,
         communication=buckets,
-        checkpoint_snapshot=snapshot,
         framework=framework_bytes(cfg),
     )
 

@@ -247,6 +247,15 @@ class MlflowCallback(Callback):
             self._record({"op": "metrics", "points": points})
         return len(points)
 
+    def finish(self, timeout: float = 30.0) -> int:
+        """After `attach` and some records (an export's tags and artifacts): write
+        them (bounded by `timeout`) and stop; returns how many still wait in the
+        journal (the next command that opens the store writes them)."""
+        left = self._close_flusher(timeout)
+        if self._journal is not None:
+            self.run_id = self._journal.state().get("run_id") or self.run_id
+        return left
+
     def flush(self, timeout: float = 120.0) -> int:
         """Wait (bounded) until the records so far are in the store; returns how
         many still wait."""

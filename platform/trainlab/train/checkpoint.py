@@ -97,7 +97,12 @@ def _payload_files(directory: Path) -> list[Path]:
     return sorted(
         p
         for p in directory.rglob("*")
-        if p.is_file() and p.name != META_FILE and not p.name.startswith(".")
+        if p.is_file()
+        and p.name != META_FILE
+        # the ranks' done markers and a metadata file being written are not payload;
+        # DCP's own `.metadata` is (the index of every rank's shards)
+        and not p.name.startswith(DONE_PREFIX)
+        and not p.name.endswith(".tmp")
     )
 
 

@@ -1,18 +1,22 @@
-"""The training state in and out of checkpoints: the one component that knows
-both file formats (the disk protocol itself, commits, validation records and
-retention, is trainlab.train.checkpoint).
+"""The training state in and out of checkpoints (the disk protocol itself,
+commits, validation records and retention, is trainlab.train.checkpoint).
 
-A checkpoint of step s holds the parts of `TrainState`:
+One format for every layout and world size, torch.distributed.checkpoint
+(DCP). A checkpoint of step s holds the parts of `TrainState`:
 
     trainer.pt        rank 0: the header (step, format, identity, layout, latest
                       evaluation), the data position and the grad scaler
     rng-rank{r}.pt    every rank: its random generators
-    model.pt,         format "torch" (one process, DDP, ZeRO-1): full state
-    optimizer.pt      dicts, written by rank 0
-    state/            format "dcp" (FSDP): torch.distributed.checkpoint shards
-                      of {"model", "optimizer"} from every rank
+    state/            DCP: {"model", "optimizer"} by the whole model's parameter
+                      names, each rank writing its own entries (a replicated
+                      tensor once), so any layout reads any other's
 
 and checkpoint.json, whose fields start from the same header.
+
+Checkpoints of trainlab 0.1 before stop 25 of one process, DDP or ZeRO-1 were
+"torch" format (`model.pt` and `optimizer.pt`, full state dicts). They still
+restore, export and validate: `load` converts them into DCP's form on the way in
+(`legacy_full_state`); nothing writes them any more.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -33,13 +38,20 @@ from trainlab.train import checkpoint as ck
 from trainlab.train.distributed import DistEnv
 from trainlab.train.job import TrainJob
 from trainlab.train.rng import seed_everything
-from trainlab.train.state import TrainState, cloned, fill_from_full, fresh_cpu_model
+from trainlab.train.state import TrainState, fill_from_full, fresh_cpu_model
 from trainlab.train.step import Batch, loss_sum_and_count, to_tensors
 
 log = logging.getLogger("trainlab.train")
+# DCP warns on every call without a process group that it assumes one process:
+# that is what trainlab means when it passes no_dist (one process, validation).
+warnings.filterwarnings(
+    "ignore", message=r"torch\.distributed is .*assuming the intent is to", category=UserWarning
+)
 
 TRAINER_FILE = "trainer.pt"
 DCP_DIR = "state"
+FORMAT = "dcp"
+LEGACY_FORMAT = "torch"  # read, never written (see the module docstring)
 
 
 def rng_file(rank: int) -> str:
@@ -54,7 +66,6 @@ class Checkpointer:
         self.job, self.env, self.state = job, env, state
         self.cfg: ExperimentConfig = job.cfg
         c = self.cfg.train.checkpoint
-        self.format = state.model.format
         after_commit = None
         if self.cfg.resource.storage and env.is_main:
             from trainlab.train.mirror import CheckpointMirror
@@ -82,7 +93,7 @@ class Checkpointer:
         """What trainer.pt and checkpoint.json both say about the checkpoint."""
         return {
             **self.state.progress.state_dict(),
-            "format": self.format,
+            "format": FORMAT,
             "config_hash": self.job.config_hash,
             "dataset_fingerprint": self.job.dataset_fingerprint,
             "world_size": self.env.world_size,
@@ -115,16 +126,17 @@ class Checkpointer:
                 ck.save_file(trainer_state, staging / TRAINER_FILE)
 
         validator = None
-        if self.env.is_main and self.cfg.train.checkpoint.validate and self.format == "dcp":
-            validator = partial(
-                validate_sharded_checkpoint,
-                m=self.cfg.model,
-                val_loss=header["val_losses"].get("all"),
-            )
-        elif self.env.is_main and self.cfg.train.checkpoint.validate:
-            validator = partial(
-                validate_checkpoint, m=self.cfg.model, fmt=self.format, batch=self.validation_batch
-            )
+        if self.env.is_main and self.cfg.train.checkpoint.validate:
+            if self.state.model.sharded:  # never held whole: read a tensor at a time
+                validator = partial(
+                    validate_sharded_checkpoint,
+                    m=self.cfg.model,
+                    val_loss=header["val_losses"].get("all"),
+                )
+            else:  # the model fits one device: load it whole and run a forward
+                validator = partial(
+                    validate_checkpoint, m=self.cfg.model, batch=self.validation_batch
+                )
         # keep_best ranks by val_loss: the held-out evaluation of this step, the number
         # reported as val_loss everywhere (none between evaluations). The fixed-batch
         # loss of validation is recorded apart, as validation_loss.
@@ -132,30 +144,25 @@ class Checkpointer:
         self.writer.submit(step, write_files, meta, validator)
 
     def _stage_model(self, step: int, background: bool) -> Callable[[Path], None]:
-        """Take the model and optimizer state now; return what writes it."""
-        state = self.state.model.state_dict()
-        if self.format == "dcp":
-            import torch.distributed as dist
-            import torch.distributed.checkpoint as dcp
+        """Take the model and optimizer state now (DCP, every rank its entries);
+        return what finishes writing it. In the background, DCP's async save
+        stages the state to host memory first, then writes while training goes on."""
+        import torch.distributed as dist
+        import torch.distributed.checkpoint as dcp
 
-            target = str(self.writer.staging_dir(step) / DCP_DIR)
-            if not background:
-                dcp.save(state, checkpoint_id=target)
-                return lambda staging: None
+        state = self.state.model.state_dict()
+        target = str(self.writer.staging_dir(step) / DCP_DIR)
+        alone = not self.env.distributed
+        if not background:
+            dcp.save(state, checkpoint_id=target, no_dist=alone)
+            return lambda staging: None
+        group = None
+        if not alone:
             if self._async_group is None:  # async collectives get their own group
                 self._async_group = dist.new_group(backend="gloo")
-            future = dcp.async_save(state, checkpoint_id=target, process_group=self._async_group)
-            return lambda staging: future.result()
-        if not state:  # not rank 0
-            return lambda staging: None
-        if background:
-            state = cloned(state)
-
-        def write(staging: Path) -> None:
-            ck.save_file(state["model"], staging / "model.pt")
-            ck.save_file(state["optimizer"], staging / "optimizer.pt")
-
-        return write
+            group = self._async_group
+        future = dcp.async_save(state, checkpoint_id=target, process_group=group, no_dist=alone)
+        return lambda staging: future.result()
 
     def completed(self) -> list[ck.CheckpointInfo]:
         """Checkpoints committed since the last call (rank 0)."""
@@ -205,24 +212,16 @@ class Checkpointer:
                 _describe(saved_layout),
                 _describe(layout),
             )
-        if trainer_state["format"] == "dcp":
-            import torch.distributed.checkpoint as dcp
-
-            state = model.dcp_state_dict()
-            dcp.load(state, checkpoint_id=str(path / DCP_DIR))
-            model.load_dcp_state_dict(state)
-        elif model.sharded:  # a full (torch) checkpoint into a sharded layout
-            full, state = full_state_as_dcp(path, self.cfg), model.dcp_state_dict()
+        state = model.state_dict()
+        if trainer_state.get("format") == LEGACY_FORMAT:
+            full = legacy_full_state(path, self.cfg)
             for part in ("model", "optimizer"):
                 fill_from_full(state[part], full[part])
-            model.load_dcp_state_dict(state)
         else:
-            model.load_state_dict(
-                {
-                    "model": ck.load_file(path / "model.pt"),
-                    "optimizer": ck.load_file(path / "optimizer.pt"),
-                }
-            )
+            import torch.distributed.checkpoint as dcp
+
+            dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=not self.env.distributed)
+        model.load_state_dict(state)
         if model.scaler is not None and trainer_state.get("scaler"):
             model.scaler.load_state_dict(trainer_state["scaler"])
         self.state.data.load_state_dict(trainer_state["data"])
@@ -249,10 +248,11 @@ def _describe(layout: dict[str, Any]) -> str:
     return " ".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "dp", "strategy", "zero_stage"))
 
 
-def full_state_as_dcp(path: Path, cfg: ExperimentConfig) -> dict[str, Any]:
-    """A "torch" checkpoint's full model and optimizer state in the "dcp" form
-    (parameter names; optimizer state flattened), read on this host's CPU. The
-    torch format is what one-process and DDP runs write, so it fits one host."""
+def legacy_full_state(path: Path, cfg: ExperimentConfig) -> dict[str, Any]:
+    """A legacy "torch" checkpoint's full model and optimizer state in DCP's form
+    (parameter names; optimizer state flattened), read on this host's CPU. That
+    format was written by one-process, DDP and ZeRO-1 runs (consolidated), so it
+    fits one host."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -265,7 +265,7 @@ def full_state_as_dcp(path: Path, cfg: ExperimentConfig) -> dict[str, Any]:
 
     optim_state = ck.load_file(path / "optimizer.pt")
     if "param_groups" not in optim_state or "state" not in optim_state:
-        raise RuntimeError(f"{path}: its optimizer state (ZeRO-1?) cannot be resharded")
+        raise RuntimeError(f"{path}: its optimizer state cannot be read (not a torch optimizer's)")
     model = fresh_cpu_model(cfg.model)
     model.load_state_dict(ck.load_file(path / "model.pt"))
     optimizer = build_optimizer(model, cfg, DistEnv())
@@ -279,26 +279,26 @@ def full_state_as_dcp(path: Path, cfg: ExperimentConfig) -> dict[str, Any]:
 # --------------------------------------------------------------------------- validation
 
 
-def load_weights_on_cpu(path: Path, cfg: ExperimentConfig | ModelConfig, fmt: str) -> Any:
+def load_weights_on_cpu(path: Path, cfg: ExperimentConfig | ModelConfig, fmt: str = FORMAT) -> Any:
     """A fresh CPU model (eval mode) holding the weights of checkpoint directory
-    `path`, whatever layout wrote it."""
+    `path`, whatever layout wrote it (`fmt`: its format, DCP or the legacy one)."""
     model_cfg = cfg.model if isinstance(cfg, ExperimentConfig) else cfg
     model = fresh_cpu_model(model_cfg)
-    if fmt == "dcp":
+    if fmt == LEGACY_FORMAT:
+        model.load_state_dict(ck.load_file(path / "model.pt"))
+    else:
         import torch.distributed.checkpoint as dcp
 
         state = {"model": model.state_dict()}
         dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=True)
         model.load_state_dict(state["model"])
-    else:
-        model.load_state_dict(ck.load_file(path / "model.pt"))
     return model.eval()
 
 
-def validate_checkpoint(path: Path, m: ModelConfig, fmt: str, batch: Batch) -> ck.Validation:
+def validate_checkpoint(path: Path, m: ModelConfig, batch: Batch) -> ck.Validation:
     """Load into a fresh CPU model and run one forward on a fixed batch: valid when
     it loads and the loss is finite."""
-    model = load_weights_on_cpu(path, m, fmt)
+    model = load_weights_on_cpu(path, m)
     with torch.no_grad():
         total, count = loss_sum_and_count(model, to_tensors(batch, torch.device("cpu")))
     loss = (total / count.clamp(min=1)).item()

@@ -292,17 +292,13 @@ def _trackers() -> tuple[type, type]:
 def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._pytree import tree_flatten
 
     from trainlab.models import build_model
     from trainlab.train.parallel import (
         apply_parallelism,
         build_optimizer,
         gradient_sync,
-        unwrap,
-        uses_zero1,
     )
-    from trainlab.train.state import cloned
     from trainlab.train.step import autocast_context, loss_sum_and_count
 
     Lean, LeanFSDP = _trackers()
@@ -329,23 +325,9 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
                 model.register_comm_hook(None, _bucket_as_result)
         _use_foreach(optimizer, cfg.resource.use_gpu)
         cfg.train.optimizer.create_state(optimizer)  # the state of step 2 onwards
-        snapshot = None
-        if cfg.train.checkpoint.async_save and not fsdp and env.is_main:
-            # The trainer's async save of the torch format (rank 0) clones the model
-            # and optimizer state dicts on their device and holds the clone while
-            # training goes on. ZeRO-1 consolidates the optimizer state on the CPU
-            # first (torch does), so only the model's part stays on the device.
-            state = {"model": unwrap(model).state_dict()}
-            if not uses_zero1(cfg, env):
-                state["optimizer"] = optimizer.state_dict()
-            else:
-                notes.append("ZeRO-1: the consolidated optimizer state is on the host")
-            snapshot = cloned(state)
+        # Checkpoints (DCP, async or not) stage to host memory: nothing on the device.
         if not fsdp:
             tracker.track_external(optimizer, getattr(optimizer, "optim", None))
-            if snapshot is not None:
-                tensors = [x for x in tree_flatten(snapshot)[0] if isinstance(x, torch.Tensor)]
-                tracker.track_external(*tensors)
         tokens = micro_batch * seq
         tracker.logits_shape = (tokens, vocab)
         tracker.phase_peaks, tracker.phase_seconds, tracker.phase_snaps = {}, {}, {}
@@ -414,7 +396,7 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
             raw,
             notes,
         )
-        del snapshot, model, optimizer, tracker
+        del model, optimizer, tracker
     return result
 
 

@@ -4,9 +4,10 @@ Each part has `state_dict()` / `load_state_dict()`; a checkpoint is these parts
 composed by `trainlab.train.checkpointer.Checkpointer`, which alone knows the
 file formats. Parts:
 
-- `ModelState`: the (wrapped) model, its optimizer and the fp16 grad scaler;
-  full state dicts on rank 0 (single process, DDP, ZeRO-1) or sharded ones on
-  every rank (FSDP), as `sharded` says.
+- `ModelState`: the (wrapped) model, its optimizer and the fp16 grad scaler; its
+  state dict is torch.distributed.checkpoint's form for every layout: each
+  rank's entries by the whole model's parameter names (sharded tensors as
+  DTensors), so any layout loads any other's.
 - `Progress`: optimizer steps done and the latest evaluation.
 - `DataPosition`: where the data stream continues (the loader's own state).
 - `RNG`: this rank's Python, NumPy and torch generators.
@@ -24,7 +25,7 @@ from torch import nn
 from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.models import build_model
 from trainlab.train.distributed import DistEnv
-from trainlab.train.parallel import apply_layout, build_optimizer, unwrap, uses_zero1
+from trainlab.train.parallel import apply_layout, build_optimizer, uses_zero1
 from trainlab.train.rng import capture_rng, restore_rng, seed_everything, set_deterministic
 
 
@@ -80,9 +81,10 @@ class ModelState:
 
     `parts` is the model as this rank holds it (one module, or its pipeline
     stages, trainlab.train.parallel.ParallelModel), with one optimizer each.
-    `format` is how checkpoints hold it: "torch" (full state dicts on rank 0:
-    one process, DDP, ZeRO-1) or "dcp" (every rank its shards, by the whole
-    model's parameter names, so any layout loads any other's)."""
+    Checkpoints hold it in one format, torch.distributed.checkpoint (DCP): every
+    rank's entries by the whole model's parameter names, the optimizer state
+    flattened by them, so any layout and world size loads any other's.
+    `sharded`: whether the parameters are split over ranks (FSDP, tp, pp)."""
 
     def __init__(self, cfg: ExperimentConfig, env: DistEnv):
         self.cfg, self.env = cfg, env
@@ -97,7 +99,6 @@ class ModelState:
         self.scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
         fsdp = cfg.parallel.strategy == "fsdp" and env.distributed
         self.sharded = fsdp or self.parallel.sharded
-        self.format = "dcp" if self.sharded else "torch"
         # Dropout differs per model replica, reproducibly; the ranks of one
         # tensor-parallel group share their stream (their activations are replicas).
         tp_rank = env.coords.tp
@@ -114,7 +115,15 @@ class ModelState:
 
     # ---------------------------------------------------------------- state dicts
 
-    def _dcp_parts(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    def _stepped_optimizers(self) -> list[torch.optim.Optimizer]:
+        """The optimizer whose state each part's checkpoint entries hold: under
+        ZeRO-1, the rank's local optimizer over its partition (each rank writes and
+        reads the entries of its own parameters), else the optimizer itself."""
+        if uses_zero1(self.cfg, self.env):
+            return [opt.optim for opt in self.optimizers]
+        return list(self.optimizers)
+
+    def _parts_state(self) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         """(model, flattened optimizer) state dicts of each part, by the whole
         model's names (a tied table's pipeline copy under the table's name)."""
         from torch.distributed.checkpoint.state_dict import (
@@ -126,49 +135,25 @@ class ModelState:
         from trainlab.train.pipeline import is_tied_copy
 
         out = []
-        for part, opt in zip(self.parts, self.optimizers, strict=True):
+        for part, opt in zip(self.parts, self._stepped_optimizers(), strict=True):
             optim = get_optimizer_state_dict(part, opt, options=StateDictOptions(**FLAT))
-            if is_tied_copy(part):
+            if self.pipeline is not None and is_tied_copy(part):
                 optim = _renamed(optim, _COPY, _TABLE)
             out.append((get_model_state_dict(part), optim))
         return out
 
     def state_dict(self) -> dict[str, Any]:
-        """{"model", "optimizer"}: sharded on every rank ("dcp"), or full on rank 0
-        (empty elsewhere). A collective when sharded and under ZeRO-1: call it on
-        every rank."""
-        if self.sharded:
-            model: dict[str, Any] = {}
-            optim: dict[str, Any] = {}
-            for m, o in self._dcp_parts():
-                model.update(m)
-                optim.update(o)
-            return {"model": model, "optimizer": optim}
-        if uses_zero1(self.cfg, self.env):
-            self.optimizer.consolidate_state_dict(to=0)
-        if not self.env.is_main:
-            return {}
-        return {"model": unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def dcp_state_dict(self) -> dict[str, Any]:
-        """The "dcp" form of the state whatever this layout saves, to load a "dcp"
-        checkpoint into (every rank; not under ZeRO-1)."""
-        if self.sharded:
-            return self.state_dict()
-        if uses_zero1(self.cfg, self.env):
-            raise RuntimeError(
-                "resuming a sharded (dcp) checkpoint with ZeRO-1 is not supported: "
-                "resume with parallel.zero_stage 0, 2 or 3"
-            )
+        """{"model", "optimizer"} in DCP's form: this rank's entries (shards as
+        DTensors; replicated tensors, which DCP writes once). Every rank calls it."""
         model: dict[str, Any] = {}
         optim: dict[str, Any] = {}
-        for m, o in self._dcp_parts():
+        for m, o in self._parts_state():
             model.update(m)
             optim.update(o)
         return {"model": model, "optimizer": optim}
 
-    def load_dcp_state_dict(self, state: dict[str, Any]) -> None:
-        """Load a state dict filled from a "dcp" checkpoint (see dcp_state_dict)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Load a state dict of `state_dict()`'s form, filled from a checkpoint."""
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             set_model_state_dict,
@@ -178,21 +163,18 @@ class ModelState:
         from trainlab.train.pipeline import is_tied_copy
 
         options = StateDictOptions(**FLAT)
-        layouts = self._dcp_parts()
-        for part, opt, (m, o) in zip(self.parts, self.optimizers, layouts, strict=True):
+        layouts = self._parts_state()
+        optimizers = self._stepped_optimizers()
+        for part, opt, (m, o) in zip(self.parts, optimizers, layouts, strict=True):
             model = {k: state["model"][k] for k in m}
             optim = {k: state["optimizer"][k] for k in o}
-            if is_tied_copy(part):
+            if self.pipeline is not None and is_tied_copy(part):
                 optim = _renamed(optim, _TABLE, _COPY)
             set_model_state_dict(part, model)
-            set_optimizer_state_dict(part, opt, optim, options=options)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if self.sharded:
-            self.load_dcp_state_dict(state)
-            return
-        unwrap(self.model).load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+            if uses_zero1(self.cfg, self.env):
+                load_flat_optimizer_state(part, opt, state["optimizer"])
+            else:
+                set_optimizer_state_dict(part, opt, optim, options=options)
 
     def weights_digest(self) -> str | None:
         """`state_dict_sha256` of the whole model's weights on rank 0, computed a
@@ -218,6 +200,35 @@ class ModelState:
         if not self.env.is_main:
             return None
         return combine_digests(digests)
+
+
+def load_flat_optimizer_state(model: nn.Module, optimizer: Any, flat: dict[str, Any]) -> None:
+    """Load `optimizer` (ZeRO-1's local optimizer over this rank's partition) from
+    the flattened state by parameter name ("state.{fqn}.{key}",
+    "param_groups.{fqn}.{key}"), by hand: torch's unflattening refuses a param
+    group left empty by the partition."""
+    inner = getattr(model, "module", model)
+    names = {id(p): name for name, p in inner.named_parameters()}
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for group in optimizer.param_groups:
+        ids = []
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for p in group["params"]:
+            fqn = names[id(p)]
+            prefix = f"state.{fqn}."
+            entry = {k[len(prefix) :]: v for k, v in flat.items() if k.startswith(prefix)}
+            if entry:
+                state[index] = entry
+            for key in settings:
+                saved = flat.get(f"param_groups.{fqn}.{key}")
+                if saved is not None:
+                    settings[key] = saved
+            ids.append(index)
+            index += 1
+        groups.append({**settings, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 @dataclass

@@ -88,7 +88,7 @@ def test_round_trip_through_transformers(dataset, tmp_path, arch, model, shard):
     run = train_run(dataset, tmp_path / "runs" / "2026-01-02" / arch, model={"arch": arch, **model})
     out = tmp_path / "hf"
     result = export_model(run, out, max_shard_bytes=parse_size(shard))
-    assert result["step"] == 4 and result["checkpoint_format"] == "torch"
+    assert result["step"] == 4 and result["checkpoint_format"] == "dcp"  # every layout's
     assert result["mlflow_run_id"] is None  # this run has no MLflow record
     names = set(os.listdir(out))
     assert {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -104,6 +104,10 @@ def test_round_trip_through_transformers(dataset, tmp_path, arch, model, shard):
         check_bf16_export(run, tmp_path / "hf-bf16")
 
 
+def run_config(run: Path):
+    return validate_raw(yaml.safe_load((run / "config.yaml").read_text()))
+
+
 def check_bf16_export(run: Path, out: Path) -> None:
     """--dtype bf16: the weights are trainlab's rounded to bf16, and the config says so."""
     from safetensors import safe_open
@@ -112,7 +116,7 @@ def check_bf16_export(run: Path, out: Path) -> None:
     with safe_open(out / "model.safetensors", "pt") as f:
         q = f.get_tensor("model.layers.0.self_attn.q_proj.weight")
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    ours = torch.load(run / "checkpoints/step-00000004/model.pt", weights_only=True)
+    ours = load_weights_on_cpu(run / "checkpoints/step-00000004", run_config(run)).state_dict()
     assert q.dtype == torch.bfloat16
     assert torch.equal(q, ours["layers.0.attn.q.weight"].to(torch.bfloat16))
 

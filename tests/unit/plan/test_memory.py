@@ -151,16 +151,12 @@ def test_fsdp_shards_pad_rows():
     assert e["parameters"] < 4 * n / 8 * 1.01
 
 
-def test_async_snapshot_on_rank0_device():
+def test_async_checkpoints_copy_nothing_on_the_device():
+    """Every layout checkpoints through DCP, whose async save stages to host memory
+    (before DCP only, the single-file format cloned the state on rank 0's device)."""
     c = cfg(GPT2_SMALL, seq=1024, train={"checkpoint": {"async_save": True}})
-    n = count_params(c.model).total
-    tied = 4 * 50257 * 768  # the state dict names the tied weight twice
-    ddp = estimate_memory(c, Layout(1, 1, 8, 0), 1).memory
-    zero1 = estimate_memory(c, Layout(1, 1, 8, 1), 1).memory
-    fsdp = estimate_memory(c, Layout(1, 1, 8, 3), 1).memory
-    assert zero1["checkpoint_snapshot"] == 4 * n + tied  # Adam consolidated on the host
-    assert ddp["checkpoint_snapshot"] == pytest.approx(4 * n + tied + ddp["optimizer"], rel=0.05)
-    assert fsdp["checkpoint_snapshot"] == 0  # DCP stages to the host
+    for zero in (0, 1, 3):
+        assert estimate_memory(c, Layout(1, 1, 8, zero), 1).memory["checkpoint_snapshot"] == 0
 
 
 # --------------------------------------------------------------------------- activations

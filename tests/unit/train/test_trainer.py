@@ -160,8 +160,10 @@ def test_corrupted_newest_checkpoint_is_skipped_and_the_run_still_matches(
         shutil.copytree(
             tmp_path / f"clean/checkpoints/step-{step}", broken / f"checkpoints/step-{step}"
         )
-    model_file = broken / "checkpoints/step-00000006/model.pt"
-    model_file.write_bytes(model_file.read_bytes()[:-100])  # truncated
+    # The largest file of the newest checkpoint (its DCP data: the weights), truncated.
+    files = (broken / "checkpoints/step-00000006").rglob("*")
+    model_file = max((f for f in files if f.is_file()), key=lambda f: f.stat().st_size)
+    model_file.write_bytes(model_file.read_bytes()[:-100])
     rec = Recorder()
     resumed, _ = train(cfg, broken, rec)
     assert rec.events[0][:2] == ("start", 3)
