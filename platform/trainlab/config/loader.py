@@ -360,22 +360,31 @@ def _is_identity_key(keys: list[str]) -> bool:
 
 # --------------------------------------------------------------------------- identity
 
-# Fields that describe the record or the run's operation, not what is trained:
-# changing them does not change the experiment's identity. The parallel layout
-# and the resources are not either: a run resumes at another layout (the
-# checkpoint reshards) as long as each step still sees the same global batch,
-# which identity_dict states explicitly in place of how it is split.
-_NOT_IDENTITY = {
-    "name": None,
-    "purpose": None,
-    "expectation": None,
-    "owner": None,
-    "tracking": None,
-    "parallel": None,
-    "resource": None,
-    "train": {"chaos", "checkpoint", "max_failures", "runs_root", "log_interval"},
-    "data": {"micro_batch_size", "grad_accum_steps", "loader_cpus", "ray_data_metrics"},
-}
+def _marked(field: Any) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and extra.get("identity") is False
+
+
+def _not_identity() -> dict[str, set[str] | None]:
+    """{section: None (the whole section) | its fields} that are not part of the
+    experiment's identity: the fields the schema marks NOT_IDENTITY. The parallel
+    layout and the resources are not either: a run resumes at another layout (the
+    checkpoint reshards) as long as each step still sees the same global batch,
+    which identity_dict states explicitly in place of how it is split."""
+    out: dict[str, set[str] | None] = {}
+    for name, field in ExperimentConfig.model_fields.items():
+        if _marked(field):
+            out[name] = None
+            continue
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            sub = {n for n, f in ann.model_fields.items() if _marked(f)}
+            if sub:
+                out[name] = sub
+    return out
+
+
+_NOT_IDENTITY = _not_identity()
 
 
 def identity_dict(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -19,6 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from trainlab.optim import OptimizerConfig
 
 PosInt = Annotated[int, Field(ge=1)]
+# Marks a field that is not part of the experiment's identity (its config hash):
+# it describes the record or how and where the run operates, not what is trained
+# (trainlab.config.loader.identity_dict). A run resumes with another value.
+NOT_IDENTITY: dict[str, bool] = {"identity": False}
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
 # "package.module:function"
 IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
@@ -104,11 +108,13 @@ class DataConfig(Section):
     seq_len: int = Field(256, ge=8, le=1_048_576)
     # Sequences per device per forward/backward; `auto` (needs global_batch_size): the
     # planner picks the largest that fits (see trainlab.plan.planner).
-    micro_batch_size: Annotated[int, Field(ge=1, le=65536)] | Literal["auto"] = 8
+    micro_batch_size: Annotated[int, Field(ge=1, le=65536)] | Literal["auto"] = Field(
+        8, json_schema_extra=NOT_IDENTITY
+    )
     # Micro batches per optimizer step; null = derived: global_batch_size /
     # (micro_batch_size x dp) when global_batch_size is set (by the planner under
     # `strategy: auto`), else 1.
-    grad_accum_steps: int | None = Field(None, ge=1, le=65536)
+    grad_accum_steps: int | None = Field(None, ge=1, le=65536, json_schema_extra=NOT_IDENTITY)
     # Sequences per optimizer step; null = micro_batch_size x grad_accum_steps x dp (varies with dp).
     global_batch_size: int | None = Field(None, ge=1, le=16_777_216)
     # Token shares per source name (normalized to sum 1); empty means every
@@ -120,11 +126,11 @@ class DataConfig(Section):
     # Fraction of each source's documents held out for validation (by document).
     val_fraction: float = Field(0.01, ge=0.0, le=0.5)
     # Logical CPUs the Ray Data read/mix/pack pipeline may use (caps its resources).
-    loader_cpus: float = Field(1.0, gt=0, le=1024)
+    loader_cpus: float = Field(1.0, gt=0, le=1024, json_schema_extra=NOT_IDENTITY)
     # Ray Data's per-dataset metrics (the dashboard's Data panel), pushed by the
     # training loader every few seconds. Off by default: the pushes and the stats
     # actor's work take CPU from training on a small machine.
-    ray_data_metrics: bool = False
+    ray_data_metrics: bool = Field(False, json_schema_extra=NOT_IDENTITY)
     # Resume even if the prepared dataset's fingerprint differs from the checkpoint's.
     allow_fingerprint_change: bool = False
 
@@ -196,7 +202,7 @@ class TrainConfig(Section):
     # Clip the global gradient norm to this value; 0 disables clipping.
     grad_clip: float = Field(1.0, ge=0.0)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
-    log_interval: int = Field(10, ge=1)
+    log_interval: int = Field(10, ge=1, json_schema_extra=NOT_IDENTITY)
     # Validation loss per source every eval_interval steps, over eval_batches batches.
     eval_interval: int = Field(100, ge=1)
     eval_batches: int = Field(2, ge=1, le=10_000)
@@ -204,16 +210,18 @@ class TrainConfig(Section):
     # Seed everything and use deterministic algorithms: runs become bitwise reproducible.
     deterministic: bool = False
     # Worker-group restarts Ray Train may do before the run fails.
-    max_failures: int = Field(3, ge=0, le=1000)
+    max_failures: int = Field(3, ge=0, le=1000, json_schema_extra=NOT_IDENTITY)
     # Where run directories go: {runs_root}/{date}/{name}/. Relative paths here and in
     # data.path / resource.storage: to the config file's repository root (config.loader).
-    runs_root: str = "runs"
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    runs_root: str = Field("runs", json_schema_extra=NOT_IDENTITY)
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig, json_schema_extra=NOT_IDENTITY
+    )
     # Windows [first, last] of steps (1-based, inclusive) whose batches are not trained
     # on: the step counter passes over them, the data stream stays addressed by step.
     # What rollback_and_skip does after an anomaly, given up front (docs/monitoring.md).
     skip_steps: list[tuple[PosInt, PosInt]] = Field(default_factory=list)
-    chaos: ChaosConfig = Field(default_factory=ChaosConfig)
+    chaos: ChaosConfig = Field(default_factory=ChaosConfig, json_schema_extra=NOT_IDENTITY)
     # More parts of the training loop, by import path "package.module:factory" with
     # factory(cfg) -> list of trainlab.train.components.Component; they run on every
     # rank after the built-in ones, before checkpointing (docs/contracts.md).
@@ -471,17 +479,25 @@ class TrackingConfig(Section):
 class ExperimentConfig(Section):
     """One experiment: what to train, on what, how, where, and why."""
 
-    name: str = Field(..., min_length=1, max_length=100, pattern=NAME_PATTERN)
+    name: str = Field(
+        ..., min_length=1, max_length=100, pattern=NAME_PATTERN, json_schema_extra=NOT_IDENTITY
+    )
     # The experiment record the team keeps for every run.
-    purpose: str = ""
-    expectation: str = ""
-    owner: str = ""
+    purpose: str = Field("", json_schema_extra=NOT_IDENTITY)
+    expectation: str = Field("", json_schema_extra=NOT_IDENTITY)
+    owner: str = Field("", json_schema_extra=NOT_IDENTITY)
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
-    resource: ResourceConfig = Field(default_factory=ResourceConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, json_schema_extra=NOT_IDENTITY
+    )
+    resource: ResourceConfig = Field(
+        default_factory=ResourceConfig, json_schema_extra=NOT_IDENTITY
+    )
+    tracking: TrackingConfig = Field(
+        default_factory=TrackingConfig, json_schema_extra=NOT_IDENTITY
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> ExperimentConfig:
