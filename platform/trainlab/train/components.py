@@ -98,9 +98,10 @@ class P0Guard(Component):
         self.pending: PendingSignals | None = None
 
     def launch(self, loop: Trainer, current: PendingSignals) -> str | None:
-        """Queue step s's signals; judge step s-1's (read now)."""
+        """Queue step s's signals; judge step s-1's (read now). After a rollback
+        step s's signals are dropped: that step ran on the state rolled back from."""
         status = self.observe(loop)
-        self.pending = current
+        self.pending = None if status == ROLLED_BACK else current
         return status
 
     def observe(self, loop: Trainer) -> str | None:

@@ -49,8 +49,8 @@ from trainlab.train.distributed import DistEnv
 
 def check_executable(cfg: ExperimentConfig) -> None:
     """Refuse a config whose layout is not resolved, before any worker starts.
-    (Layouts this version cannot execute, tp/pp > 1 and sequence parallelism, are
-    refused by the config rules at validation.)"""
+    (A layout the trainer cannot execute is refused at validation: the config
+    rules ask trainlab.config.dims.layout_executes.)"""
     if cfg.parallel.strategy not in ("ddp", "fsdp"):
         raise UserError(
             f"parallel.strategy = {cfg.parallel.strategy!r}: resolve the layout first "

@@ -43,3 +43,35 @@ def test_a_component_path_is_checked_at_validate(dataset):
         tiny_config(dataset, train={"components": ["nowhere_such.mod:make"]})
     with pytest.raises(ValueError, match="should match pattern"):
         tiny_config(dataset, train={"components": ["not a path"]})
+
+
+def test_a_rollback_equals_a_run_that_skipped_the_window(dataset, tmp_path):
+    """P0Guard in one process: a NaN at step 5, read one step late (no component
+    acts at step 5), rolls back to step 3 and skips 4-5; the steps after it train
+    on the restored state, bit for bit as a run told to skip 4-5 from the start."""
+    from tests.train_helpers import local_loader
+    from trainlab.train.distributed import DistEnv
+    from trainlab.train.trainer import Trainer
+
+    def run(name, **train):
+        cfg = tiny_config(
+            dataset,
+            train={
+                "total_steps": 7,
+                "log_interval": 2,
+                "eval_interval": 100,
+                "checkpoint": {"every_steps": 3, "keep_last": 10},
+                **train,
+            },
+            tracking={"alerts": {"on_p0": "rollback_and_skip", "max_rollbacks": 1}},
+        )
+        job = make_job(cfg, tmp_path / name)
+        return Trainer(job, local_loader(job), DistEnv()).fit()
+
+    rolled = run("rolled", chaos={"nan_at_steps": [5]})
+    skipped = run("skipped", skip_steps=[[4, 5]])
+    assert rolled["status"] == skipped["status"] == "completed"
+    assert rolled["rollbacks"] == [
+        {"from_step": 5, "to_step": 3, "skipped": [4, 5], "rule": "non_finite"}
+    ]
+    assert rolled["weights_sha256"] == skipped["weights_sha256"]
