@@ -1,7 +1,7 @@
 """The prepared GPU check (`make gpu-check`): the whole GPU story in one short run.
 
 On a machine with one CUDA GPU (H100/H200 class: under 8 minutes), through the
-real trainer (`trainlab.train.trainer.Trainer`) in a plain process, no Ray:
+real trainer (`trainlab.train.loop.trainer.Trainer`) in a plain process, no Ray:
 
 1. `train_bf16_fsdp`: a ~1B Llama, bf16, FSDP2 at world size 1 (a 1-rank
    process group and the trainer's own `apply_parallelism`, see `GroupEnv`), a
@@ -409,7 +409,7 @@ def jsonable(x: Any) -> Any:
 
 
 class SyntheticLoader:
-    """A `StreamLoader` (trainlab.train.trainer) of synthetic token rows, a pure
+    """A `StreamLoader` (trainlab.train.loop.trainer) of synthetic token rows, a pure
     function of (seed, step): each row is an arithmetic progression modulo the
     vocabulary with its own start and stride, one document per row (so the
     attention takes its plain causal path), learnable from two tokens back."""
@@ -463,7 +463,7 @@ def group_env_class() -> type:
     library's `DistEnv.distributed` is False for one worker: no wrapping)."""
     import torch.distributed as dist
 
-    from trainlab.train.distributed import DistEnv
+    from trainlab.train.parallel.distributed import DistEnv
 
     class GroupEnv(DistEnv):
         @property
@@ -558,7 +558,7 @@ class Recorder:
     """A trainer callback keeping the logged metrics and when things happened."""
 
     def __init__(self, device: Any):
-        from trainlab.train.callbacks import Callback
+        from trainlab.train.loop.callbacks import Callback
 
         self.device = device
         self.windows: list[dict[str, float]] = []
@@ -620,8 +620,8 @@ def _is_sharded(model: Any) -> bool:
 
 def train_run(job: Any, device: Any, layout: str) -> tuple[Any, dict[str, Any], Recorder]:
     """Build the real Trainer for `job` and fit it; returns (trainer, summary, recorder)."""
-    from trainlab.train.distributed import DistEnv
-    from trainlab.train.trainer import Trainer
+    from trainlab.train.loop.trainer import Trainer
+    from trainlab.train.parallel.distributed import DistEnv
 
     env_cls = group_env_class() if layout == "fsdp" else DistEnv
     env = env_cls(rank=0, world_size=1, local_rank=0, device=device)

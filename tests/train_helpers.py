@@ -17,8 +17,8 @@ import pytest
 from devtools.datasets import small_dataset
 from trainlab.config import ExperimentConfig
 from trainlab.data import WorkerLoader
-from trainlab.train.callbacks import RunContext
 from trainlab.train.job import TrainJob, in_process_job
+from trainlab.train.loop.callbacks import RunContext
 
 TINY: dict[str, Any] = {
     "name": "unit",

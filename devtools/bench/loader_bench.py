@@ -92,7 +92,7 @@ def _tiny_step_rate(cfg: Any, spec: Any, steps: int = 8) -> float:
 
     from trainlab.data import WorkerLoader
     from trainlab.models import build_model
-    from trainlab.train.step import loss_sum_and_count, to_tensors
+    from trainlab.train.loop.step import loss_sum_and_count, to_tensors
 
     torch.manual_seed(0)
     model = build_model(cfg.model)

@@ -50,7 +50,7 @@ def _trainlab_round(cfg: Any, run_dir: Path) -> dict[str, Any]:
     from trainlab.config import config_hash
     from trainlab.plan import plan
     from trainlab.track import default_callbacks
-    from trainlab.train.callbacks import CallbackList, RunContext
+    from trainlab.train.loop.callbacks import CallbackList, RunContext
 
     run_dir.mkdir(parents=True)
     t0 = time.perf_counter()

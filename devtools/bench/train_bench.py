@@ -95,8 +95,8 @@ def plain_loop_tokens_per_s(cfg: ExperimentConfig, threads: int) -> dict[str, fl
     from trainlab.data import WorkerLoader, prepare_run_data
     from trainlab.models import build_model
     from trainlab.optim.base import decay_groups
-    from trainlab.train.schedule import lr_at
-    from trainlab.train.step import loss_sum_and_count, to_tensors
+    from trainlab.train.loop.schedule import lr_at
+    from trainlab.train.loop.step import loss_sum_and_count, to_tensors
 
     torch.set_num_threads(threads)
     cpu_started = time.process_time()
@@ -151,9 +151,9 @@ def inprocess_trainer_tokens_per_s(cfg: ExperimentConfig, threads: int, run_dir:
     import torch
 
     from trainlab.data import WorkerLoader
-    from trainlab.train.distributed import DistEnv
     from trainlab.train.job import in_process_job
-    from trainlab.train.trainer import Trainer
+    from trainlab.train.loop.trainer import Trainer
+    from trainlab.train.parallel.distributed import DistEnv
 
     torch.set_num_threads(threads)
     cpu = time.process_time()
@@ -387,7 +387,7 @@ def bare_ray_train_recovery_seconds(
 
 def bench_recovery_seconds() -> list[BenchResult]:
     from trainlab.raycluster import ensure_ray
-    from trainlab.train.launcher import HEALTH_CHECK_INTERVAL_S
+    from trainlab.train.driver.launcher import HEALTH_CHECK_INTERVAL_S
 
     ours: list[dict[str, Any]] = []
     bare: list[dict[str, Any]] = []

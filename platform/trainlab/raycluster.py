@@ -64,7 +64,7 @@ def local_num_cpus(requested: int | None = None) -> int:
 _routed_to: Path | None = None
 _said: set[Path] = set()  # log files whose line is printed at exit
 
-# The prefix of trainlab's own lines on a worker's stderr (trainlab.train.logs): the
+# The prefix of trainlab's own lines on a worker's stderr (trainlab.train.supervision.logs): the
 # only worker output the driver's terminal shows.
 CONSOLE_PREFIX = "[trainlab] "
 # How the raylet's warnings start (forwarded to the driver like worker output).

@@ -22,7 +22,7 @@ from trainlab.config import to_yaml
 from trainlab.monitor import alert_log_path
 from trainlab.train import checkpoint as ck
 from trainlab.train import run
-from trainlab.train.checkpointer import load_weights_on_cpu
+from trainlab.train.loop.checkpointer import load_weights_on_cpu
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ from trainlab.cli import cli
 from trainlab.config import to_yaml
 from trainlab.storage import planned_checkpoint_bytes
 from trainlab.train import TrainingFailed, run
-from trainlab.train.launcher import SMOKE_STEPS, smoke_config
+from trainlab.train.driver.launcher import SMOKE_STEPS, smoke_config
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 

@@ -137,7 +137,7 @@ def test_importing_training_loads_neither_tracking_nor_mlflow():
         """
         import sys
         import trainlab.train
-        import trainlab.train.launcher, trainlab.train.trainer, trainlab.train.worker
+        import trainlab.train.driver.launcher, trainlab.train.loop.trainer, trainlab.train.driver.worker
         bad = sorted(m for m in sys.modules
                      if m == "mlflow" or m.startswith(("mlflow.", "trainlab.track",
                                                        "trainlab.monitor")))
@@ -165,3 +165,35 @@ def test_the_library_does_not_import_the_repo_tools():
                 f"{module} -> {n}" for n in names if n.split(".")[0] in ("devtools", "tests")
             }
     assert graph and offenders == set()
+
+
+# The execution layer's roles, from the driver down: each imports only the ones
+# after it (platform/trainlab/train/__init__.py draws the tree).
+TRAIN_LAYERS = (
+    "driver",
+    "supervision",
+    "loop",
+    "records",
+    ("job", "parallel", "checkpoint"),
+)
+
+
+def test_the_execution_layers_roles_import_downwards_only():
+    rank = {}
+    for i, layer in enumerate(TRAIN_LAYERS):
+        for name in (layer,) if isinstance(layer, str) else layer:
+            rank[f"trainlab.train.{name}"] = i
+
+    def role(module: str) -> str | None:
+        parts = module.split(".")
+        name = ".".join(parts[:3])
+        return name if name in rank else None
+
+    offenders = set()
+    for module, targets in import_graph().items():
+        src = role(module)
+        for target in targets:
+            dst = role(target)
+            if src and dst and src != dst and rank[dst] <= rank[src]:
+                offenders.add(f"{module} -> {target}")
+    assert offenders == set()

@@ -2,7 +2,7 @@
 free the disk that old runs hold.
 
 It works on the runs root layout (`{runs_root}/{YYYY-MM-DD}/{name}/`,
-trainlab.train.rundir) and reads each run with the training layer's own readers:
+trainlab.train.driver.rundir) and reads each run with the training layer's own readers:
 its status from `run_summary.json` (trainlab.train.records; no summary means
 "unfinished"), its checkpoints from `checkpoints/` (trainlab.train.checkpoint).
 
@@ -18,7 +18,7 @@ checkpoints included. `--dry-run` says what would go and deletes nothing. The
 MLflow records are never touched (they are small and say what the run was).
 
 A live run is never touched, whatever its age, status or `--force`: one whose
-lock (trainlab.train.runlock) a live process holds, or whose lock record names
+lock (trainlab.train.driver.runlock) a live process holds, or whose lock record names
 another host with a fresh beat. gc says which runs it skipped and why, and
 holds each run's lock while it deletes from it, so a run that starts meanwhile
 is skipped too (or refused, if it starts while gc holds the lock).
@@ -39,14 +39,14 @@ import click
 from trainlab.cli.common import echo_json, json_option
 from trainlab.errors import UserError
 from trainlab.runstatus import RunStatus
-from trainlab.train import runlock
+from trainlab.train.driver import runlock
 
 # How runs ended (trainlab.runstatus), and gc's own two: a run without a summary,
 # and a --smoke rehearsal.
 STATUSES = (*RunStatus, "unfinished", "smoke")
 # What a trimmed run keeps besides its two checkpoints: the record of what it was.
 RECORDS = ("config.yaml", "plan.json", "run_summary.json", "logs")
-# The run's lock file stays while the directory does (trainlab.train.runlock says why).
+# The run's lock file stays while the directory does (trainlab.train.driver.runlock says why).
 KEPT_FILES = (*RECORDS, runlock.LOCK)
 _DATE_DIR = re.compile(r"^\d{4}-\d\d-\d\d$")
 _UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

@@ -3,7 +3,7 @@
 CONFIG is a config file, or with --resume a run directory (its config.yaml,
 with --set overrides on top). Resuming a run that already completed prints so
 and exits 0 without touching it; --extend continues it to a larger
-train.total_steps (trainlab.train.rundir)."""
+train.total_steps (trainlab.train.driver.rundir)."""
 
 from __future__ import annotations
 
@@ -201,7 +201,7 @@ def _print_done(s: dict) -> None:
     if "smoke" in s:
         checks = ", ".join(k for k, ok in s["smoke"]["checks"].items() if ok)
         click.echo(f"  smoke checks passed: {checks}", err=True)
-        from trainlab.train.metrics import memory_gap
+        from trainlab.train.loop.metrics import memory_gap
 
         gap = memory_gap(s.get("planned_memory_bytes"), s.get("peak_memory_bytes"))
         if gap:

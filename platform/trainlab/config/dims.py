@@ -11,7 +11,7 @@ Ranks are laid out pp-major, tp-minor, as in torchtitan and Megatron:
 
     rank = (pp_rank * dp + dp_rank) * tp + tp_rank
 
-so the tp ranks of a group are consecutive (trainlab.train.mesh keeps each on
+so the tp ranks of a group are consecutive (trainlab.train.parallel.mesh keeps each on
 one host). Data parallelism is DDP's replicas (`dp_replicate`) or FSDP's shards
 (`dp_shard`) by the strategy (ZeRO stage 0-1: replicate; 2-3: shard).
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-# The mesh's dimension names, outermost first (trainlab.train.mesh.build_mesh).
+# The mesh's dimension names, outermost first (trainlab.train.parallel.mesh.build_mesh).
 MESH_DIMS = ("pp", "dp", "tp")
 
 

@@ -223,7 +223,7 @@ class TrainConfig(Section):
     skip_steps: list[tuple[PosInt, PosInt]] = Field(default_factory=list)
     chaos: ChaosConfig = Field(default_factory=ChaosConfig, json_schema_extra=NOT_IDENTITY)
     # More parts of the training loop, by import path "package.module:factory" with
-    # factory(cfg) -> list of trainlab.train.components.Component; they run on every
+    # factory(cfg) -> list of trainlab.train.loop.components.Component; they run on every
     # rank after the built-in ones, before checkpointing (docs/contracts.md).
     components: list[Annotated[str, Field(pattern=IMPORT_PATH)]] = Field(
         default_factory=list, max_length=64

@@ -5,7 +5,7 @@ and checkpoints/) or one checkpoint directory in it (`checkpoints/step-N/`).
 The run's newest valid checkpoint whose files match their checksums is taken
 (`trainlab.train.checkpoint.find_resume`), or the one of `step`.
 
-Both formats the trainer writes (trainlab.train.checkpointer) are read
+Both formats the trainer writes (trainlab.train.loop.checkpointer) are read
 without the training layout or a process group:
 
 - "torch": `model.pt`, the full state dict, memory-mapped (weights_only);
@@ -30,7 +30,7 @@ from trainlab.config import ExperimentConfig
 from trainlab.config.loader import validate_raw
 from trainlab.errors import UserError
 from trainlab.train import checkpoint as ck
-from trainlab.train.checkpointer import DCP_DIR
+from trainlab.train.loop.checkpointer import DCP_DIR
 
 MODEL_PREFIX = "model."
 

@@ -24,7 +24,7 @@ those node ids as `lost_nodes` in run_summary.json. The wrapper reads them from
 the command's `--run-dir`, adds them to the nodes excluded so far, says which,
 and gives them to the re-run in TRAINLAB_EXCLUDE_NODES; the trainer places its
 workers with the label selector `ray.io/node-id: !in(...)`
-(trainlab.train.placement).
+(trainlab.train.driver.placement).
 A machine whose raylet restarts comes back under a new node id and is used again.
 """
 
@@ -39,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-from trainlab.train.placement import EXCLUDE_ENV, excluded_nodes
+from trainlab.train.driver.placement import EXCLUDE_ENV, excluded_nodes
 
 EXIT_INFRASTRUCTURE = 75  # EX_TEMPFAIL: the trainer's "the cluster failed me"
 STOPPED_BY_ALERT = 4  # trainlab.exitcodes: a P0 action stopped the run, never retried

@@ -75,7 +75,7 @@ class Prepared:
     def run_dir(self) -> str:
         """The run's directory, fixed at submission: {runs_root}/{date}/{name}[-N]. The
         job gets it as --run-dir, so a retried or resubmitted job continues this run."""
-        from trainlab.train.rundir import new_run_dir
+        from trainlab.train.driver.rundir import new_run_dir
 
         return str(new_run_dir(self.cfg))
 
@@ -94,7 +94,7 @@ def prepare(config: str, overrides: tuple[str, ...] | list[str], repo: Path) -> 
     cfg = load_config(config, overrides, name_from_overrides=True)
     require_record(cfg, config, "trainlab submit")
     require_fit(plan(cfg))  # before importing torch below: a plan error is instant
-    from trainlab.train.launcher import prepare_layout
+    from trainlab.train.driver.launcher import prepare_layout
 
     prepare_layout(cfg)  # the trainer's own pre-launch checks, here before any upload
     # Every node must share the runs root (run directories and checkpoints live there)

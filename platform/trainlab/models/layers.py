@@ -239,7 +239,7 @@ class TransformerLM(nn.Module):
         """Logits `[B, T, vocab]` for `input_ids` `[B, T]` (see the module docstring
         for how position_ids and document_ids of packed rows are used).
 
-        A pipeline stage (trainlab.train.pipeline) is this module with the parts
+        A pipeline stage (trainlab.train.parallel.pipeline) is this module with the parts
         other stages own set to None: without `tok_embeddings` the first argument
         is the previous stage's hidden states `[B, T, hidden]`; without `output`
         the stage returns hidden states. `layers` may then be a ModuleDict keyed by

@@ -35,7 +35,7 @@ from trainlab.monitor.sinks import (
     WebhookSink,
     check_webhook_url,
 )
-from trainlab.train.callbacks import Callback, RunContext
+from trainlab.train.loop.callbacks import Callback, RunContext
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ def alert_log_path(run_dir: str | Path) -> Path:
 class MonitorCallback(Callback):
     """Evaluates the alert rules and fans alerts out to the sinks: the per-step rules
     (non_finite, loss_rising, grad_spike) on every step's signals, the others on
-    every logged step. P0 actions are the loop's (trainlab.train.metrics.P0Rules).
+    every logged step. P0 actions are the loop's (trainlab.train.loop.metrics.P0Rules).
 
     `tracker` (the MLflow callback) receives the derived signals and the MLflow
     sink's tags; `clock` is injectable so tests can age checkpoints without waiting.

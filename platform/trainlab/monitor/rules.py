@@ -12,7 +12,7 @@ shared `Rule.observe` turns that into at most one alert per episode:
 
 Statistics (stated, so a reader can judge them):
 - non_finite: loss or grad norm is NaN or infinite (on any rank: `non_finite`
-  counts the ranks, trainlab.train.metrics).
+  counts the ranks, trainlab.train.loop.metrics).
 - loss_rising: the moving average of the loss over the last `smoothing` steps has
   risen over the last `window` steps by more than RISE_Z standard errors (the noise
   of one loss value is estimated from successive differences). Requiring a rise at
@@ -319,7 +319,7 @@ def build_rules(alerts: Any) -> list[Rule]:
 
 def p0_step_rules(alerts: Any) -> list[Rule]:
     """The per-step statistical rules configured as P0 (loss_rising, grad_spike):
-    the ones every rank judges to take the P0 action (trainlab.train.metrics.P0Rules;
+    the ones every rank judges to take the P0 action (trainlab.train.loop.metrics.P0Rules;
     non_finite is judged there from the ranks' flags)."""
     return [
         r

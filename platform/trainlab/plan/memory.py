@@ -74,7 +74,7 @@ stages the state to host memory and writes from there: nothing is copied on the
 device. (On a CPU worker that staging copy is host memory too; the plan does not
 count it, as the resident-set figures in the run record show.)
 
-Tensor and pipeline parallelism (trainlab.train.tensor_parallel, .pipeline):
+Tensor and pipeline parallelism (trainlab.train.parallel.tensor, .pipeline):
 the estimate divides the model state by tp*pp and the blocks' internal
 activations by tp (norms and residual replicated without sequence
 parallelism), and holds pp micro batches of L/pp layers on the first stage

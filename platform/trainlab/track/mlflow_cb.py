@@ -38,7 +38,7 @@ from trainlab.track.store import (
     client_for,
     tracking_uri,
 )
-from trainlab.train.callbacks import Callback, RunContext
+from trainlab.train.loop.callbacks import Callback, RunContext
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -285,7 +285,7 @@ class MlflowCallback(Callback):
         if not _is_rank_zero():
             log.warning("MLflow callback called off rank 0; not logging from this worker")
             return
-        # The same callback sees every in-place restart (trainlab.train.agent):
+        # The same callback sees every in-place restart (trainlab.train.supervision.agent):
         # one system-metrics thread and one flusher at a time.
         self._stop_system_metrics()
         self._close_flusher(0.0)

@@ -1,22 +1,30 @@
 """The execution layer: runs what the config and plan say on Ray Train.
 
 `run(cfg, ...)` is the one entry point (the CLI, trainers/pretrain.py and the
-demo call it); see trainlab.train.launcher. Importing this package stays
+demo call it); see trainlab.train.driver.launcher. Importing this package stays
 light: torch and Ray load only when a run starts.
 
-From the driver to the step:
+The execution layer by role, from the driver to the step (each sub-package
+imports only those listed after it: tests/unit/test_import_graph.py):
 
-    launcher      checks, run directory, TrainJob, Ray Train (driver)
-    worker        Ray Train's per-worker function: loader, callbacks, the agent
-    agent         supervises this rank's training process, restarts it in place
-    protocol      the typed pipe protocol between a training process and its agent
-    child         a training process: process group, then the trainer
-    trainer       fit / train_step / evaluate over the TrainState
-    state         the stateful parts: model+optimizer, progress, data position, RNG
-    step          the loss and one optimizer step (pure functions)
-    checkpointer  the TrainState in and out of checkpoints (both formats)
-    checkpoint    the disk protocol: atomic commits, checksums, retention
-    records       run_summary.json, failures, attempts, progress: one writer each
+    driver/        launcher (checks, run directory and its lock, TrainJob, Ray
+                   Train), worker (Ray Train's per-worker function), placement,
+                   rundir, runlock, interrupt
+    supervision/   agent (supervises this rank's training process, restarts it
+                   in place), child (a training process: process group, then the
+                   trainer), protocol (the pipe between them), failures, logs
+    loop/          trainer (fit: batch, step, components), components (P0 guard,
+                   chaos, metrics log, evaluator, checkpointing), callbacks (rank
+                   0's side effects), state (the stateful parts), step (the loss
+                   and one optimizer step), checkpointer (the state in and out of
+                   DCP checkpoints), metrics, schedule, rng
+    records        run_summary.json, failures, attempts, progress: one writer each
+    job            what the driver hands every worker (TrainJob)
+    parallel/      the techniques applied from outside (FSDP/replicate, tensor,
+                   pipeline, recomputation), the mesh and the process groups
+    checkpoint/    the disk protocol (atomic commits, checksums, retention) and
+                   the durable-storage mirror
+    memtrace       the planner's check: one real step on fake tensors
 """
 
 from __future__ import annotations
@@ -24,19 +32,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from trainlab.train.launcher import TrainingFailed
+    from trainlab.train.driver.launcher import TrainingFailed
 
 
 def run(cfg: Any, **kwargs: Any) -> dict[str, Any]:
     """Train `cfg` on Ray Train and return its run summary (see launcher.run)."""
-    from trainlab.train.launcher import run as _run
+    from trainlab.train.driver.launcher import run as _run
 
     return _run(cfg, **kwargs)
 
 
 def __getattr__(name: str) -> Any:
     if name == "TrainingFailed":
-        from trainlab.train.launcher import TrainingFailed
+        from trainlab.train.driver.launcher import TrainingFailed
 
         return TrainingFailed
     raise AttributeError(name)

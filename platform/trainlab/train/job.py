@@ -26,11 +26,11 @@ class TrainJob:
     session: str  # one `trainlab train` invocation; attempts of it share this id
     started_at: float  # driver's time.time() at launch, for wall_seconds
     # Import paths ("module:function") of callback factories, each `f(cfg) -> list`
-    # of trainlab.train.callbacks.Callback; rank 0 builds them in its worker.
+    # of trainlab.train.loop.callbacks.Callback; rank 0 builds them in its worker.
     callbacks: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)  # forwarded to workers (MLFLOW_*, ...)
     # Import paths of factories `f(alerts) -> rules` of the P0 rules every rank judges
-    # (trainlab.train.metrics.P0Rules): the monitor's, named, not imported.
+    # (trainlab.train.loop.metrics.P0Rules): the monitor's, named, not imported.
     p0_rules: tuple[str, ...] = ("trainlab.monitor.rules:p0_step_rules",)
     torch_threads: int = 1
     ray_job_id: str | None = None

@@ -2,7 +2,7 @@
 
 `trace_memory(cfg, layout)` builds the model trainlab builds (`build_model`),
 wraps it with the trainer's own code (`trainlab.train.parallel`:
-`apply_parallelism`, `build_optimizer`, `gradient_sync`; `trainlab.train.step`:
+`apply_parallelism`, `build_optimizer`, `gradient_sync`; `trainlab.train.loop.step`:
 `autocast_context`, `loss_sum_and_count`) and runs one optimizer step the way
 `train_step` does (per micro batch: forward and loss under the sync context
 and autocast, backward; then gradient clipping, the optimizer step,
@@ -149,7 +149,7 @@ def _fake_world(world_size: int) -> Iterator[Any]:
     import torch
     import torch.distributed as dist
 
-    from trainlab.train.distributed import DistEnv
+    from trainlab.train.parallel.distributed import DistEnv
 
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
@@ -294,12 +294,12 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from trainlab.models import build_model
+    from trainlab.train.loop.step import autocast_context, loss_sum_and_count
     from trainlab.train.parallel import (
         apply_parallelism,
         build_optimizer,
         gradient_sync,
     )
-    from trainlab.train.step import autocast_context, loss_sum_and_count
 
     Lean, LeanFSDP = _trackers()
     fsdp = cfg.parallel.strategy == "fsdp" and env.distributed

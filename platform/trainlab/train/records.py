@@ -7,7 +7,7 @@
     {run_dir}/logs/progress.json    rank 0's newest logged step
     {run_dir}/logs/extensions.jsonl each `--extend` of the run past its total_steps
     {run_dir}/logs/lock.jsonl       stale run locks taken over (written by
-                                    trainlab.train.runlock, which owns the lock)
+                                    trainlab.train.driver.runlock, which owns the lock)
 
 Summary keys checked from outside (keep them): name, status, final_step,
 final_loss, val_loss, tokens_seen, restarts, weights_sha256, last_checkpoint,
@@ -36,7 +36,7 @@ ATTEMPTS = "attempts.jsonl"
 PROGRESS = "progress.json"
 EXTENSIONS = "extensions.jsonl"
 # The driver's first Ctrl-C creates it; rank 0's agent turns it into a stop at the
-# next step boundary (trainlab.train.agent, trainer), which ends the run as "interrupted".
+# next step boundary (trainlab.train.supervision.agent, trainer), which ends the run as "interrupted".
 INTERRUPT_FLAG = ".interrupt"
 INTERRUPT_REASON = "interrupted by the user (Ctrl-C)"
 

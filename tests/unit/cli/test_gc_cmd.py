@@ -178,7 +178,7 @@ def test_a_passed_rehearsal_is_removed_and_a_failed_one_kept(tmp_path):
 
 
 # --------------------------------------------------------------------------- live runs
-# A run whose lock a live process holds (trainlab.train.runlock) is never touched,
+# A run whose lock a live process holds (trainlab.train.driver.runlock) is never touched,
 # whatever its age, status or --force; the holders below are real processes.
 
 
@@ -230,7 +230,7 @@ def test_a_run_that_comes_alive_after_planning_is_left_alone(tmp_path):
 
 
 def test_a_fresh_holder_on_another_host_is_skipped_a_silent_one_is_not(tmp_path, capsys):
-    from trainlab.train import runlock
+    from trainlab.train.driver import runlock
 
     root = tmp_path / "runs"
     fresh = make_run(root, "2026-10-01", "remote", "completed", [(10, 2.0, True)])
@@ -248,7 +248,7 @@ def test_a_fresh_holder_on_another_host_is_skipped_a_silent_one_is_not(tmp_path,
 
 
 def test_a_trimmed_run_keeps_its_lock_file(tmp_path, capsys):
-    from trainlab.train.runlock import LOCK, RunLock
+    from trainlab.train.driver.runlock import LOCK, RunLock
 
     root = tmp_path / "runs"
     run = make_run(root, "2026-10-01", "tiny", "completed", [(10, 2.0, True), (20, 1.5, True)])

@@ -17,9 +17,9 @@ from tests.unit.train.test_rundir_lifecycle import STEPS, must_not_train, snapsh
 from trainlab.cli import cli, main
 from trainlab.config import to_yaml
 from trainlab.errors import UserError
-from trainlab.train import launcher
-from trainlab.train.distributed import DistEnv
-from trainlab.train.trainer import Trainer
+from trainlab.train.driver import launcher
+from trainlab.train.loop.trainer import Trainer
+from trainlab.train.parallel.distributed import DistEnv
 
 
 def fit_in_process(cfg, job):
@@ -130,7 +130,7 @@ def test_a_run_held_by_a_live_process_is_refused_in_one_line(run, monkeypatch, c
 def test_the_driver_holds_the_lock_while_it_trains(run, monkeypatch):
     import os
 
-    from trainlab.train import runlock
+    from trainlab.train.driver import runlock
 
     _, run_dir = run
     seen = []

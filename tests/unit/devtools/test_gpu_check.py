@@ -114,7 +114,7 @@ def test_the_blocker_blocks(tmp_path):
         assert proc.returncode != 0, name
         assert f"No module named '{name}'".encode() in proc.stderr
     ok = subprocess.run(
-        [sys.executable, "-c", "import torch, numpy, pydantic, trainlab.train.trainer"],
+        [sys.executable, "-c", "import torch, numpy, pydantic, trainlab.train.loop.trainer"],
         env=env,
         capture_output=True,
         text=True,

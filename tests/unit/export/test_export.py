@@ -24,9 +24,9 @@ from trainlab.cli import main as cli_main
 from trainlab.config.loader import to_yaml, validate_raw
 from trainlab.export.exporter import export_model, parse_size
 from trainlab.export.hf import refusals
-from trainlab.train.checkpointer import load_weights_on_cpu
-from trainlab.train.distributed import DistEnv
-from trainlab.train.trainer import Trainer
+from trainlab.train.loop.checkpointer import load_weights_on_cpu
+from trainlab.train.loop.trainer import Trainer
+from trainlab.train.parallel.distributed import DistEnv
 
 transformers = pytest.importorskip("transformers")
 

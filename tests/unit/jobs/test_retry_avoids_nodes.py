@@ -13,7 +13,7 @@ from pathlib import Path
 from ray.core.generated import common_pb2
 
 from trainlab.jobs.retry import blamed_in, run_dir_of
-from trainlab.train.placement import EXCLUDE_ENV, _blamed, excluded_nodes, node_selector
+from trainlab.train.driver.placement import EXCLUDE_ENV, _blamed, excluded_nodes, node_selector
 
 # Fails like a trainer whose workers were lost on the nodes named in argv (exit 75,
 # run_summary.json naming them) until it has seen every one excluded.

@@ -16,8 +16,8 @@ from trainlab.cli import cli
 from trainlab.config import to_yaml
 from trainlab.data.at_step import rows_at_step
 from trainlab.errors import UserError
-from trainlab.train.distributed import DistEnv
-from trainlab.train.trainer import Trainer
+from trainlab.train.loop.trainer import Trainer
+from trainlab.train.parallel.distributed import DistEnv
 
 STEPS = 6
 SKIP = [3, 4]

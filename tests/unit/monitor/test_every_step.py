@@ -22,9 +22,9 @@ from trainlab.errors import UserError
 from trainlab.jobs.retry import describe_exit, is_infrastructure_exit
 from trainlab.monitor import MonitorCallback
 from trainlab.monitor.rules import build_rules
-from trainlab.train.distributed import DistEnv
 from trainlab.train.job import TrainJob
-from trainlab.train.metrics import P0Rules, StepSignals, launch
+from trainlab.train.loop.metrics import P0Rules, StepSignals, launch
+from trainlab.train.parallel.distributed import DistEnv
 
 RECIPES = Path(__file__).resolve().parents[3] / "trainers" / "recipes"
 LOG_INTERVAL = 10

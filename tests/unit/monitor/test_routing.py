@@ -18,7 +18,7 @@ from tests.train_helpers import new_run_context
 from trainlab.config import load_config
 from trainlab.monitor import MonitorCallback, alert_log_path
 from trainlab.monitor.rules import Alert
-from trainlab.train.launcher import forwarded_env
+from trainlab.train.driver.launcher import forwarded_env
 
 RECIPES = Path(__file__).resolve().parents[3] / "trainers" / "recipes"
 

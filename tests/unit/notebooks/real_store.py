@@ -32,9 +32,9 @@ class RealStore:
 
 def real_store(tmp_path_factory: pytest.TempPathFactory) -> RealStore:
     from trainlab.track import default_callbacks
-    from trainlab.train.callbacks import CallbackList
-    from trainlab.train.distributed import DistEnv
-    from trainlab.train.trainer import Trainer
+    from trainlab.train.loop.callbacks import CallbackList
+    from trainlab.train.loop.trainer import Trainer
+    from trainlab.train.parallel.distributed import DistEnv
 
     dataset = dataset_dir(tmp_path_factory)
     base = tmp_path_factory.getbasetemp() / "real-store"

@@ -18,7 +18,7 @@ import pytest
 from trainlab.config import ExperimentConfig
 from trainlab.errors import UserError
 from trainlab.train import checkpoint as ck
-from trainlab.train.launcher import restore_from_storage
+from trainlab.train.driver.launcher import restore_from_storage
 
 STEP = 8
 RUN_KEY = "2026-12-03/unit"
@@ -134,7 +134,7 @@ def test_a_local_checkpoint_listing_outside_files_is_never_uploaded(tmp_path, ca
     to the storage; training goes on (the copy is logged as failed)."""
     import logging
 
-    from trainlab.train.mirror import CheckpointMirror
+    from trainlab.train.checkpoint.mirror import CheckpointMirror
 
     secret = tmp_path / "node-private-key"
     secret.write_bytes(b"-----BEGIN PRIVATE KEY-----")
@@ -150,7 +150,7 @@ def test_a_local_checkpoint_listing_outside_files_is_never_uploaded(tmp_path, ca
 
     storage = tmp_path / "durable"
     mirror = CheckpointMirror.for_run(str(storage), run_dir)
-    with caplog.at_level(logging.WARNING, logger="trainlab.train.mirror"):
+    with caplog.at_level(logging.WARNING, logger="trainlab.train.checkpoint.mirror"):
         mirror.safe_sync(run_dir / "checkpoints", keep_last=2, keep_best=1)
     assert f"{hostile!r} leads outside" in caplog.text
     uploaded = _everything_under(storage) if storage.exists() else set()

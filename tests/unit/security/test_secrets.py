@@ -46,7 +46,7 @@ def _no_secret_in(blob: str | bytes) -> None:
 
 def test_the_train_loop_config_carries_settings_but_no_secret(fake_env):
     """`TrainJob.env` travels in Ray Train's loop config (recorded by Ray)."""
-    from trainlab.train.launcher import forwarded_env
+    from trainlab.train.driver.launcher import forwarded_env
 
     cfg = ExperimentConfig.model_validate(
         {"name": "x", "tracking": {"alerts": {"webhook_url_env": "TRAINLAB_MY_HOOK"}}}

@@ -18,7 +18,7 @@ import pytest
 from trainlab.config import config_hash, load_config
 from trainlab.plan import plan
 from trainlab.track import default_callbacks
-from trainlab.train.callbacks import CallbackList, RunContext
+from trainlab.train.loop.callbacks import CallbackList, RunContext
 
 RECIPES = Path(__file__).resolve().parents[3] / "trainers" / "recipes"
 # Pinned here so the tests do not move when the tiny recipe is retuned.
@@ -87,7 +87,7 @@ class FakeRank0:
     ) -> CallbackList:
         """A fresh process's callbacks (as after a worker-group restart), or with
         `in_place` the same callbacks started again (the agent survives restarts
-        of its training process, trainlab.train.agent)."""
+        of its training process, trainlab.train.supervision.agent)."""
         if not (in_place and self.callbacks is not None):
             if self.callbacks is not None:  # the old process "dies" once its writes landed
                 self.callbacks.callbacks[0].flush()

@@ -14,7 +14,7 @@ from tests.unit.track.conftest import artifact_text, only_run
 from trainlab.config import flatten, load_config
 from trainlab.track import close_run, default_callbacks
 from trainlab.track.gitinfo import git_info
-from trainlab.train.callbacks import CallbackList
+from trainlab.train.loop.callbacks import CallbackList
 
 
 def _steps(client, run_id, key):

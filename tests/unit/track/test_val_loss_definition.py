@@ -14,9 +14,9 @@ from tests.train_helpers import tiny_config as train_config
 from tests.unit.track.conftest import FakeRank0, tiny_config
 from trainlab.track import tracking_uri
 from trainlab.track.query import compare_runs
-from trainlab.train.callbacks import Callback
-from trainlab.train.distributed import DistEnv
-from trainlab.train.trainer import Trainer
+from trainlab.train.loop.callbacks import Callback
+from trainlab.train.loop.trainer import Trainer
+from trainlab.train.parallel.distributed import DistEnv
 
 
 def test_compare_shows_the_latest_and_the_lowest_evaluation(runs_root, capsys):

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from trainlab.train.callbacks import Callback
+from trainlab.train.loop.callbacks import Callback
 
 
 class Losses(Callback):
@@ -40,9 +40,9 @@ def _free_port() -> int:
 
 def _worker(rank: int, world: int, port: int, job: Any, out: str, stop_at: int | None) -> None:
     from trainlab.data import WorkerLoader
-    from trainlab.train.child import make_env
-    from trainlab.train.protocol import ChildArgs
-    from trainlab.train.trainer import Trainer
+    from trainlab.train.loop.trainer import Trainer
+    from trainlab.train.supervision.child import make_env
+    from trainlab.train.supervision.protocol import ChildArgs
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

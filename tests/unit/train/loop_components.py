@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainlab.train.components import Component
+from trainlab.train.loop.components import Component
 
 
 class StopAfter(Component):

@@ -1,9 +1,9 @@
 """The agent's restart protocol without Ray: a real `Agent` with a fake data
 stream, the single-process rendezvous and small training processes (module-level
 functions below, forked from the fork server with this module preloaded) that
-speak trainlab.train.protocol: a clean run, a process that dies, one that hangs
+speak trainlab.train.supervision.protocol: a clean run, a process that dies, one that hangs
 while another rank failed, one that reports its failure, and the real
-`trainlab.train.child.main` around a fake Trainer."""
+`trainlab.train.supervision.child.main` around a fake Trainer."""
 
 from __future__ import annotations
 
@@ -22,10 +22,11 @@ import numpy as np
 import pytest
 
 from trainlab.config import ExperimentConfig
-from trainlab.train.agent import Agent, LocalRendezvous, error_kind
-from trainlab.train.callbacks import Callback, RunContext
 from trainlab.train.job import TrainJob
-from trainlab.train.protocol import (
+from trainlab.train.loop.callbacks import Callback, RunContext
+from trainlab.train.records import RunRecords
+from trainlab.train.supervision.agent import Agent, LocalRendezvous, error_kind
+from trainlab.train.supervision.protocol import (
     ChildArgs,
     Done,
     Failed,
@@ -33,7 +34,6 @@ from trainlab.train.protocol import (
     PipeClient,
     PipeLoader,
 )
-from trainlab.train.records import RunRecords
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -215,7 +215,7 @@ def child_reports_once(args: ChildArgs, conn: Any) -> None:
 
 
 class FakeTrainer:
-    """trainlab.train.trainer.Trainer's surface: (job, loader, env, callbacks), .fit(),
+    """trainlab.train.loop.trainer.Trainer's surface: (job, loader, env, callbacks), .fit(),
     .step; fails at the step in logs/fail_at when that file exists."""
 
     def __init__(self, job: TrainJob, loader: Any, env: Any, callbacks: Any):
@@ -236,10 +236,10 @@ class FakeTrainer:
 
 
 def child_main_fake_trainer(args: ChildArgs, conn: Any) -> None:
-    """The real child entry point, with FakeTrainer as trainlab.train.trainer.Trainer."""
-    from trainlab.train import child
+    """The real child entry point, with FakeTrainer as trainlab.train.loop.trainer.Trainer."""
+    from trainlab.train.supervision import child
 
-    sys.modules["trainlab.train.trainer"] = types.SimpleNamespace(Trainer=FakeTrainer)  # type: ignore[assignment]
+    sys.modules["trainlab.train.loop.trainer"] = types.SimpleNamespace(Trainer=FakeTrainer)  # type: ignore[assignment]
     child.main(args, conn)
 
 
@@ -251,7 +251,7 @@ def mp_context():
     """The fork server, with this module (the training processes) and torch
     (child.main imports it) imported once."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "trainlab.train.child", __name__])
+    ctx.set_forkserver_preload(["torch", "trainlab.train.supervision.child", __name__])
     return ctx
 
 

@@ -12,10 +12,10 @@ import torch
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
 from trainlab.train import checkpoint as ck
-from trainlab.train.checkpointer import DCP_DIR, TRAINER_FILE, load_weights_on_cpu
-from trainlab.train.distributed import DistEnv
-from trainlab.train.state import ModelState
-from trainlab.train.trainer import Trainer
+from trainlab.train.loop.checkpointer import DCP_DIR, TRAINER_FILE, load_weights_on_cpu
+from trainlab.train.loop.state import ModelState
+from trainlab.train.loop.trainer import Trainer
+from trainlab.train.parallel.distributed import DistEnv
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The loop's components (trainlab.train.components): one added by import path
+"""The loop's components (trainlab.train.loop.components): one added by import path
 from the config runs on every rank and can stop the run with a checkpoint."""
 
 from __future__ import annotations
@@ -50,8 +50,8 @@ def test_a_rollback_equals_a_run_that_skipped_the_window(dataset, tmp_path):
     acts at step 5), rolls back to step 3 and skips 4-5; the steps after it train
     on the restored state, bit for bit as a run told to skip 4-5 from the start."""
     from tests.train_helpers import local_loader
-    from trainlab.train.distributed import DistEnv
-    from trainlab.train.trainer import Trainer
+    from trainlab.train.loop.trainer import Trainer
+    from trainlab.train.parallel.distributed import DistEnv
 
     def run(name, **train):
         cfg = tiny_config(

@@ -12,7 +12,7 @@ from tests.train_helpers import dataset_dir, tiny_config
 from trainlab.errors import UserError
 from trainlab.plan import plan
 from trainlab.storage import check_disk_room, planned_checkpoint_bytes
-from trainlab.train.launcher import run
+from trainlab.train.driver.launcher import run
 
 # A ~65B-parameter model: 780 GB per checkpoint. cpu_memory_gb lets the plan fit, so
 # the disk is the only thing in the way.

@@ -1,4 +1,4 @@
-"""Ctrl-C in the driver (trainlab.train.interrupt), with real SIGINTs to this
+"""Ctrl-C in the driver (trainlab.train.driver.interrupt), with real SIGINTs to this
 process: before the run directory exists it ends the command; after, the first
 asks the run to stop at its next step boundary, the second stops at once."""
 
@@ -12,11 +12,11 @@ import pytest
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
 from trainlab.train import checkpoint as ck
-from trainlab.train.callbacks import Callback
-from trainlab.train.distributed import DistEnv
-from trainlab.train.interrupt import Interrupts, call_in_thread
+from trainlab.train.driver.interrupt import Interrupts, call_in_thread
+from trainlab.train.loop.callbacks import Callback
+from trainlab.train.loop.trainer import Trainer
+from trainlab.train.parallel.distributed import DistEnv
 from trainlab.train.records import INTERRUPT_REASON, RunRecords
-from trainlab.train.trainer import Trainer
 
 
 def sigint() -> None:
@@ -66,7 +66,7 @@ def test_a_second_ctrl_c_leaves_the_waiting_main_thread():
 
 class CtrlC(Callback):
     """Rank 0's callbacks as the agent serves them after a first Ctrl-C: the reply to
-    a hook carries the stop request (trainlab.train.agent) from step `at` on."""
+    a hook carries the stop request (trainlab.train.supervision.agent) from step `at` on."""
 
     def __init__(self, at: int):
         self.at, self.logged = at, []

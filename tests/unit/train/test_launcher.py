@@ -14,7 +14,7 @@ from tests.train_helpers import dataset_dir, tiny_config
 from trainlab.cli import cli
 from trainlab.config import config_hash
 from trainlab.errors import UserError
-from trainlab.train import launcher, rundir
+from trainlab.train.driver import launcher, rundir
 from trainlab.train.records import failure_cause
 
 

@@ -14,8 +14,8 @@ import pytest
 
 from tests.train_helpers import dataset_dir, make_job, tiny_config
 from tests.unit.train.layout_runner import run_layout
-from trainlab.train.mesh import MeshLayout, check_tp_groups
-from trainlab.train.pipeline import stage_units
+from trainlab.train.parallel.mesh import MeshLayout, check_tp_groups
+from trainlab.train.parallel.pipeline import stage_units
 
 STEPS = 6
 RTOL = 1e-4

@@ -9,11 +9,11 @@ import shutil
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
 from trainlab.train import checkpoint as ck
-from trainlab.train.callbacks import Callback, CallbackList
-from trainlab.train.distributed import DistEnv
-from trainlab.train.launcher import restore_from_storage
-from trainlab.train.mirror import CheckpointMirror
-from trainlab.train.trainer import Trainer
+from trainlab.train.checkpoint.mirror import CheckpointMirror
+from trainlab.train.driver.launcher import restore_from_storage
+from trainlab.train.loop.callbacks import Callback, CallbackList
+from trainlab.train.loop.trainer import Trainer
+from trainlab.train.parallel.distributed import DistEnv
 
 
 class StopAt(Callback):
@@ -117,7 +117,7 @@ def test_an_unreachable_storage_never_stops_training(
         train={"total_steps": 8},
         resource={"storage": f"s3://{bucket}/runs"},
     )
-    with caplog.at_level(logging.WARNING, logger="trainlab.train.mirror"):
+    with caplog.at_level(logging.WARNING, logger="trainlab.train.checkpoint.mirror"):
         summary = _train(cfg, tmp_path / "2026-12-03" / "unit")
     assert (summary["status"], summary["final_step"]) == ("completed", 8)
     assert any("copying checkpoints to s3://" in r.getMessage() for r in caplog.records)

@@ -16,9 +16,9 @@ import torch
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
 from tests.unit.train.layout_runner import run_layout
 from trainlab.optim.muon import hidden_matrices, newton_schulz
-from trainlab.train.callbacks import Callback
-from trainlab.train.distributed import DistEnv
-from trainlab.train.trainer import Trainer
+from trainlab.train.loop.callbacks import Callback
+from trainlab.train.loop.trainer import Trainer
+from trainlab.train.parallel.distributed import DistEnv
 
 STEPS = 6
 # fp32 Newton-Schulz: layouts differ only in reduction order (~1e-7 in the loss).

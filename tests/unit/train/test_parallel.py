@@ -14,9 +14,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.train_helpers import tiny_config
-from trainlab.train.distributed import DistEnv
-from trainlab.train.state import ModelState
-from trainlab.train.step import train_step
+from trainlab.train.loop.state import ModelState
+from trainlab.train.loop.step import train_step
+from trainlab.train.parallel.distributed import DistEnv
 
 PARALLEL = {"strategy": "fsdp", "zero_stage": 3, "dp": 2}
 

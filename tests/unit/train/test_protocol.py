@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 
 from tests.unit.train.test_agent import FakeLoader, Recorder, make_job
-from trainlab.train.agent import Agent, Feeder, LocalRendezvous
-from trainlab.train.callbacks import Callback
-from trainlab.train.protocol import (
+from trainlab.train.loop.callbacks import Callback
+from trainlab.train.records import RunRecords
+from trainlab.train.supervision.agent import Agent, Feeder, LocalRendezvous
+from trainlab.train.supervision.protocol import (
     PREFETCH_STEPS,
     Done,
     Failed,
@@ -32,7 +33,6 @@ from trainlab.train.protocol import (
     StopRequest,
     Validation,
 )
-from trainlab.train.records import RunRecords
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -16,9 +16,9 @@ import pytest
 from tests.train_helpers import dataset_dir, local_loader, tiny_config
 from trainlab.config import config_hash
 from trainlab.errors import UserError
-from trainlab.train import launcher
-from trainlab.train.distributed import DistEnv
-from trainlab.train.trainer import Trainer
+from trainlab.train.driver import launcher
+from trainlab.train.loop.trainer import Trainer
+from trainlab.train.parallel.distributed import DistEnv
 
 STEPS = {"total_steps": 4, "eval_interval": 4, "log_interval": 2}
 

@@ -1,4 +1,4 @@
-"""One writer per run directory (trainlab.train.runlock): a second process is
+"""One writer per run directory (trainlab.train.driver.runlock): a second process is
 refused while the first lives, whoever it is; a lock whose holder died is taken
 over and the takeover recorded. The holders are real processes."""
 
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from trainlab.train import runlock
-from trainlab.train.runlock import RunLock, RunLockHeld
+from trainlab.train.driver import runlock
+from trainlab.train.driver.runlock import RunLock, RunLockHeld
 
 HOLD = (
     "import sys, time\n"
-    "from trainlab.train.runlock import RunLock\n"
+    "from trainlab.train.driver.runlock import RunLock\n"
     "lock = RunLock.acquire(sys.argv[1])\n"
     "print('held', flush=True)\n"
     "time.sleep(600)\n"

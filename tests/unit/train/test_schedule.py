@@ -7,7 +7,7 @@ import math
 import pytest
 
 from trainlab.config.schema import TrainConfig
-from trainlab.train.schedule import lr_at
+from trainlab.train.loop.schedule import lr_at
 
 
 def cfg(**kw) -> TrainConfig:

@@ -11,9 +11,9 @@ import torch
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
 from trainlab.train import checkpoint as ck
-from trainlab.train.callbacks import Callback
-from trainlab.train.distributed import DistEnv
-from trainlab.train.trainer import Trainer
+from trainlab.train.loop.callbacks import Callback
+from trainlab.train.loop.trainer import Trainer
+from trainlab.train.parallel.distributed import DistEnv
 
 SUMMARY_KEYS = {
     "name",

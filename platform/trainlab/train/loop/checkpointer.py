@@ -35,11 +35,11 @@ import torch
 from trainlab.config.dims import ParallelDims
 from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.train import checkpoint as ck
-from trainlab.train.distributed import DistEnv
 from trainlab.train.job import TrainJob
-from trainlab.train.rng import seed_everything
-from trainlab.train.state import TrainState, fill_from_full, fresh_cpu_model
-from trainlab.train.step import Batch, loss_sum_and_count, to_tensors
+from trainlab.train.loop.rng import seed_everything
+from trainlab.train.loop.state import TrainState, fill_from_full, fresh_cpu_model
+from trainlab.train.loop.step import Batch, loss_sum_and_count, to_tensors
+from trainlab.train.parallel.distributed import DistEnv
 
 log = logging.getLogger("trainlab.train")
 # DCP warns on every call without a process group that it assumes one process:
@@ -68,7 +68,7 @@ class Checkpointer:
         c = self.cfg.train.checkpoint
         after_commit = None
         if self.cfg.resource.storage and env.is_main:
-            from trainlab.train.mirror import CheckpointMirror
+            from trainlab.train.checkpoint.mirror import CheckpointMirror
 
             mirror = CheckpointMirror.for_run(self.cfg.resource.storage, job.run_path)
             after_commit = partial(mirror.safe_sync, job.checkpoint_root, c.keep_last, c.keep_best)
@@ -259,9 +259,9 @@ def legacy_full_state(path: Path, cfg: ExperimentConfig) -> dict[str, Any]:
         get_optimizer_state_dict,
     )
 
-    from trainlab.train.distributed import DistEnv
+    from trainlab.train.loop.state import FLAT
     from trainlab.train.parallel import build_optimizer
-    from trainlab.train.state import FLAT
+    from trainlab.train.parallel.distributed import DistEnv
 
     optim_state = ck.load_file(path / "optimizer.pt")
     if "param_groups" not in optim_state or "state" not in optim_state:

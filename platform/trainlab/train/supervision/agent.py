@@ -15,17 +15,17 @@ What lives where:
 - agent (this module; one per rank): the data stream (`trainlab.data.WorkerLoader`,
   Ray Data included), the callbacks on rank 0 (MLflow survives restarts), the
   failure records and the failure budget.
-- training process (trainlab.train.child): model, optimizer, process group,
+- training process (trainlab.train.supervision.child): model, optimizer, process group,
   checkpoints; it asks its agent for batches and forwards callback hooks over a
-  pipe (trainlab.train.protocol).
+  pipe (trainlab.train.supervision.protocol).
 
-The agent knows nothing of Ray: the worker (trainlab.train.worker) hands it a
+The agent knows nothing of Ray: the worker (trainlab.train.driver.worker) hands it a
 `Rendezvous` over Ray Train's collectives; tests hand it `LocalRendezvous`, a
 fake child target and a multiprocessing context of their own.
 
 An agent that dies (node lost, actor killed) is still handled by Ray Train:
 `FailureConfig(max_failures)` restarts the group, which resumes the same way
-(trainlab.train.failures). Both kinds of failure count against
+(trainlab.train.supervision.failures). Both kinds of failure count against
 `train.max_failures` (logs/failures.jsonl).
 """
 
@@ -45,9 +45,10 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
 
-from trainlab.train.callbacks import Callback
 from trainlab.train.job import TrainJob
-from trainlab.train.protocol import (
+from trainlab.train.loop.callbacks import Callback
+from trainlab.train.records import INTERRUPT_REASON, Failure, RunRecords, failed_summary
+from trainlab.train.supervision.protocol import (
     PREFETCH_STEPS,
     ChildArgs,
     Done,
@@ -63,14 +64,13 @@ from trainlab.train.protocol import (
     StopRequest,
     Validation,
 )
-from trainlab.train.records import INTERRUPT_REASON, Failure, RunRecords, failed_summary
 
 log = logging.getLogger("trainlab.train")
 
 POLL_S = 0.05
 
 # Modules the fork server imports once, so that a training process starts warm.
-PRELOAD = ("trainlab.train.trainer", "trainlab.train.child")
+PRELOAD = ("trainlab.train.loop.trainer", "trainlab.train.supervision.child")
 
 # Collective errors that only say a peer went away: the cause is the peer's failure.
 PEER_LOST = (
@@ -217,7 +217,7 @@ class Agent:
         self.loader, self.callbacks = loader, callbacks
         self.rendezvous = rendezvous
         if target is None:
-            from trainlab.train.child import main as target
+            from trainlab.train.supervision.child import main as target
         self.target = target
         self.ctx = mp_context or start_fork_server(job.cfg.train.deterministic)
         self.records = RunRecords(job.run_dir)

@@ -7,7 +7,7 @@ block SIGINT, so only the driver sees it, and the driver decides:
 - the first Ctrl-C asks the run to stop at the next step boundary: it creates the
   run's interrupt flag (trainlab.train.records), which rank 0's agent turns into
   a stop request; every rank reads it with a step's all-reduced signals (one step
-  late, trainlab.train.metrics) and stops at the same step; they checkpoint there
+  late, trainlab.train.loop.metrics) and stops at the same step; they checkpoint there
   when the newest checkpoint (or the start) is at least
   `train.checkpoint.on_interrupt_min_age_s` old (else the newest valid checkpoint
   is the resume point), write the summary with status "interrupted" and close

@@ -17,7 +17,7 @@ in order; each knows its own cadence and state:
 Components run on EVERY rank, with the same calls at the same steps, so they
 may use collectives; their decisions must agree across ranks (decide from
 agreed values: the all-reduced signals, the step). Side effects of rank 0 only
-(tracking, alerts) stay in callbacks (trainlab.train.callbacks).
+(tracking, alerts) stay in callbacks (trainlab.train.loop.callbacks).
 
 More components come from import paths (`train.components`, each
 "package.module:factory" with `factory(cfg) -> list[Component]`), after the
@@ -36,10 +36,10 @@ from typing import Any
 
 from trainlab.runstatus import RunStatus
 from trainlab.train import checkpoint as ck
-from trainlab.train.callbacks import load_factory
-from trainlab.train.metrics import NO_STOP, STOP_AND_SAVE, PendingSignals, progress_line
+from trainlab.train.loop.callbacks import load_factory
+from trainlab.train.loop.metrics import NO_STOP, STOP_AND_SAVE, PendingSignals, progress_line
 
-# The loop the hooks get: a trainlab.train.trainer.Trainer (not imported here: it
+# The loop the hooks get: a trainlab.train.loop.trainer.Trainer (not imported here: it
 # imports this module).
 Trainer = Any
 
@@ -92,7 +92,7 @@ def build_components(paths: tuple[str, ...] | list[str], cfg: Any) -> list[Compo
 class P0Guard(Component):
     """Reads every step's agreed signals one step late (a step's own at the steps
     whose components act) and takes the P0 action (tracking.alerts.on_p0) at the
-    same step on every rank (trainlab.train.metrics.P0Rules)."""
+    same step on every rank (trainlab.train.loop.metrics.P0Rules)."""
 
     def __init__(self) -> None:
         self.pending: PendingSignals | None = None

@@ -7,7 +7,7 @@ attention stays grouped on every rank), attention's `out` and the MLP's `proj`
 row-wise (one all-reduce each in forward, one in backward). The token
 embedding is vocabulary-parallel (rows of the table), and the output projection
 column-wise over the vocabulary with its logits left sharded: the loss is
-computed by `loss_parallel` (trainlab.train.step) without gathering the logits.
+computed by `loss_parallel` (trainlab.train.loop.step) without gathering the logits.
 With tied embeddings both hold the same Shard(0) table, which stays tied.
 
 Sequence parallelism (`parallel.sequence_parallel`): the residual stream

@@ -18,9 +18,9 @@ and Adam's two moments all fp32); under FSDP it is a `MixedPrecisionPolicy`
 parameters for compute; fp32 gradient reduction), see `fsdp_mixed_precision`.
 
 Tensor and pipeline parallelism (`parallel.tp`, `parallel.pp`) run on the
-run's device mesh (trainlab.train.mesh): `apply_layout` cuts the model into
-this rank's pipeline stages (trainlab.train.pipeline), shards each over the
-tp dimension (trainlab.train.tensor_parallel), then recomputation, then FSDP2
+run's device mesh (trainlab.train.parallel.mesh): `apply_layout` cuts the model into
+this rank's pipeline stages (trainlab.train.parallel.pipeline), shards each over the
+tp dimension (trainlab.train.parallel.tensor), then recomputation, then FSDP2
 over the dp dimension (2-D / 3-D: parameters become DTensors on the
 (dp, tp) submesh). Beside tp or pp > 1, DDP is FSDP2's `replicate` over the
 dp dimension (gradients all-reduced; it composes with DTensor parameters where
@@ -44,7 +44,7 @@ from torch import nn
 
 from trainlab.config.schema import ExperimentConfig
 from trainlab.errors import UserError
-from trainlab.train.distributed import DistEnv
+from trainlab.train.parallel.distributed import DistEnv
 
 
 def check_executable(cfg: ExperimentConfig) -> None:
@@ -124,7 +124,7 @@ class ParallelModel:
     this rank's pipeline stages; `pipeline` drives them (None without pp)."""
 
     parts: list[nn.Module]
-    pipeline: Any = None  # trainlab.train.pipeline.PipelinePlan
+    pipeline: Any = None  # trainlab.train.parallel.pipeline.PipelinePlan
     tensor_parallel: bool = False
 
     @property
@@ -139,8 +139,8 @@ def apply_layout(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> Paral
     layout = env.layout
     if env.mesh is None or not layout.model_parallel:
         return ParallelModel([apply_parallelism(model, cfg, env)])
-    from trainlab.train.pipeline import PipelinePlan, split_model, tied_groups
-    from trainlab.train.tensor_parallel import apply_tensor_parallel
+    from trainlab.train.parallel.pipeline import PipelinePlan, split_model, tied_groups
+    from trainlab.train.parallel.tensor import apply_tensor_parallel
 
     p = cfg.parallel
     pp_rank = env.coords.pp

@@ -1,7 +1,7 @@
-"""A training process: forked by its agent (trainlab.train.agent) from a warm
+"""A training process: forked by its agent (trainlab.train.supervision.agent) from a warm
 fork server, it owns the model, optimizer, process group and checkpoints, and
 gets its data and runs rank 0's callbacks through the agent
-(trainlab.train.protocol).
+(trainlab.train.supervision.protocol).
 
 Exit codes: 0 after the run completed (the agent got `Done`), 1 after a failure
 (the agent got `Failed(step, message)` when it could still be reached). Either
@@ -19,8 +19,8 @@ import traceback
 from typing import Any
 
 from trainlab.raycluster import normal_priority
-from trainlab.train.logs import flush_logs, setup_logging
-from trainlab.train.protocol import (
+from trainlab.train.supervision.logs import flush_logs, setup_logging
+from trainlab.train.supervision.protocol import (
     ChildArgs,
     Done,
     Failed,
@@ -45,8 +45,8 @@ def make_env(job: Any, args: ChildArgs, device: Any) -> Any:
 
     import torch.distributed as dist
 
-    from trainlab.train.distributed import DistEnv
-    from trainlab.train.mesh import MeshLayout, build_mesh, check_tp_groups
+    from trainlab.train.parallel.distributed import DistEnv
+    from trainlab.train.parallel.mesh import MeshLayout, build_mesh, check_tp_groups
 
     layout = MeshLayout.of(job.cfg)
     mesh = None
@@ -63,7 +63,7 @@ def main(args: ChildArgs, conn: Any) -> None:
     import torch
     import torch.distributed as dist
 
-    from trainlab.train.trainer import Trainer
+    from trainlab.train.loop.trainer import Trainer
 
     t0 = time.time()
     normal_priority()

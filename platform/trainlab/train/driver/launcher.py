@@ -2,12 +2,12 @@
 
 `run(cfg)` does, in order: plan the layout and refuse what does not fit or
 cannot be executed (tp/pp > 1), check the data (`trainlab.data.prepare_run_data`),
-choose the run directory (see trainlab.train.rundir for new / --run-dir /
+choose the run directory (see trainlab.train.driver.rundir for new / --run-dir /
 --resume / --extend), return the run's own summary untouched (with
 `already_complete`) when that run already completed, refuse to resume a
 checkpoint of another experiment or dataset, connect to Ray
 (`trainlab.raycluster.ensure_ray`), and run a `TorchTrainer` whose workers
-execute `trainlab.train.worker.train_loop_per_worker`.
+execute `trainlab.train.driver.worker.train_loop_per_worker`.
 
 A worker failure restarts the whole group (`FailureConfig(max_failures)`),
 which resumes from the newest valid checkpoint. When the retries are used up,
@@ -38,11 +38,11 @@ from trainlab.plan import plan, require_fit, resolve_layout
 from trainlab.runstatus import RunStatus
 from trainlab.storage import check_disk_room
 from trainlab.train import checkpoint as ck
-from trainlab.train import rundir
-from trainlab.train.interrupt import Interrupts, call_in_thread
+from trainlab.train.driver import rundir
+from trainlab.train.driver.interrupt import Interrupts, call_in_thread
+from trainlab.train.driver.runlock import RunLock
 from trainlab.train.job import TrainJob
 from trainlab.train.records import RunRecords, failed_summary, interrupted_summary
-from trainlab.train.runlock import RunLock
 
 log = logging.getLogger("trainlab.train")
 
@@ -148,7 +148,7 @@ def check_resumable(run_dir: Path, cfg: ExperimentConfig, chash: str, data: Data
 def restore_from_storage(cfg: ExperimentConfig, run_dir: Path) -> list[int]:
     """Resuming a named run whose run directory lacks the newest checkpoint copied
     to `resource.storage` (a new cluster, a lost disk): download it first."""
-    from trainlab.train.mirror import CheckpointMirror
+    from trainlab.train.checkpoint.mirror import CheckpointMirror
 
     mirror = CheckpointMirror.for_run(cfg.resource.storage, run_dir)
     try:
@@ -213,9 +213,9 @@ def run(
     restarts. A run directory whose run already completed is returned as its
     summary plus `already_complete: True`, untouched; `extend` continues it to a
     larger train.total_steps (rundir.check_same_experiment). Ctrl-C
-    (trainlab.train.interrupt) returns the summary with status "interrupted".
+    (trainlab.train.driver.interrupt) returns the summary with status "interrupted".
     """
-    # The run directory's lock (trainlab.train.runlock) is held from before the first
+    # The run directory's lock (trainlab.train.driver.runlock) is held from before the first
     # write into it until this returns: one writer per run.
     with Interrupts() as interrupts, contextlib.ExitStack() as lock:
         return _run(cfg, interrupts, lock, run_dir, resume, smoke, extend, base_dir, callbacks)
@@ -305,10 +305,10 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
 
     from trainlab import hooksecrets
     from trainlab.raycluster import ensure_ray
-    from trainlab.train.failures import FailureRecorder
-    from trainlab.train.logs import route_worker_output
-    from trainlab.train.placement import excluded_nodes, lost_nodes, node_selector
-    from trainlab.train.worker import train_loop_per_worker
+    from trainlab.train.driver.placement import excluded_nodes, lost_nodes, node_selector
+    from trainlab.train.driver.worker import train_loop_per_worker
+    from trainlab.train.supervision.failures import FailureRecorder
+    from trainlab.train.supervision.logs import route_worker_output
 
     ensure_ray(num_cpus=cfg.resource.local_num_cpus)
     route_worker_output(job.logs_dir / "ray.log")  # the terminal keeps trainlab's lines
@@ -350,7 +350,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     try:
         call_in_thread(trainer.fit)  # the main thread keeps handling Ctrl-C
     except ray.train.TrainingFailedError as e:
-        from trainlab.train.failures import one_line
+        from trainlab.train.supervision.failures import one_line
 
         # Ray Train gave up restarting lost workers: the agents could not write this.
         summary = failed_summary(
@@ -389,7 +389,7 @@ def _interrupted(job: TrainJob, shutdown: bool = False) -> dict[str, Any]:
 
 def _abandon(job: TrainJob, summary: dict[str, Any]) -> None:
     """End the run's records kept by callbacks (its workers could not)."""
-    from trainlab.train.callbacks import build_callbacks
+    from trainlab.train.loop.callbacks import build_callbacks
 
     try:
         build_callbacks(job.callbacks, job.cfg).on_run_abandoned(job.run_dir, summary)

@@ -15,7 +15,7 @@ stage holds a copy of the table as `output.weight`, made from the same seeded
 weights; after backward the two copies' gradients are summed across the two
 ranks (`PipelinePlan.sync_tied_gradients`), so they get the same update and
 stay equal; the copy is left out of the gradient norm and saved under the
-table's name (trainlab.train.state).
+table's name (trainlab.train.loop.state).
 
 Schedules by name (parallel.pp_schedule): gpipe, 1f1b, interleaved_1f1b. The
 rank's rows of a step are split into parallel.pp_microbatches micro batches.

@@ -1,7 +1,7 @@
 """The pipe protocol between a training process (the child) and its agent.
 
 The child sends one request at a time and waits for its `Reply`; the agent
-(trainlab.train.agent) serves them. Requests are frozen dataclasses, one per
+(trainlab.train.supervision.agent) serves them. Requests are frozen dataclasses, one per
 kind, so both sides agree on names and arguments at import time:
 
     NextStep()               the next (step, micro_batches) of the stream, None at its end
@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from trainlab.train.callbacks import FORWARDED_HOOKS, Callback, derive_hooks
+from trainlab.train.loop.callbacks import FORWARDED_HOOKS, Callback, derive_hooks
 
 if TYPE_CHECKING:
     from trainlab.train.job import TrainJob
@@ -157,7 +157,7 @@ class PipeClient:
 
 class PipeLoader:
     """The agent's data stream, seen from the training process
-    (trainlab.train.trainer.StreamLoader)."""
+    (trainlab.train.loop.trainer.StreamLoader)."""
 
     def __init__(self, client: PipeClient):
         self.client = client

@@ -1,6 +1,6 @@
 """The function every Ray Train worker runs: environment, priority, logging,
 device, the data stream and (on rank 0) the callbacks, then the `Agent` that
-runs this rank's training processes (trainlab.train.agent)."""
+runs this rank's training processes (trainlab.train.supervision.agent)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import uuid
 from typing import Any
 
 from trainlab.raycluster import normal_priority
-from trainlab.train.agent import Agent, free_port, start_fork_server
-from trainlab.train.callbacks import build_callbacks
 from trainlab.train.job import TrainJob
-from trainlab.train.logs import setup_logging
+from trainlab.train.loop.callbacks import build_callbacks
+from trainlab.train.supervision.agent import Agent, free_port, start_fork_server
+from trainlab.train.supervision.logs import setup_logging
 
 
 class RayRendezvous:
@@ -59,7 +59,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
         device = str(ray.train.torch.get_device())
     from trainlab.data import WorkerLoader
-    from trainlab.train.mesh import MeshLayout
+    from trainlab.train.parallel.mesh import MeshLayout
 
     # The ranks of one tensor/pipeline group read the same rows: the stream is
     # split by data-parallel rank.

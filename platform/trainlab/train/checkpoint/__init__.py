@@ -46,7 +46,7 @@ META_FILE = "checkpoint.json"
 FORMAT_VERSION = 1
 PREFIX = "step-"
 STAGING_PREFIX = ".tmp-"
-PULL_PREFIX = ".pull-"  # a checkpoint copy being downloaded (trainlab.train.mirror)
+PULL_PREFIX = ".pull-"  # a checkpoint copy being downloaded (trainlab.train.checkpoint.mirror)
 DONE_PREFIX = ".done-rank"
 
 log = logging.getLogger(__name__)
@@ -366,7 +366,7 @@ class CheckpointWriter:
         after_commit: Callable[[], None] | None = None,
     ):
         """`after_commit`: called on rank 0 after each commit and pruning (e.g. the
-        copy to resource.storage, trainlab.train.mirror)."""
+        copy to resource.storage, trainlab.train.checkpoint.mirror)."""
         self.root, self.rank, self.world_size = root, rank, world_size
         self.after_commit = after_commit
         self.keep_last, self.keep_best = keep_last, keep_best

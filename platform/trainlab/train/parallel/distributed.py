@@ -2,7 +2,7 @@
 needs. Every helper also works in a single process without a process group
 (unit tests, one-worker runs without torch.distributed).
 
-With tensor or pipeline parallelism (`layout`, trainlab.train.mesh) the ranks
+With tensor or pipeline parallelism (`layout`, trainlab.train.parallel.mesh) the ranks
 of one model replica share a data-parallel rank: they read the same rows, and
 only one of them (`owns_loss`: tp rank 0 of the last pipeline stage) counts
 the replica's loss in reductions over the world.
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from trainlab.config.dims import Coords
-from trainlab.train.mesh import MeshLayout
+from trainlab.train.parallel.mesh import MeshLayout
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ The training loop calls these hooks on rank 0 only (tracking, alerts,
 checkpoint bookkeeping). A callback that wants the run to stop sets
 `stop_requested`; the loop broadcasts that decision to every rank, saves a
 checkpoint and ends the run cleanly. P0 alert actions (`tracking.alerts.on_p0`)
-are not taken here but by the loop on every rank (trainlab.train.metrics).
+are not taken here but by the loop on every rank (trainlab.train.loop.metrics).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class Callback:
         """
 
     def on_step_signals(self, step: int, signals: dict[str, float]) -> None:
-        """After every optimizer step, one step late (trainlab.train.metrics): loss,
+        """After every optimizer step, one step late (trainlab.train.loop.metrics): loss,
         grad_norm (before clipping), non_finite (ranks that saw NaN/inf),
         step_time_s, data_wait_s. The values are agreed across ranks (all-reduced)."""
 
@@ -71,7 +71,7 @@ class Callback:
 
 
 # Every hook, declared once: the `on_*` methods of `Callback` above. Fan-out
-# (CallbackList), the pipe to the agent (trainlab.train.protocol) and the agent's
+# (CallbackList), the pipe to the agent (trainlab.train.supervision.protocol) and the agent's
 # dispatch are derived from this tuple, so a new hook is one method on Callback
 # (and the loop's call of it).
 HOOKS: tuple[str, ...] = tuple(name for name in vars(Callback) if name.startswith("on_"))

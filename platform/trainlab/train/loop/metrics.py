@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from trainlab.config.schema import ExperimentConfig
-from trainlab.train.schedule import lr_at
+from trainlab.train.loop.schedule import lr_at
 
 
 def memory_gb(device: torch.device) -> tuple[float, float]:
@@ -268,7 +268,7 @@ class P0Rules:
     disk) alert but never act."""
 
     def __init__(self, alerts: Any, factories: tuple[str, ...] = ()):
-        from trainlab.train.callbacks import load_factory
+        from trainlab.train.loop.callbacks import load_factory
 
         self.alerts = alerts
         self.rules = [rule for path in factories for rule in load_factory(path)(alerts)]

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 
 from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.data import IGNORE_INDEX, Batch
+from trainlab.train.loop.schedule import lr_at
 from trainlab.train.parallel import clip_grad_norm, gradient_sync
-from trainlab.train.schedule import lr_at
 
 if TYPE_CHECKING:
-    from trainlab.train.state import ModelState
+    from trainlab.train.loop.state import ModelState
 
 __all__ = [
     "IGNORE_INDEX",

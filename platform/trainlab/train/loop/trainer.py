@@ -24,9 +24,10 @@ import torch
 
 from trainlab.runstatus import RunStatus
 from trainlab.train import checkpoint as ck
-from trainlab.train.callbacks import Callback, CallbackList, RunContext
-from trainlab.train.checkpointer import Checkpointer, layout_of
-from trainlab.train.components import (
+from trainlab.train.job import TrainJob
+from trainlab.train.loop.callbacks import Callback, CallbackList, RunContext
+from trainlab.train.loop.checkpointer import Checkpointer, layout_of
+from trainlab.train.loop.components import (
     ROLLED_BACK,
     Chaos,
     Checkpointing,
@@ -36,9 +37,7 @@ from trainlab.train.components import (
     P0Guard,
     build_components,
 )
-from trainlab.train.distributed import DistEnv
-from trainlab.train.job import TrainJob
-from trainlab.train.metrics import (
+from trainlab.train.loop.metrics import (
     NO_STOP,
     STOP,
     STOP_AND_SAVE,
@@ -49,20 +48,13 @@ from trainlab.train.metrics import (
     memory_gap,
     peak_memory_bytes,
 )
-from trainlab.train.parallel import reshard
-from trainlab.train.records import (
-    INTERRUPT_REASON,
-    RunRecords,
-    planned_memory_bytes,
-    run_summary,
-)
-from trainlab.train.state import (
+from trainlab.train.loop.state import (
     DataPosition,
     ModelState,
     Progress,
     TrainState,
 )
-from trainlab.train.step import (
+from trainlab.train.loop.step import (
     IGNORE_INDEX,
     Batch,
     autocast_context,
@@ -73,6 +65,14 @@ from trainlab.train.step import (
     loss_sum_and_count,
     to_tensors,
     train_step_tensors,
+)
+from trainlab.train.parallel import reshard
+from trainlab.train.parallel.distributed import DistEnv
+from trainlab.train.records import (
+    INTERRUPT_REASON,
+    RunRecords,
+    planned_memory_bytes,
+    run_summary,
 )
 
 log = logging.getLogger("trainlab.train")
@@ -118,7 +118,7 @@ class Trainer:
         self.stop = NO_STOP  # this step's stop decision (MetricsLog, request_stop)
         self.last_signals = StepSignals(0, float("nan"), float("nan"), 0, 0.0, 0.0)
         self.p0_rules = P0Rules(self.cfg.tracking.alerts, job.p0_rules)
-        # The loop's components (trainlab.train.components), in the order they act
+        # The loop's components (trainlab.train.loop.components), in the order they act
         # at a step's end; more from train.components, before checkpointing.
         self.guard, self.chaos = P0Guard(), Chaos()
         self.evaluator, self.saver = Evaluator(), Checkpointing()
@@ -146,7 +146,7 @@ class Trainer:
         the run); rank 0 returns the run summary and writes run_summary.json.
 
         Each pass: skip what the skip windows say, or get the step's batches, take
-        the step, and hand it to the components (trainlab.train.components), which
+        the step, and hand it to the components (trainlab.train.loop.components), which
         decide for themselves. Every step's health signals are read one step late
         (train.metrics): step s-1's after step s is queued, and a step's own when
         a component acts at it, so no checkpoint ever holds a state whose step was
@@ -213,7 +213,7 @@ class Trainer:
     def request_stop(self, reason: str, save: bool = True) -> None:
         """A component's stop at this step (with a checkpoint unless `save` is False).
         Components run on every rank: call it on all of them, at the same step."""
-        from trainlab.train.metrics import STOP
+        from trainlab.train.loop.metrics import STOP
 
         self.stop = max(self.stop, STOP_AND_SAVE if save else STOP)
         self.stop_reason = self.stop_reason or reason

@@ -1,7 +1,7 @@
 """Recording failures of Ray Train workers (agents) for the failure summary.
 
 Failures of training processes are recorded by their agents
-(trainlab.train.agent). When an agent itself dies (its node is lost, the
+(trainlab.train.supervision.agent). When an agent itself dies (its node is lost, the
 actor is killed), Ray Train's controller calls `FailureRecorder.after_exception`
 before restarting the group; each such failure becomes lines of
 `logs/failures.jsonl` (one per rank, one event) with the step of the newest

@@ -1,7 +1,7 @@
 """What a training process holds between steps, as a few stateful parts.
 
 Each part has `state_dict()` / `load_state_dict()`; a checkpoint is these parts
-composed by `trainlab.train.checkpointer.Checkpointer`, which alone knows the
+composed by `trainlab.train.loop.checkpointer.Checkpointer`, which alone knows the
 file formats. Parts:
 
 - `ModelState`: the (wrapped) model, its optimizer and the fp16 grad scaler; its
@@ -24,9 +24,9 @@ from torch import nn
 
 from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.models import build_model
-from trainlab.train.distributed import DistEnv
+from trainlab.train.loop.rng import capture_rng, restore_rng, seed_everything, set_deterministic
 from trainlab.train.parallel import apply_layout, build_optimizer, uses_zero1
-from trainlab.train.rng import capture_rng, restore_rng, seed_everything, set_deterministic
+from trainlab.train.parallel.distributed import DistEnv
 
 
 class Stateful(Protocol):
@@ -109,7 +109,7 @@ class ModelState:
 
     def tied_copies(self) -> frozenset[int]:
         """ids of parameters that are a second copy of a tied table (pipeline)."""
-        from trainlab.train.pipeline import is_tied_copy
+        from trainlab.train.parallel.pipeline import is_tied_copy
 
         return frozenset(id(part.output.weight) for part in self.parts if is_tied_copy(part))
 
@@ -132,7 +132,7 @@ class ModelState:
             get_optimizer_state_dict,
         )
 
-        from trainlab.train.pipeline import is_tied_copy
+        from trainlab.train.parallel.pipeline import is_tied_copy
 
         out = []
         for part, opt in zip(self.parts, self._stepped_optimizers(), strict=True):
@@ -160,7 +160,7 @@ class ModelState:
             set_optimizer_state_dict,
         )
 
-        from trainlab.train.pipeline import is_tied_copy
+        from trainlab.train.parallel.pipeline import is_tied_copy
 
         options = StateDictOptions(**FLAT)
         layouts = self._parts_state()

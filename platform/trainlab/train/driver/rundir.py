@@ -66,7 +66,9 @@ def runs_root(cfg: ExperimentConfig, base_dir: Path | None = None) -> Path:
 
 def _checkout() -> Path | None:
     """The repository holding this package (an editable install), if any."""
-    root = Path(__file__).resolve().parents[3]
+    import trainlab
+
+    root = Path(trainlab.__file__).resolve().parents[2]  # {repo}/platform/trainlab/
     return root if (root / "pyproject.toml").is_file() else None
 
 
