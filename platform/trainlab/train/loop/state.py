@@ -25,7 +25,7 @@ from torch import nn
 from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.models import build_model
 from trainlab.train.loop.rng import capture_rng, restore_rng, seed_everything, set_deterministic
-from trainlab.train.parallel import apply_layout, build_optimizer, uses_zero1
+from trainlab.train.parallel import build_optimizer, parallelize, uses_zero1
 from trainlab.train.parallel.distributed import DistEnv
 
 
@@ -90,7 +90,7 @@ class ModelState:
         self.cfg, self.env = cfg, env
         set_deterministic(cfg.train.deterministic)
         seed_everything(cfg.train.seed)  # the same initial weights on every rank
-        self.parallel = apply_layout(build_model(cfg.model).to(env.device), cfg, env)
+        self.parallel = parallelize(build_model(cfg.model).to(env.device), cfg, env)
         self.parts = self.parallel.parts
         self.pipeline = self.parallel.pipeline
         self.model = self.parts[0]
