@@ -22,16 +22,13 @@ from trainlab.train.supervision.protocol import (
     Failed,
     Hook,
     IterFrom,
-    LoaderState,
-    LoadLoaderState,
+    LoaderCall,
     NextStep,
     PipeCallbacks,
     PipeClient,
     PipeLoader,
     Reply,
-    Shares,
     StopRequest,
-    Validation,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -39,11 +36,11 @@ pytestmark = pytest.mark.timeout(30)
 REQUESTS = [
     NextStep(),
     IterFrom(3),
-    Validation("code", 2),
-    Shares(7),
-    LoaderState(7),
-    LoaderState(),
-    LoadLoaderState({"step": 7, "sources": {"code": [1, 2]}}),
+    LoaderCall("validation_batches", ("code", 2)),
+    LoaderCall("delivered_shares", (7,)),
+    LoaderCall("state_dict", (7,)),
+    LoaderCall("state_dict"),
+    LoaderCall("load_state_dict", ({"step": 7, "sources": {"code": [1, 2]}},)),
     Hook("on_step_end", (5, {"loss": 2.5})),
     Failed(None, "RuntimeError: x"),
     Failed(4, "ValueError: loss is nan"),
@@ -59,9 +56,11 @@ def test_every_request_and_reply_survives_the_pipe():
         assert got == message and type(got) is type(message)
 
 
-def test_only_callback_hooks_are_forwarded():
+def test_only_callback_hooks_and_loader_calls_are_forwarded():
     with pytest.raises(ValueError, match="not in"):
         Hook("__init__")
+    with pytest.raises(ValueError, match="not in"):
+        LoaderCall("__class__")
 
 
 class Served:

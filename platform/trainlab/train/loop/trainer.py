@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -66,6 +66,7 @@ from trainlab.train.loop.step import (
     to_tensors,
     train_step_tensors,
 )
+from trainlab.train.loop.stream import StreamLoader
 from trainlab.train.parallel import reshard
 from trainlab.train.parallel.distributed import DistEnv
 from trainlab.train.records import (
@@ -76,16 +77,6 @@ from trainlab.train.records import (
 )
 
 log = logging.getLogger("trainlab.train")
-
-
-class StreamLoader(Protocol):
-    """The worker side of the training stream (docs/contracts.md, section 3)."""
-
-    def iter_from(self, step: int) -> Iterator[tuple[int, list[Batch]]]: ...
-    def validation_batches(self, source: str, n: int) -> list[Batch]: ...
-    def delivered_shares(self, step: int) -> dict[str, float]: ...
-    def state_dict(self, step: int | None = None) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class Trainer:

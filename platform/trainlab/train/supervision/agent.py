@@ -55,14 +55,11 @@ from trainlab.train.supervision.protocol import (
     Failed,
     Hook,
     IterFrom,
-    LoaderState,
-    LoadLoaderState,
+    LoaderCall,
     NextStep,
     Reply,
     Request,
-    Shares,
     StopRequest,
-    Validation,
 )
 
 log = logging.getLogger("trainlab.train")
@@ -388,15 +385,8 @@ class Agent:
                     self.feeder.stop()
                 self.feeder = Feeder(self.loader, step)
                 return None, None
-            case Validation(source, n):
-                return self.loader.validation_batches(source, n), None
-            case Shares(step):
-                return self.loader.delivered_shares(step), None
-            case LoaderState(step):
-                return self.loader.state_dict(step), None
-            case LoadLoaderState(state):
-                self.loader.load_state_dict(state)
-                return None, None
+            case LoaderCall(method, args):
+                return getattr(self.loader, method)(*args), None
             case Hook(name, args):
                 if name == "on_run_end":
                     self._summary = args[0]

@@ -6,10 +6,9 @@ kind, so both sides agree on names and arguments at import time:
 
     NextStep()               the next (step, micro_batches) of the stream, None at its end
     IterFrom(step)           (re)start the stream at `step` (the agent prefetches it)
-    Validation(source, n)    n validation batches of `source`
-    Shares(step)             delivered token share per source after `step` steps
-    LoaderState(step)        the stream's state_dict (for a checkpoint)
-    LoadLoaderState(state)   restore the stream's state (after loading a checkpoint)
+    LoaderCall(method, args) one of the loader's other calls (LOADER_CALLS, derived
+                             from trainlab.train.loop.stream.StreamLoader):
+                             validation batches, delivered shares, its state
     Hook(name, args)         a callback hook of rank 0; the reply carries a StopRequest
     Failed(step, message)    the child failed (the agent records it; then it exits 1)
     Done()                   the child completed (the agent drains rank 0's callbacks)
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from trainlab.train.loop.callbacks import FORWARDED_HOOKS, Callback, derive_hooks
+from trainlab.train.loop.stream import LOADER_CALLS
 
 if TYPE_CHECKING:
     from trainlab.train.job import TrainJob
@@ -51,24 +51,16 @@ class IterFrom:
 
 
 @dataclass(frozen=True)
-class Validation:
-    source: str
-    n: int
+class LoaderCall:
+    """One call of the agent's loader: `method` one of LOADER_CALLS (declared once,
+    by trainlab.train.loop.stream.StreamLoader), with `args`."""
 
+    method: str
+    args: tuple[Any, ...] = ()
 
-@dataclass(frozen=True)
-class Shares:
-    step: int
-
-
-@dataclass(frozen=True)
-class LoaderState:
-    step: int | None = None
-
-
-@dataclass(frozen=True)
-class LoadLoaderState:
-    state: dict[str, Any]
+    def __post_init__(self) -> None:
+        if self.method not in LOADER_CALLS:
+            raise ValueError(f"loader call {self.method!r} not in {sorted(LOADER_CALLS)}")
 
 
 # The Callback hooks a training process forwards (declared once, on Callback).
@@ -96,9 +88,7 @@ class Done:
     pass
 
 
-Request = (
-    NextStep | IterFrom | Validation | Shares | LoaderState | LoadLoaderState | Hook | Failed | Done
-)
+Request = NextStep | IterFrom | LoaderCall | Hook | Failed | Done
 
 
 # --------------------------------------------------------------------------- replies
@@ -157,7 +147,7 @@ class PipeClient:
 
 class PipeLoader:
     """The agent's data stream, seen from the training process
-    (trainlab.train.loop.trainer.StreamLoader)."""
+    (trainlab.train.loop.stream.StreamLoader)."""
 
     def __init__(self, client: PipeClient):
         self.client = client
@@ -178,17 +168,18 @@ class PipeLoader:
         finally:
             fetch.shutdown(wait=False, cancel_futures=True)
 
-    def validation_batches(self, source: str, n: int) -> list[dict]:
-        return self.client.call(Validation(source, n))
+    def _call(self, method: str, *args: Any) -> Any:
+        return self.client.call(LoaderCall(method, args))
 
-    def delivered_shares(self, step: int) -> dict[str, float]:
-        return self.client.call(Shares(step))
 
-    def state_dict(self, step: int | None = None) -> dict[str, Any]:
-        return self.client.call(LoaderState(step))
+# PipeLoader's other methods: one round trip each, derived from StreamLoader.
+for _method in LOADER_CALLS:
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.client.call(LoadLoaderState(state))
+    def _forward(self: PipeLoader, *args: Any, _m: str = _method) -> Any:
+        return self._call(_m, *args)
+
+    _forward.__name__ = _forward.__qualname__ = _method
+    setattr(PipeLoader, _method, _forward)
 
 
 class PipeCallbacks(Callback):
