@@ -319,84 +319,123 @@ def _compute_param_shapes(cfg: ExperimentConfig) -> list[ParamShape]:
     return shapes
 
 
-def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> MemoryEstimate:
-    """`memory_breakdown` with the high-water marks it is the largest of."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    arch = get_arch(m.arch)
+@dataclass
+class _Step:
+    """What one training step of one rank holds, by the terms docs/memory.md names;
+    computed once (`_step`), read by each phase's high-water marks."""
+
+    cfg: ExperimentConfig
+    d: StepDtypes
+    tp: int
+    mp: int  # tp * pp: the model-parallel split
+    dp: int
+    fsdp: bool
+    zero2: bool
+    root: list[ParamShape]  # embeddings, final norm, output: FSDP's root group
+    # per block: rank 0's elements, gathered (padded) elements
+    layer_local: list[float]
+    layer_padded: list[float]
+    notes: list[str]
+    persistent: _Parts = field(default_factory=_Parts)  # parameters, optimizer, buckets, framework
+    start: _Parts = field(default_factory=_Parts)  # + the gradients the last micro batch starts with
+    carried: float = 0.0
+    all_grads: float = 0.0
+    opt_temp: float = 0.0  # the optimizer step's temporaries
+    # activations
+    stored: list[float] = field(default_factory=list)  # per block (recomputed: its input)
+    saved_block: float = 0.0
+    work_block: float = 0.0
+    model_saved: float = 0.0
+    final_norm: float = 0.0
+    mask: float = 0.0
+    rope: float = 0.0
+    copies: list[float] = field(default_factory=list)  # autocast's 16-bit weight copies
+    kept_copies: list[float] = field(default_factory=list)
+    copy_root: float = 0.0
+    gathered: list[float] = field(default_factory=list)  # FSDP's gathered parameters
+    gathered_root: float = 0.0
+    logits: float = 0.0  # elements of the [tokens, vocab / tp] logits
+    out_rows: float = 0.0
+
+    def numel(self, ps: list[ParamShape]) -> float:
+        return sum(s.numel for s in ps) / self.mp
+
+    def local(self, ps: list[ParamShape]) -> float:  # rank 0's elements of the weights
+        return sum(_shard(s, self.dp) for s in ps) / self.mp if self.fsdp else self.numel(ps)
+
+    def padded(self, ps: list[ParamShape]) -> float:  # an FSDP group's unsharded size
+        return self.local(ps) * self.dp if self.fsdp else self.numel(ps)
+
+
+def _step(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> _Step:
+    """The step's terms: model state by category, then activations by block."""
+    t = cfg.train
     tp, pp, dp, zero = layout.tp, layout.pp, layout.dp, layout.zero_stage
-    world = tp * pp * dp
-    distributed = world > 1
     fsdp = zero >= 2 and dp > 1
     zero1 = zero == 1 and dp > 1
-    ddp = distributed and not fsdp
-    gpu = cfg.resource.use_gpu
-    d = step_dtypes(t.precision, fsdp, gpu)
-    notes: list[str] = []
+    ddp = tp * pp * dp > 1 and not fsdp
+    d = step_dtypes(t.precision, fsdp, cfg.resource.use_gpu)
     mp = tp * pp  # model-parallel split (see the module docstring)
+    notes = _notes(cfg, mp)
+    root = [s for s in _param_shapes(cfg) if s.layer is None]
+    # Per block: elements, rank 0's, gathered (padded), of Linear weights.
+    layer_numel, layer_local, layer_padded, layer_matmul = (
+        [x / mp for x in xs] for xs in _block_sizes(cfg, dp, fsdp)
+    )
+    s = _Step(cfg, d, tp, mp, dp, fsdp, fsdp and zero == 2, root, layer_local, layer_padded, notes)
+    total_numel = s.numel(root) + sum(layer_numel)
+    local_numel = s.local(root) + sum(layer_local)
+    # Model state: parameters, the optimizer's state and step temporaries
+    # (trainlab.optim), DDP's buckets (gradient_as_bucket_view=False), framework;
+    # checkpoint_snapshot 0 (DCP stages to the host).
+    opt_memory = optimizer_memory(cfg, dp, fsdp, zero1, mp)
+    s.persistent = _Parts(
+        parameters=4 * local_numel,
+        optimizer=opt_memory.state,
+        communication=4 * total_numel if ddp else 0.0,
+        framework=framework_bytes(cfg),
+    )
+    s.opt_temp = opt_memory.step_temporary
+    # Gradients on the device as backward makes them: fp32 (DDP: full; FSDP: shards).
+    s.all_grads = 4 * local_numel
+    accum = cfg.data.grad_accum_steps or 1
+    if accum > 1:
+        # DDP (no_sync around the forward) accumulates in .grad. FSDP2: train_step
+        # leaves the sync context before backward, so FSDP reduce-scatters every
+        # micro batch and accumulates sharded gradients.
+        s.carried = s.all_grads
+        notes.append(
+            f"grad_accum_steps {accum}: the last micro batch starts with the accumulated gradients"
+        )
+    s.start = s.persistent.plus(gradients=s.carried)
+    _activations(s, micro_batch, layer_matmul)
+    return s
+
+
+def _notes(cfg: ExperimentConfig, mp: int) -> list[str]:
+    m, notes = cfg.model, []
     if mp > 1:
         notes.append("tp/pp > 1: estimated by the paper model, not traced")
-
-    if gpu and m.attention == "sdpa" and (m.num_kv_heads or m.num_heads) != m.num_heads:
+    if cfg.resource.use_gpu and m.attention == "sdpa" and (m.num_kv_heads or m.num_heads) != m.num_heads:
         notes.append(
             "grouped-query attention with the packed batch's mask: CUDA SDPA may have no "
             "fused kernel for enable_gqa with an explicit mask and fall back to the math "
             "kernel (attention scores kept, O(seq_len^2) per layer); the estimate assumes "
             "a fused kernel (as the CPU trace runs): check on a GPU"
         )
+    return notes
 
+
+def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
+    """Activations per block and token, what a recomputed block keeps, the
+    model-level tensors, autocast's weight copies and FSDP's gathered parameters."""
+    cfg, d, tp, mp = s.cfg, s.d, s.tp, s.mp
+    m = cfg.model
+    arch = get_arch(m.arch)
     T = cfg.data.seq_len
     N = micro_batch * T  # tokens per micro batch
     L, V, h = m.num_layers, m.vocab_size, m.hidden_size
-    root = [s for s in _param_shapes(cfg) if s.layer is None]
-
-    def numel(ps: list[ParamShape]) -> float:
-        return sum(s.numel for s in ps) / mp
-
-    def padded(ps: list[ParamShape]) -> float:  # an FSDP group's unsharded size
-        return sum(_shard(s, dp) for s in ps) * dp / mp if fsdp else numel(ps)
-
-    def local(ps: list[ParamShape]) -> float:  # rank 0's elements of the weights
-        return sum(_shard(s, dp) for s in ps) / mp if fsdp else numel(ps)
-
-    # Per block: elements, rank 0's, gathered (padded), of Linear weights.
-    layer_numel, layer_local, layer_padded, layer_matmul = (
-        [x / mp for x in xs] for xs in _block_sizes(cfg, dp, fsdp)
-    )
-    total_numel = numel(root) + sum(layer_numel)
-    local_numel = local(root) + sum(layer_local)
-    pbytes = 2 if (fsdp and d.compute == 2) else 4  # FSDP's gathered parameters
-    # Optimizer: its state, and its step's temporaries (trainlab.optim).
-    opt_memory = optimizer_memory(cfg, dp, fsdp, zero1, mp)
-    optimizer = opt_memory.state
-    parameters = 4 * local_numel
-    buckets = 4 * total_numel if ddp else 0.0  # DDP: gradient_as_bucket_view=False
-    persistent = _Parts(  # checkpoint_snapshot: 0, DCP stages to the host
-        parameters=parameters,
-        optimizer=optimizer,
-        communication=buckets,
-        framework=framework_bytes(cfg),
-    )
-
-    # Gradients on the device as backward makes them: fp32 (DDP: full; FSDP: shards).
-    def grads(ps: list[ParamShape]) -> float:
-        return 4 * local(ps)
-
-    all_grads = 4 * local_numel
-
-    accum = cfg.data.grad_accum_steps or 1
-    carried = 0.0  # gradients the last micro batch starts with
-    if accum > 1:
-        # DDP (no_sync around the forward) accumulates in .grad. FSDP2: train_step
-        # leaves the sync context before backward, so FSDP reduce-scatters every
-        # micro batch and accumulates sharded gradients.
-        carried = all_grads
-        notes.append(
-            f"grad_accum_steps {accum}: the last micro batch starts with the accumulated gradients"
-        )
-    start = persistent.plus(gradients=carried)
-
-    # Activations per block and token, and what a recomputed block keeps.
-    recompute = p.activation_checkpointing  # concrete (the planner resolves "auto")
+    recompute = cfg.parallel.activation_checkpointing  # concrete (the planner resolves "auto")
     ckpt = [recompute == "full" or (recompute == "selective" and i % 2 == 0) for i in range(L)]
     saved_block = arch.block_saved_bytes(m, d, T) * N
     input_block = arch.block_input_bytes(m, d) * N
@@ -409,90 +448,104 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
         replicated = (2 * arch.norm_saved_bytes(m, d) + arch.block_input_extra_bytes(m, d)) * N
         # pp: the first stage holds pp micro batches of L/pp layers: L layers' worth.
         saved_block = replicated + (saved_block - replicated) / tp
-    work_block = arch.block_backward_bytes(m, d, N) / tp
-    stored = [input_block if c else saved_block for c in ckpt]
+    s.saved_block = saved_block
+    s.work_block = arch.block_backward_bytes(m, d, N) / tp
+    s.stored = [input_block if c else saved_block for c in ckpt]
     # Model-level: RoPE's cos and sin (fp32; FSDP mixed precision gives each block a
     # 16-bit copy, counted in the block), the packed batch's dense bool mask (kept
     # by recomputed blocks' arguments, else freed when forward returns; per block
     # under FSDP's input casting, above), the final norm, the embedding's dropout
     # mask.
-    rope = 0.0 if (arch.learned_positions or d.cast_block_inputs) else 2 * 4 * m.head_dim * N
-    mask = T * N if (any(ckpt) and not d.cast_block_inputs) else 0.0
-    final_norm = arch.norm_saved_bytes(m, d, 1) * N
-    model_saved = rope + mask + final_norm + (h * N if m.dropout > 0 else 0)
+    s.rope = 0.0 if (arch.learned_positions or d.cast_block_inputs) else 2 * 4 * m.head_dim * N
+    s.mask = T * N if (any(ckpt) and not d.cast_block_inputs) else 0.0
+    s.final_norm = arch.norm_saved_bytes(m, d, 1) * N
+    s.model_saved = s.rope + s.mask + s.final_norm + (h * N if m.dropout > 0 else 0)
     # autocast's 16-bit weight copies (DDP/single, 16-bit): cached for the whole
     # forward, then kept by the saved tensors of blocks not recomputed.
-    copies = [2 * x if d.autocast else 0.0 for x in layer_matmul]
-    copy_root = 2 * numel([s for s in root if s.matmul]) if d.autocast else 0.0
+    s.copies = [2 * x if d.autocast else 0.0 for x in layer_matmul]
+    s.copy_root = 2 * s.numel([p for p in s.root if p.matmul]) if d.autocast else 0.0
     if d.autocast and m.tie_embeddings:
-        copy_root += 2 * V * h / mp  # the output projection reads the embedding
-    kept_copies = [0.0 if c else x for c, x in zip(ckpt, copies, strict=True)]
+        s.copy_root += 2 * V * h / mp  # the output projection reads the embedding
+    s.kept_copies = [0.0 if c else x for c, x in zip(ckpt, s.copies, strict=True)]
     # FSDP: a group's gathered parameters; the root group (embeddings, final norm,
     # output) is gathered for the whole forward and the whole backward.
-    gathered = [pbytes * x if fsdp else 0.0 for x in layer_padded]
-    gathered_root = pbytes * padded(root) if fsdp else 0.0
-    zero2 = fsdp and zero == 2
-    logits = N * V / tp
-    out_rows = V * h / mp
+    pbytes = 2 if (s.fsdp and d.compute == 2) else 4  # FSDP's gathered parameters
+    s.gathered = [pbytes * x if s.fsdp else 0.0 for x in s.layer_padded]
+    s.gathered_root = pbytes * s.padded(s.root) if s.fsdp else 0.0
+    s.logits = N * V / tp
+    s.out_rows = V * h / mp
 
+
+def _forward_marks(s: _Step) -> dict[str, _Parts]:
+    """End of forward, the loss's backward and the output projection's backward."""
+    d, zero2 = s.d, s.zero2
+    acts_all = sum(s.stored) + s.model_saved
     marks: dict[str, _Parts] = {}
-    acts_all = sum(stored) + model_saved
-
     # End of forward: the loss's forward holds the logits (compute dtype), their fp32
     # copy and the log-softmax; autocast's cache holds every weight copy; FSDP holds
     # the root group (and, ZeRO-2, every block).
-    fwd_logits = (d.compute + 4 + 4) * logits if d.compute < 4 else 8 * logits
-    marks["forward"] = start.plus(
-        activations=acts_all + sum(copies) + copy_root,
+    fwd_logits = (d.compute + 4 + 4) * s.logits if d.compute < 4 else 8 * s.logits
+    marks["forward"] = s.start.plus(
+        activations=acts_all + sum(s.copies) + s.copy_root,
         logits_loss=fwd_logits,
-        parameters=gathered_root + (sum(gathered) if zero2 else 0.0),
+        parameters=s.gathered_root + (sum(s.gathered) if zero2 else 0.0),
     )
     # The loss's backward: log-softmax kept, the gradients of the loss and of the
     # log-softmax, all fp32. FSDP ZeRO-3: the root was resharded after forward.
-    marks["loss backward"] = start.plus(
-        activations=acts_all + sum(kept_copies) + copy_root,
-        logits_loss=12 * logits,
-        parameters=(gathered_root + sum(gathered)) if zero2 else 0.0,
+    marks["loss backward"] = s.start.plus(
+        activations=acts_all + sum(s.kept_copies) + s.copy_root,
+        logits_loss=12 * s.logits,
+        parameters=(s.gathered_root + sum(s.gathered)) if zero2 else 0.0,
     )
     # The output projection's backward: the logits' gradient in the compute dtype,
     # the weight's gradient (16-bit then fp32 under autocast; FSDP: unsharded, kept
     # until the root's reduce-scatter at the end). FSDP gathers the root again and
     # prefetches the last block.
-    out_grad = (2 + 4) * out_rows if d.autocast else d.grad * out_rows
-    prefetch_last = gathered[-1] if (fsdp and not zero2 and L) else 0.0
-    marks["output backward"] = start.plus(
-        activations=acts_all + sum(kept_copies) + copy_root,
-        logits_loss=d.compute * logits,
+    out_grad = (2 + 4) * s.out_rows if d.autocast else d.grad * s.out_rows
+    prefetch_last = s.gathered[-1] if (s.fsdp and not zero2 and s.gathered) else 0.0
+    marks["output backward"] = s.start.plus(
+        activations=acts_all + sum(s.kept_copies) + s.copy_root,
+        logits_loss=d.compute * s.logits,
         gradients=out_grad,
-        parameters=gathered_root + (sum(gathered) if zero2 else 0.0),
+        parameters=s.gathered_root + (sum(s.gathered) if zero2 else 0.0),
         communication=prefetch_last,
     )
+    return marks
+
+
+def _backward_marks(s: _Step) -> dict[str, _Parts]:
+    """Each block's backward (and FSDP's reduce-scatter of it), the embedding's
+    backward, FSDP's root reduce-scatter."""
+    d, fsdp, zero2, m = s.d, s.fsdp, s.zero2, s.cfg.model
+    V, h = m.vocab_size, m.hidden_size
+    marks: dict[str, _Parts] = {}
     # Gradients of the root's parameters once the output projection is done: the
     # output's (the embedding's when tied) and the final norm's.
     tables = ("tok_embeddings.weight", "pos_embeddings.weight")
-    after_out = [s for s in root if s.name not in tables]
+    after_out = [p for p in s.root if p.name not in tables]
     if m.tie_embeddings:
-        after_out += [s for s in root if s.name == "tok_embeddings.weight"]
-    root_grads = d.grad * padded(after_out) if fsdp else grads(after_out)
-    if carried and not fsdp:
+        after_out += [p for p in s.root if p.name == "tok_embeddings.weight"]
+    root_grads = d.grad * s.padded(after_out) if fsdp else 4 * s.local(after_out)
+    if s.carried and not fsdp:
         # Accumulated in place into the carried .grad; only the tied output's waits.
-        root_grads = 4 * V * h / mp if m.tie_embeddings else 0.0
+        root_grads = 4 * V * h / s.mp if m.tie_embeddings else 0.0
     done_grads = 0.0  # the blocks' gradients made so far
-    below = sum(stored)
+    below = sum(s.stored)
     rs_prev = 0.0  # FSDP: the previous group's reduce-scatter input, kept until the next
-    for i in reversed(range(L)):
-        below -= stored[i]
+    gathered, kept = s.gathered, s.kept_copies
+    for i in reversed(range(len(s.stored))):
+        below -= s.stored[i]
         block_params = 0.0
         comm = rs_prev
         if fsdp:
             held = sum(gathered[: i + 1]) if zero2 else gathered[i]
-            block_params = gathered_root + held
+            block_params = s.gathered_root + held
             if not zero2 and i > 0:
                 comm += gathered[i - 1]  # the next block's all-gather, prefetched
         # Recomputed or not, the block's saved tensors exist in its backward.
-        acts = below + model_saved - final_norm + saved_block + work_block
-        marks[f"block {i} backward"] = start.plus(
-            activations=acts + sum(kept_copies[:i]) + copies[i],
+        acts = below + s.model_saved - s.final_norm + s.saved_block + s.work_block
+        marks[f"block {i} backward"] = s.start.plus(
+            activations=acts + sum(kept[:i]) + s.copies[i],
             gradients=done_grads + root_grads,
             parameters=block_params,
             communication=comm,
@@ -500,42 +553,51 @@ def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> Mem
         if fsdp:
             # Its post-backward: parameters resharded, the unsharded gradients copied
             # into an fp32 reduce-scatter input (the previous one released first).
-            rs = 4 * layer_padded[i]
-            marks[f"block {i} reduce-scatter"] = start.plus(
-                activations=below + model_saved - final_norm + sum(kept_copies[:i]),
-                gradients=done_grads + root_grads + d.grad * layer_padded[i],
-                parameters=gathered_root + (sum(gathered[:i]) if zero2 else 0.0),
+            rs = 4 * s.layer_padded[i]
+            marks[f"block {i} reduce-scatter"] = s.start.plus(
+                activations=below + s.model_saved - s.final_norm + sum(kept[:i]),
+                gradients=done_grads + root_grads + d.grad * s.layer_padded[i],
+                parameters=s.gathered_root + (sum(gathered[:i]) if zero2 else 0.0),
                 communication=rs + (gathered[i - 1] if (i > 0 and not zero2) else 0.0),
             )
             rs_prev = rs
-        if not carried:  # else accumulated in place into the carried gradients
-            done_grads += 4 * layer_local[i]
+        if not s.carried:  # else accumulated in place into the carried gradients
+            done_grads += 4 * s.layer_local[i]
     # End of backward: the embeddings' gradients. Tied, the output's gradient waited
     # in autograd's input buffer and the two are summed out of place: three [V, h]
     # at once.
-    tables_numel = numel([s for s in root if s.name in tables])
+    tables_numel = s.numel([p for p in s.root if p.name in tables])
     emb_grad = (d.grad if fsdp else 4) * tables_numel
-    tied_sum = (d.grad if fsdp else 4) * V * h / mp if m.tie_embeddings else 0.0
-    marks["embedding backward"] = start.plus(
-        activations=model_saved - final_norm - mask - rope,
+    tied_sum = (d.grad if fsdp else 4) * V * h / s.mp if m.tie_embeddings else 0.0
+    marks["embedding backward"] = s.start.plus(
+        activations=s.model_saved - s.final_norm - s.mask - s.rope,
         gradients=done_grads + root_grads + emb_grad + tied_sum,
-        parameters=gathered_root,
+        parameters=s.gathered_root,
         communication=rs_prev,
     )
     if fsdp:
         # The root's post-backward: resharded, its gradients into an fp32
         # reduce-scatter input (the last block's released first).
-        marks["end of backward"] = start.plus(
-            gradients=done_grads + d.grad * numel(root),
-            communication=4 * padded(root),
+        marks["end of backward"] = s.start.plus(
+            gradients=done_grads + d.grad * s.numel(s.root),
+            communication=4 * s.padded(s.root),
         )
-    # Optimizer step: all gradients, and the optimizer's temporaries (AdamW:
-    # sqrt(exp_avg_sq); Muon: one matrix's gathered update and Newton-Schulz).
-    marks["optimizer"] = persistent.plus(
-        gradients=all_grads, optimizer=opt_memory.step_temporary
-    )
+    return marks
 
+
+def _optimizer_mark(s: _Step) -> _Parts:
+    """The optimizer step: all gradients, and the optimizer's temporaries (AdamW:
+    sqrt(exp_avg_sq); Muon: one matrix's gathered update and Newton-Schulz)."""
+    return s.persistent.plus(gradients=s.all_grads, optimizer=s.opt_temp)
+
+
+def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> MemoryEstimate:
+    """`memory_breakdown` with the high-water marks it is the largest of: the
+    step's terms (`_step`: model state by category, activations by block), then
+    each phase's marks."""
+    s = _step(cfg, layout, micro_batch)
+    marks = {**_forward_marks(s), **_backward_marks(s), "optimizer": _optimizer_mark(s)}
     breakdowns = {name: mark.as_dict() for name, mark in marks.items()}
     phase = max(breakdowns, key=lambda name: breakdowns[name]["total"])
     phases = {name: b["total"] for name, b in breakdowns.items()}
-    return MemoryEstimate(breakdowns[phase], phase, phases, notes, breakdowns)
+    return MemoryEstimate(breakdowns[phase], phase, phases, s.notes, breakdowns)
