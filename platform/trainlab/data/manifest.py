@@ -11,14 +11,16 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from trainlab.errors import UserError
 from trainlab.fileutil import sha256_file
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-TOKEN_DTYPES = ("uint16", "uint32")
+TOKEN_DTYPES = ("uint16", "uint32")  # TokenizerDoc.dtype
 
 
 @dataclass(frozen=True)
@@ -76,38 +78,88 @@ def resolve_dataset_dir(path: str | os.PathLike[str]) -> Path:
     )
 
 
-def _field(obj: dict[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
-    if key not in obj:
-        raise UserError(f"{where}: missing key {key!r}")
-    value = obj[key]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise UserError(f"{where}.{key} = {value!r}: wrong type")
-    return value
+# --------------------------------------------------------------------------- the file
+# One declaration of manifest.json, for the writer (trainlab.data.prep.manifest)
+# and the reader (load_manifest). Unknown keys are kept (a newer trainlab may add
+# some); the known ones are typed and checked.
 
 
-def _parse_source(name: str, raw: Any, where: str) -> SourceInfo:
-    if not isinstance(raw, dict):
-        raise UserError(f"{where}: must be a mapping")
-    shards = []
-    for i, s in enumerate(_field(raw, "shards", list, where)):
-        sw = f"{where}.shards[{i}]"
-        if not isinstance(s, dict):
-            raise UserError(f"{sw}: must be a mapping")
-        shards.append(
-            Shard(
-                file=_field(s, "file", str, sw),
-                rows=_field(s, "rows", int, sw),
-                tokens=_field(s, "tokens", int, sw),
-                sha256=_field(s, "sha256", str, sw),
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ShardDoc(_Doc):
+    file: str  # relative to the dataset directory
+    rows: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    sha256: str
+
+
+class RejectedDoc(_Doc):
+    count: int = Field(ge=0)
+    examples: list[str] = Field(default_factory=list)
+
+
+class SourceDoc(_Doc):
+    docs_in: int = Field(0, ge=0)
+    docs_out: int = Field(ge=0)
+    tokens: int = Field(ge=0)
+    rejected: dict[str, RejectedDoc] = Field(default_factory=dict)
+    shards: list[ShardDoc]
+
+    @model_validator(mode="after")
+    def _sums(self) -> SourceDoc:
+        if sum(s.rows for s in self.shards) != self.docs_out or sum(
+            s.tokens for s in self.shards
+        ) != self.tokens:
+            raise ValueError(
+                f"docs_out/tokens ({self.docs_out}/{self.tokens}) do not match the sum "
+                "over its shards"
             )
-        )
-    docs = _field(raw, "docs_out", int, where)
-    tokens = _field(raw, "tokens", int, where)
-    if sum(s.rows for s in shards) != docs or sum(s.tokens for s in shards) != tokens:
-        raise UserError(
-            f"{where}: docs_out/tokens ({docs}/{tokens}) do not match the sum over its shards"
-        )
-    return SourceInfo(name=name, docs=docs, tokens=tokens, shards=tuple(shards))
+        return self
+
+
+class TokenizerDoc(_Doc):
+    file: str = "tokenizer.json"
+    sha256: str = ""
+    vocab_size: int = Field(ge=1)
+    eos_id: int = Field(ge=0)
+    eos_token: str = ""
+    dtype: Literal["uint16", "uint32"]
+
+
+class ManifestDoc(_Doc):
+    """manifest.json: contract 2 in docs/contracts.md."""
+
+    format_version: int
+    fingerprint: str
+    tokenizer: TokenizerDoc
+    cleaning: dict[str, Any] = Field(default_factory=dict)
+    sources: dict[str, SourceDoc] = Field(min_length=1)
+    input_signature: str | None = None
+
+    @field_validator("format_version")
+    @classmethod
+    def _readable(cls, v: int) -> int:
+        if v != FORMAT_VERSION:
+            raise ValueError(f"this trainlab reads {FORMAT_VERSION}")
+        return v
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+def parse_manifest(raw: Any, where: str) -> ManifestDoc:
+    """`raw` (parsed JSON) as a ManifestDoc; UserError naming the first problem."""
+    try:
+        return ManifestDoc.model_validate(raw)
+    except ValidationError as err:
+        e = err.errors()[0]
+        loc = ".".join(str(x) for x in e["loc"])
+        value = e.get("input")
+        shown = f" = {value!r}" if not isinstance(value, dict | list) else ""
+        message = e["msg"].removeprefix("Value error, ")
+        raise UserError(f"{where}: {loc or '(top level)'}{shown}: {message}"[:500]) from None
 
 
 def load_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -121,30 +173,22 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         raise UserError(f"{file}: not found; run `trainlab prep` first") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{file}: cannot read manifest ({type(e).__name__}: {e})") from None
-    where = str(file)
-    if not isinstance(raw, dict):
-        raise UserError(f"{where}: top level must be an object")
-    version = raw.get("format_version")
-    if version != FORMAT_VERSION:
-        raise UserError(
-            f"{where}: format_version = {version!r}; this trainlab reads {FORMAT_VERSION}"
-        )
-    tok = _field(raw, "tokenizer", dict, where)
-    dtype = _field(tok, "dtype", str, f"{where}: tokenizer")
-    if dtype not in TOKEN_DTYPES:
-        raise UserError(f"{where}: tokenizer.dtype = {dtype!r}: must be one of {TOKEN_DTYPES}")
-    sources_raw = _field(raw, "sources", dict, where)
-    if not sources_raw:
-        raise UserError(f"{where}: no sources")
+    doc = parse_manifest(raw, str(file))
     sources = {
-        name: _parse_source(name, s, f"{where}: sources.{name}") for name, s in sources_raw.items()
+        name: SourceInfo(
+            name=name,
+            docs=src.docs_out,
+            tokens=src.tokens,
+            shards=tuple(Shard(s.file, s.rows, s.tokens, s.sha256) for s in src.shards),
+        )
+        for name, src in doc.sources.items()
     }
     return Manifest(
         root=root.resolve(),
-        fingerprint=_field(raw, "fingerprint", str, where),
-        eos_id=_field(tok, "eos_id", int, f"{where}: tokenizer"),
-        vocab_size=_field(tok, "vocab_size", int, f"{where}: tokenizer"),
-        token_dtype=dtype,
+        fingerprint=doc.fingerprint,
+        eos_id=doc.tokenizer.eos_id,
+        vocab_size=doc.tokenizer.vocab_size,
+        token_dtype=doc.tokenizer.dtype,
         sources=sources,
     )
 

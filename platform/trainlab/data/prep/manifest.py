@@ -13,12 +13,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from trainlab.data.manifest import FORMAT_VERSION, MANIFEST, ManifestDoc, parse_manifest
 from trainlab.data.prep.shards import SourceAccount, atomic_write_bytes
 from trainlab.data.prep.tokenizer import TokenizerInfo
+from trainlab.errors import UserError
 from trainlab.fileutil import sha256_file
-
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
 
 
 def _canonical(obj: Any) -> bytes:
@@ -41,23 +40,27 @@ def build_manifest(
     cleaning: dict,
     accounts: dict[str, SourceAccount],
     input_signature: str,
-) -> dict:
-    return {
-        "format_version": FORMAT_VERSION,
-        "fingerprint": fingerprint(tokenizer.sha256, cleaning, accounts),
-        "tokenizer": tokenizer.to_json(),
-        "cleaning": cleaning,
-        "sources": {name: acc.to_json() for name, acc in accounts.items()},
-        "input_signature": input_signature,
-    }
+) -> ManifestDoc:
+    """The manifest of a finished build, checked as the reader checks it."""
+    return ManifestDoc.model_validate(
+        {
+            "format_version": FORMAT_VERSION,
+            "fingerprint": fingerprint(tokenizer.sha256, cleaning, accounts),
+            "tokenizer": tokenizer.to_json(),
+            "cleaning": cleaning,
+            "sources": {name: acc.to_json() for name, acc in accounts.items()},
+            "input_signature": input_signature,
+        }
+    )
 
 
-def write_manifest(out_dir: Path, manifest: dict) -> None:
-    atomic_write_bytes(out_dir / MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+def write_manifest(out_dir: Path, manifest: ManifestDoc) -> None:
+    data = json.dumps(manifest.to_json(), indent=2) + "\n"
+    atomic_write_bytes(out_dir / MANIFEST, data.encode())
 
 
 def read_manifest(out_dir: Path) -> dict | None:
-    """The manifest in `out_dir`, or None if there is none or it is unreadable."""
+    """The manifest in `out_dir` as JSON, or None if there is none or it is unreadable."""
     try:
         data = json.loads((out_dir / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -68,25 +71,22 @@ def read_manifest(out_dir: Path) -> dict | None:
 def current_manifest(out_dir: Path, input_signature: str) -> dict | None:
     """The existing manifest if it was built from exactly these inputs and every file
     it lists is intact (checksums match); otherwise None (the dataset is rebuilt)."""
-    manifest = read_manifest(out_dir)
-    if not manifest or manifest.get("input_signature") != input_signature:
-        return None
-    if manifest.get("format_version") != FORMAT_VERSION:
+    raw = read_manifest(out_dir)
+    if not raw or raw.get("input_signature") != input_signature:
         return None
     try:
-        files = [(manifest["tokenizer"]["file"], manifest["tokenizer"]["sha256"])]
-        files += [
-            (s["file"], s["sha256"]) for src in manifest["sources"].values() for s in src["shards"]
-        ]
-    except (KeyError, TypeError):
+        doc = parse_manifest(raw, str(out_dir / MANIFEST))
+    except UserError:
         return None
+    files = [(doc.tokenizer.file, doc.tokenizer.sha256)]
+    files += [(s.file, s.sha256) for src in doc.sources.values() for s in src.shards]
     for rel, digest in files:
         try:
             if sha256_file(out_dir / rel) != digest:
                 return None
         except OSError:
             return None
-    return manifest
+    return doc.to_json()
 
 
 def listed_files(manifest: dict | None) -> set[str]:

@@ -234,9 +234,10 @@ def run_prep(
     unit_nodes = int(timings.pop("unit_nodes"))
 
     t = time.perf_counter()
-    manifest = build_manifest(info, inputs.cleaning, accounts, inputs.signature)
+    doc = build_manifest(info, inputs.cleaning, accounts, inputs.signature)
+    manifest = doc.to_json()
     _remove_stale_files(out_dir, manifest, old_manifest)
-    write_manifest(out_dir, manifest)
+    write_manifest(out_dir, doc)
     shutil.rmtree(out_dir / WORK_DIR, ignore_errors=True)
     timings["finish"] = time.perf_counter() - t
     return PrepResult(
