@@ -90,6 +90,10 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     parts = key.split(".")
     if any(not p for p in parts):
         raise ConfigError(f"--set {quote(item)}: empty part in key {quote(key)}")
+    if _text_field(parts) and raw.strip() != "null":  # `null`: back to the default
+        # A string field takes the text as written (YAML would read "loss goes down:
+        # below 8.5" as a mapping).
+        return parts, raw
     try:
         value = boundedyaml.load(raw) if raw.strip() else ""
     except boundedyaml.YamlLimitError as e:
@@ -98,6 +102,16 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         problem = clip(getattr(e, "problem", None) or str(e).splitlines()[0])
         raise ConfigError(f"--set {quote(item)}: value is not valid YAML ({problem})") from None
     return parts, value
+
+
+def _text_field(parts: list[str]) -> bool:
+    """Whether the schema's field at `parts` is a string (or a string or null);
+    other fields (lists, numbers, sections) take their value as YAML."""
+    try:
+        annotation = _annotation(tuple(parts))
+    except (KeyError, AttributeError, IndexError):
+        return False
+    return annotation is str or set(typing.get_args(annotation)) == {str, type(None)}
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:

@@ -298,3 +298,27 @@ def test_flatten_gives_dotted_keys(base: Path):
     assert flat["data.mix.a"] == 1.0 and flat["train.lr"] == 1e-3
     assert flat["train.chaos.kill_at_steps"] == []
     assert yaml.safe_load(to_yaml(load_config(base)))["data"]["mix"] == {"a": 1.0, "b": 3.0}
+
+
+def test_set_on_a_string_field_takes_the_text_as_written():
+    """YAML would read "loss goes down: below 8.5" as a mapping; a string field takes
+    the text. Lists, numbers and sections are still parsed as YAML."""
+    from tests.conftest import RECIPES
+    from trainlab.config import load_config
+
+    cfg = load_config(
+        RECIPES / "tiny.yaml",
+        [
+            "expectation=loss goes down: below 8.5",
+            "purpose=[not, a, list]",
+            "resource.storage=/tmp/x: y",
+            "owner=null",
+            "train.lr=1e-3",
+            "data.mix={code: 1, docs: 2}",
+        ],
+    )
+    assert cfg.expectation == "loss goes down: below 8.5"
+    assert cfg.purpose == "[not, a, list]"
+    assert cfg.resource.storage == "/tmp/x: y"
+    assert cfg.owner == ""  # null: back to its default, as for any field
+    assert cfg.train.lr == 1e-3 and cfg.data.mix == {"code": 1.0, "docs": 2.0}
