@@ -56,7 +56,10 @@ bench: setup
 # notebooks/ open. The `notebook` extra is installed on first use only, so
 # `make test`/`make demo` stay lean. Notebooks: docs/notebooks.md.
 NOTEBOOK_PORT  ?= 8888
-NOTEBOOK_TOKEN ?= $(shell $(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(24))')
+# Expanded once (`:=`), so the URL printed below carries the token Jupyter gets.
+ifndef NOTEBOOK_TOKEN
+NOTEBOOK_TOKEN := $(shell $(PYTHON) -c 'import secrets; print(secrets.token_urlsafe(24))')
+endif
 NOTEBOOK_STAMP := $(VENV)/.notebook-installed
 
 $(NOTEBOOK_STAMP): $(STAMP)
@@ -64,7 +67,8 @@ $(NOTEBOOK_STAMP): $(STAMP)
 	touch $(NOTEBOOK_STAMP)
 
 notebook: $(NOTEBOOK_STAMP)
-	$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(NOTEBOOK_PORT) \
+	@echo "notebooks: open http://127.0.0.1:$(NOTEBOOK_PORT)/lab?token=$(NOTEBOOK_TOKEN)"
+	@$(VENV)/bin/jupyter lab --ServerApp.ip=127.0.0.1 --ServerApp.port=$(NOTEBOOK_PORT) \
 		--ServerApp.open_browser=False --ServerApp.root_dir=notebooks \
 		--IdentityProvider.token=$(NOTEBOOK_TOKEN) $(if $(filter 0,$(shell id -u)),--allow-root)
 

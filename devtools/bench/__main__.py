@@ -11,8 +11,21 @@ from pathlib import Path
 from devtools.bench import BENCHMARKS, BenchResult
 
 
+USAGE = """usage: python -m devtools.bench [NAME-SUBSTRING ...]
+
+Runs the benchmarks whose name contains one of the substrings (all without any),
+prints value vs baseline measured in the same run, and writes bench-results.json.
+Benchmarks: {names}"""
+
+
 def main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE.format(names=", ".join(b.split(":")[1] for b in BENCHMARKS)))
+        return 0
     selected = [b for b in BENCHMARKS if not argv or any(a in b for a in argv)]
+    if not selected:
+        print(f"no benchmark matches {' '.join(argv)}; see --help", file=sys.stderr)
+        return 2
     results: list[BenchResult] = []
     failed = []
     for target in selected:
