@@ -6,6 +6,10 @@ wrapper and `submit` (README "Failures" lists them for users).
 - 2  bad input: config, data, files, flags; nothing was started
 - 4  stopped by an alert's action (`tracking.alerts.on_p0: checkpoint_and_stop`):
      deliberate, never retried
+- 74 the run's storage failed a write (EX_IOERR: disk full, quota, I/O error) while
+     saving a checkpoint or a record: the run ended as failed with the cause, its
+     partial checkpoint removed; free space (or fix the disk), then resume. Not
+     retried by a job retry: the same write would fail again
 - 75 the cluster lost processes or workers the run needed (EX_TEMPFAIL): a retry may succeed
 - 130 interrupted by the user (Ctrl-C / SIGINT): resume with the printed command
 """
@@ -16,5 +20,6 @@ OK = 0
 ERROR = 1
 BAD_INPUT = 2
 STOPPED_BY_ALERT = 4
+STORAGE_FAULT = 74
 INFRASTRUCTURE = 75
 INTERRUPTED = 130

@@ -12,7 +12,7 @@ import sys
 import click
 
 from trainlab.cli.common import echo_json, json_option
-from trainlab.exitcodes import INTERRUPTED, STOPPED_BY_ALERT
+from trainlab.exitcodes import INTERRUPTED, STOPPED_BY_ALERT, STORAGE_FAULT
 
 # EX_TEMPFAIL: workers or nodes were lost beyond train.max_failures; a job retry may
 # succeed (docs/contracts.md, section 6).
@@ -75,7 +75,8 @@ def train(
 
     Progress (step, loss, tokens/s, ETA) goes to stderr; with --json the last line
     of stdout is the run summary. Exit codes: 0 completed, 2 bad input, 1 failed
-    (an error that would happen again), 75 failed because processes or workers
+    (an error that would happen again), 74 failed because the run's disk failed a
+    write (full, I/O error: free space, then resume), 75 failed because processes or workers
     were lost more often than train.max_failures allows (a retry may succeed), 130
     interrupted (Ctrl-C: the first stops at the next step, with a checkpoint when
     the newest is older than train.checkpoint.on_interrupt_min_age_s, and prints the
@@ -104,7 +105,10 @@ def train(
         _print_failure(e.summary)
         if as_json:
             echo_json(e.summary)
-        return EXIT_INFRASTRUCTURE if e.summary.get("failure_cause") == "infrastructure" else 1
+        cause = e.summary.get("failure_cause")
+        if cause == "storage":  # the disk failed a write: free space, then resume
+            return STORAGE_FAULT
+        return EXIT_INFRASTRUCTURE if cause == "infrastructure" else 1
     if summary.get("already_complete"):
         _print_complete(summary, cfg.train.total_steps)
         if as_json:

@@ -335,7 +335,7 @@ class MlflowCallback(Callback):
             self._heartbeat = None
         status = str(summary.get("status", "completed")).lower()
         tags = {"status": status}
-        for key in ("last_checkpoint", "best_checkpoint", "weights_sha256"):
+        for key in ("last_checkpoint", "best_checkpoint", "weights_sha256", "error"):
             if summary.get(key):
                 tags[key] = str(summary[key])
         entries = [

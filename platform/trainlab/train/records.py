@@ -8,11 +8,15 @@
     {run_dir}/logs/extensions.jsonl each `--extend` of the run past its total_steps
     {run_dir}/logs/lock.jsonl       stale run locks taken over (written by
                                     trainlab.train.driver.runlock, which owns the lock)
+    {run_dir}/logs/.reserve         room held for the records while a run trains
+                                    (`reserve_room`): freed when the disk fails a
+                                    write, so the failure can still be recorded
 
 Summary keys checked from outside (keep them): name, status, final_step,
 final_loss, val_loss, tokens_seen, restarts, weights_sha256, last_checkpoint,
 best_checkpoint, wall_seconds. `status` is "completed", "stopped" (a callback
-asked), "interrupted" (Ctrl-C; `trainlab train RUN_DIR --resume` continues it) or "failed" (then `error`, `failures` and `failure_cause`).
+asked), "interrupted" (Ctrl-C; `trainlab train RUN_DIR --resume` continues it) or "failed" (then `error`, `failures` and `failure_cause`: "code",
+"infrastructure" or "storage").
 
 JSON-lines files take small appends from several processes (O_APPEND writes of
 one line do not interleave); a torn or foreign line is skipped when read.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,6 +40,10 @@ FAILURES = "failures.jsonl"
 ATTEMPTS = "attempts.jsonl"
 PROGRESS = "progress.json"
 EXTENSIONS = "extensions.jsonl"
+RESERVE = ".reserve"
+# What the records of a run's end take on a full disk (run_summary.json and its
+# temporary copy, a failures line, the MLflow journal's end entries), with room over.
+RESERVE_BYTES = 256 * 1024
 # The driver's first Ctrl-C creates it; rank 0's agent turns it into a stop at the
 # next step boundary (trainlab.train.supervision.agent, trainer), which ends the run as "interrupted".
 INTERRUPT_FLAG = ".interrupt"
@@ -42,9 +51,11 @@ INTERRUPT_REASON = "interrupted by the user (Ctrl-C)"
 
 # Kinds of failure: infrastructure (the process or worker was killed or lost; a
 # retry can succeed), code (an exception that would happen again), peer (a side
-# effect of another rank's failure).
+# effect of another rank's failure), storage (a write of the run's disk failed:
+# full, I/O error; the attempt ends, never restarted in place: trainlab.train.loop.trainer).
 INFRASTRUCTURE_KINDS = frozenset({"killed", "chaos", "lost"})
-FAILURE_KINDS = frozenset({*INFRASTRUCTURE_KINDS, "error", "peer"})
+STORAGE = "storage"
+FAILURE_KINDS = frozenset({*INFRASTRUCTURE_KINDS, "error", "peer", STORAGE})
 
 
 @dataclass(frozen=True)
@@ -65,7 +76,8 @@ class Failure:
 
 
 def failure_cause(failures: list[dict[str, Any]]) -> str:
-    """ "infrastructure" when the last failure killed or lost a process, else "code".
+    """ "storage" when the last failure was a write the disk failed (exit 74),
+    "infrastructure" when it killed or lost a process (exit 75), else "code".
     Failures that only say a peer went away (kind "peer") are its consequence, not
     a cause: the last event with another kind decides (a lost worker's peers may
     report their broken connections after it, as a separate event)."""
@@ -74,6 +86,8 @@ def failure_cause(failures: list[dict[str, Any]]) -> str:
         return "code"
     last_event = causes[-1].get("event")
     kinds = {f.get("kind") for f in causes if f.get("event") == last_event}
+    if STORAGE in kinds:
+        return STORAGE
     return "infrastructure" if kinds & INFRASTRUCTURE_KINDS else "code"
 
 
@@ -222,6 +236,32 @@ class RunRecords:
             if rec.get("rank") == rank and rec.get("time", 0) >= since:
                 return rec
         return None
+
+    # ------------------------------------------------------------------ room
+
+    def reserve_room(self, size: int = RESERVE_BYTES) -> bool:
+        """Hold `size` bytes of the run's disk (logs/.reserve) for the records of its
+        end; False when there is not even that much room (nothing held)."""
+        path = self.logs / RESERVE
+        try:
+            if path.exists() and path.stat().st_size >= size:
+                return True
+            with open(path, "wb") as f:
+                try:
+                    os.posix_fallocate(f.fileno(), 0, size)
+                except (AttributeError, OSError):  # no fallocate here: write it
+                    f.write(b"\0" * size)
+                    f.flush()
+                    os.fsync(f.fileno())
+            return True
+        except OSError:
+            path.unlink(missing_ok=True)
+            return False
+
+    def release_room(self) -> None:
+        """Free the room `reserve_room` held (the disk failed a write, or the run ends)."""
+        with contextlib.suppress(OSError):
+            (self.logs / RESERVE).unlink(missing_ok=True)
 
     # ------------------------------------------------------------------ summary
 

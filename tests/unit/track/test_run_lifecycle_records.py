@@ -111,3 +111,16 @@ def test_active_time_excludes_the_idle_time_between_starts(rank0, client, runs_r
     (row,) = list_runs(tracking_uri(runs_root))
     assert row["active_s"] is not None and row["active_s"] >= first
     assert row["duration_s"] - row["active_s"] >= 1.0
+
+
+def test_a_run_failed_by_its_disk_says_the_cause_in_the_store(rank0, client):
+    """A storage fault's summary (trainlab.train.loop.trainer `_fault`) through rank 0's
+    on_run_end: the MLflow run FAILED, with the same cause as run_summary.json."""
+    cause = "no space left on device while saving step 20; newest valid checkpoint step 10"
+    run = started(rank0)
+    run.end("failed", error=cause, failure_cause="storage")
+    mlrun = only_run(client)
+    assert mlrun.info.status == "FAILED"
+    assert mlrun.data.tags["status"] == "failed" and mlrun.data.tags["error"] == cause
+    summary = json.loads(artifact_text(client, mlrun.info.run_id, "run_summary.json"))
+    assert summary["error"] == cause and summary["failure_cause"] == "storage"

@@ -24,7 +24,7 @@ import pytest
 from trainlab.config import ExperimentConfig
 from trainlab.train.job import TrainJob
 from trainlab.train.loop.callbacks import Callback, RunContext
-from trainlab.train.records import RunRecords
+from trainlab.train.records import Failure, RunRecords
 from trainlab.train.supervision.agent import Agent, LocalRendezvous, error_kind
 from trainlab.train.supervision.protocol import (
     ChildArgs,
@@ -214,6 +214,36 @@ def child_reports_once(args: ChildArgs, conn: Any) -> None:
     _fit(args, conn, _report_at_3)
 
 
+DISK_FULL = "no space left on device while saving step 3; newest valid checkpoint step 2"
+
+
+def _disk_full_at_3(args: ChildArgs, client: PipeClient, attempt: int, step: int) -> None:
+    """A trainer whose disk filled (it could record nothing): only Failed says so."""
+    if step == 3:
+        client.call(Failed(step, f"StorageFault: {DISK_FULL}"))
+        os._exit(1)
+
+
+def child_disk_full(args: ChildArgs, conn: Any) -> None:
+    _fit(args, conn, _disk_full_at_3)
+
+
+def _disk_full_recorded_at_3(args: ChildArgs, client: PipeClient, attempt: int, step: int) -> None:
+    """What trainlab.train.loop.trainer does on a storage fault: its failure line, the
+    failed summary to the callbacks, then the fault raised (Failed)."""
+    if step == 3:
+        job = args.job
+        failure = Failure(job.session, "storage-s1", args.rank, step, DISK_FULL, "storage")
+        RunRecords(job.run_dir).add_failures(failure)
+        PipeCallbacks(client).on_run_end({"status": "failed", "error": DISK_FULL, "by": "trainer"})
+        client.call(Failed(step, f"StorageFault: {DISK_FULL}"))
+        os._exit(1)
+
+
+def child_disk_full_recorded(args: ChildArgs, conn: Any) -> None:
+    _fit(args, conn, _disk_full_recorded_at_3)
+
+
 class FakeTrainer:
     """trainlab.train.loop.trainer.Trainer's surface: (job, loader, env, callbacks), .fit(),
     .step; fails at the step in logs/fail_at when that file exists."""
@@ -388,9 +418,39 @@ def test_a_reported_failure_is_recorded_with_its_step_and_message(tmp_path, mp_c
     assert failure["error"] == "rank 0 failed at step 3: ValueError: loss is nan"
 
 
+def test_a_storage_fault_ends_the_run_without_a_restart(tmp_path, mp_context):
+    job = make_job(tmp_path, max_failures=3)
+    partial = job.checkpoint_root / ".tmp-step-00000003"
+    partial.mkdir(parents=True)
+    recorder = Recorder()
+    summary = make_agent(job, mp_context, child_disk_full, recorder).run()
+    assert children(job) == 1  # the same write would fail again: no restart in place
+    assert summary["status"] == "failed" and summary["error"] == DISK_FULL
+    assert summary["failure_cause"] == "storage"
+    [failure] = failures(job)
+    assert failure["kind"] == "storage" and failure["step"] == 3
+    assert failure["error"] == DISK_FULL
+    assert not partial.exists()
+    on_disk = json.loads((job.run_path / "run_summary.json").read_text())
+    assert on_disk["error"] == DISK_FULL
+    assert recorder.events[-1] == ("end", "failed")  # the record is closed
+
+
+def test_a_storage_fault_its_trainer_recorded_is_not_recorded_twice(tmp_path, mp_context):
+    job = make_job(tmp_path, max_failures=3)
+    recorder = Recorder()
+    summary = make_agent(job, mp_context, child_disk_full_recorded, recorder).run()
+    assert children(job) == 1
+    assert summary == {"status": "failed", "error": DISK_FULL, "by": "trainer"}
+    [failure] = failures(job)
+    assert failure["kind"] == "storage" and failure["error"] == DISK_FULL
+    assert [e for e in recorder.events if e[0] == "end"] == [("end", "failed")]
+
+
 def test_error_kind_tells_a_lost_peer_from_an_error():
     assert error_kind("RuntimeError: Connection reset by peer") == "peer"
     assert error_kind("ValueError: loss is nan") == "error"
+    assert error_kind(f"StorageFault: {DISK_FULL}") == "storage"
 
 
 def test_child_main_completes_and_reports_failures(tmp_path, mp_context):

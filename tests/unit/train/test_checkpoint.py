@@ -3,6 +3,7 @@ newest skipped, retention keep_last + keep_best, weights_only loading."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 from pathlib import Path
@@ -141,11 +142,31 @@ def test_async_writer_surfaces_errors_on_wait(tmp_path):
     writer = ck.CheckpointWriter(tmp_path, 0, 1, 2, 1, async_save=True)
 
     def failing(staging: Path) -> None:
-        raise OSError("disk full")
+        raise ValueError("cannot pickle it")
 
     writer.submit(3, failing, {"step": 3}, None)
-    with pytest.raises(RuntimeError, match="disk full"):
+    with pytest.raises(RuntimeError, match="cannot pickle it"):
         writer.wait()
+
+
+def test_a_write_the_disk_fails_is_a_storage_fault_without_its_partial_checkpoint(tmp_path):
+    """An OSError behind a checkpoint write (disk full, I/O error) is a StorageFault
+    naming the cause and the step (the run ends on it, never restarted in place),
+    and its staging directory is removed at once, inline and in the background."""
+    for async_save in (False, True):
+        root = tmp_path / f"async-{async_save}"
+        writer = ck.CheckpointWriter(root, 0, 1, 2, 1, async_save=async_save)
+
+        def failing(staging: Path) -> None:
+            (staging / "part.pt").write_bytes(b"x" * 100)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        with pytest.raises(ck.StorageFault) as caught:
+            writer.submit(3, failing, {"step": 3}, None)
+            writer.wait()
+        assert str(caught.value) == "no space left on device while saving step 3"
+        assert caught.value.step == 3 and caught.value.error.errno == errno.ENOSPC
+        assert list(root.iterdir()) == []
 
 
 class Payload:

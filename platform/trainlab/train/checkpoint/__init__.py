@@ -9,6 +9,7 @@ Layout under `{run_dir}/checkpoints/`:
       model.pt, optimizer.pt    format "torch" (DDP, ZeRO-1, one process)
       state/                    format "dcp": torch.distributed.checkpoint shards (FSDP)
     .tmp-step-00000040/         being written; never read, removed on the next start
+                                (and at once when its write fails: `StorageFault`)
 
 Protocol, with no collectives off the main thread: every rank writes its files
 into the staging directory and then a `.done-rank{r}` marker; rank 0 waits for
@@ -27,6 +28,7 @@ valid AND whose files still match their checksums, warning about each one skippe
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -61,6 +63,59 @@ def parse_step(name: str) -> int | None:
         return None
     digits = name[len(PREFIX) :]
     return int(digits) if digits.isdigit() else None
+
+
+# --------------------------------------------------------------------------- faults
+
+# How a fault of the run's storage is named in records (the OS's text otherwise).
+FAULT_TEXT = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EIO: "I/O error",
+    errno.EROFS: "read-only file system",
+}
+
+
+class StorageFault(Exception):
+    """A write of the run's storage failed (disk full, quota, I/O error, a folder
+    gone): the attempt ends as failed with this cause, never restarted in place,
+    since the same write would fail again (trainlab.train.loop.trainer records it).
+    `what`: the write ("saving step 20"); `step`: the checkpoint's step, if one."""
+
+    def __init__(self, what: str, error: OSError, step: int | None = None):
+        self.what, self.error, self.step = what, error, step
+        self.cause = f"{fault_text(error)} while {what}"  # the trainer adds where to resume
+        super().__init__(self.cause)
+
+
+def fault_text(error: OSError) -> str:
+    """A fault's cause in words: `no space left on device`, else the OS's text."""
+    if error.errno in FAULT_TEXT:
+        return FAULT_TEXT[error.errno]
+    text = error.strerror or str(error) or type(error).__name__
+    return f"{text[:1].lower()}{text[1:]}" + (f": {error.filename}" if error.filename else "")
+
+
+def os_error_in(error: BaseException) -> OSError | None:
+    """The OSError behind `error`: itself, its cause or context, or one rank's
+    failure inside a torch.distributed.checkpoint CheckpointException."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, StorageFault):
+            return e.error
+        if isinstance(e, OSError):
+            return e
+        failures = getattr(e, "failures", None)  # DCP: {rank: (exception, traceback)}
+        if isinstance(failures, dict):
+            for wrapped in failures.values():
+                todo.append(wrapped[0] if isinstance(wrapped, tuple) else wrapped)
+        todo += [e.__cause__, e.__context__]
+    return None
 
 
 # --------------------------------------------------------------------------- files
@@ -379,6 +434,21 @@ class CheckpointWriter:
         path.mkdir(parents=True, exist_ok=True)
         return path
 
+    def discard(self, step: int) -> None:
+        """Remove the partial checkpoint of `step` (its staging directory)."""
+        shutil.rmtree(self.root / f"{STAGING_PREFIX}{dir_name(step)}", ignore_errors=True)
+
+    def fault(self, step: int, error: BaseException) -> BaseException:
+        """What a failed write of checkpoint `step` raises: a `StorageFault` when an
+        OSError is behind it (its partial checkpoint removed first), else `error`."""
+        if isinstance(error, StorageFault):
+            return error
+        cause = os_error_in(error)
+        if cause is None:
+            return error
+        self.discard(step)
+        return StorageFault(f"saving step {step}", cause, step)
+
     def submit(
         self,
         step: int,
@@ -391,7 +461,7 @@ class CheckpointWriter:
         self.wait()
         staging = self.staging_dir(step)
 
-        def work() -> CheckpointInfo | None:
+        def write() -> CheckpointInfo | None:
             write_files(staging)
             write_done_marker(staging, self.rank)
             if self.rank != 0:
@@ -402,6 +472,15 @@ class CheckpointWriter:
             if self.after_commit is not None:
                 self.after_commit()
             return info
+
+        def work() -> CheckpointInfo | None:
+            try:
+                return write()
+            except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException too
+                fault = self.fault(step, e)
+                if fault is e:
+                    raise
+                raise fault from e
 
         if self._executor is None:
             self._collect(work())
@@ -420,6 +499,8 @@ class CheckpointWriter:
             return
         try:
             self._collect(future.result())
+        except StorageFault:
+            raise  # the disk failed it: recorded as such, never retried in place
         except Exception as e:
             raise RuntimeError(f"writing a checkpoint failed: {e}") from e
 

@@ -102,11 +102,7 @@ class Checkpointer:
             "rollbacks": [dict(r) for r in self.rollbacks],
         }
 
-    def save(self, evaluated: bool = True) -> None:
-        """Every rank writes its part of the checkpoint of the current step; rank 0
-        commits it (in the background with train.checkpoint.async_save).
-        `evaluated`: the latest evaluation is of this step (else no val_loss)."""
-        step = self.state.progress.step
+    def _save(self, step: int, evaluated: bool) -> None:
         background = self.cfg.train.checkpoint.async_save  # training mutates live tensors
         header = self.header()
         scaler = self.state.model.scaler
@@ -142,6 +138,21 @@ class Checkpointer:
         # loss of validation is recorded apart, as validation_loss.
         meta = {**header, "val_loss": header["val_losses"].get("all") if evaluated else None}
         self.writer.submit(step, write_files, meta, validator)
+
+    def save(self, evaluated: bool = True) -> None:
+        """Every rank writes its part of the checkpoint of the current step; rank 0
+        commits it (in the background with train.checkpoint.async_save).
+        `evaluated`: the latest evaluation is of this step (else no val_loss).
+        A write the disk fails (full, I/O error) raises `ck.StorageFault`, its
+        partial checkpoint removed."""
+        step = self.state.progress.step
+        try:
+            self._save(step, evaluated)
+        except BaseException as e:  # noqa: BLE001 - DCP's CheckpointException too
+            fault = self.writer.fault(step, e)
+            if fault is e:
+                raise
+            raise fault from e
 
     def _stage_model(self, step: int, background: bool) -> Callable[[Path], None]:
         """Take the model and optimizer state now (DCP, every rank its entries);

@@ -14,6 +14,7 @@ stream for global step 20 (the 21st batch).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -71,7 +72,10 @@ from trainlab.train.parallel import reshard
 from trainlab.train.parallel.distributed import DistEnv
 from trainlab.train.records import (
     INTERRUPT_REASON,
+    SUMMARY,
+    Failure,
     RunRecords,
+    failed_summary,
     planned_memory_bytes,
     run_summary,
 )
@@ -136,6 +140,19 @@ class Trainer:
         """Train to the end (or until a callback, a component or a P0 action stops
         the run); rank 0 returns the run summary and writes run_summary.json.
 
+        A write the disk fails (a checkpoint or a record: full, I/O error) ends the
+        attempt: the partial checkpoint removed, the failure and the failed run
+        summary recorded with the cause (`_fault`), then `ck.StorageFault` raised,
+        which the agent never restarts in place (trainlab.train.supervision.agent)."""
+        try:
+            return self._fit()
+        except ck.StorageFault as fault:
+            self._fault(fault)
+            raise
+
+    def _fit(self) -> dict[str, Any] | None:
+        """The loop of `fit`.
+
         Each pass: skip what the skip windows say, or get the step's batches, take
         the step, and hand it to the components (trainlab.train.loop.components), which
         decide for themselves. Every step's health signals are read one step late
@@ -180,7 +197,8 @@ class Trainer:
         step_time = time.perf_counter() - t0
         self.meter.record(data_wait=t1 - t0, step_time=step_time)
         if step == self.start_step + 1 and self.env.is_main:
-            self.records.first_step_done(self.job.session, step)
+            with self.writing("logs/attempts.jsonl"):
+                self.records.first_step_done(self.job.session, step)
         for component in self.components:
             component.after_step(self, step)
         asked = self.stop_request()  # rank 0's, carried with this step's signals
@@ -290,6 +308,8 @@ class Trainer:
     def _start(self) -> None:
         """Restore the newest valid checkpoint, record the attempt, start the components."""
         if self.env.is_main:
+            # room for the records of the run's end, should the disk fill (`_fault`)
+            self.records.reserve_room()
             self.checkpointer.validation_batch = self._validation_batch()
             self.checkpoints = ck.committed(self.job.checkpoint_root)
         self.last_checkpoint = self.checkpointer.restore()
@@ -312,13 +332,14 @@ class Trainer:
             return
         layout = layout_of(self.cfg)
         saved = (self.last_checkpoint.meta.get("layout") if self.last_checkpoint else None) or None
-        self.records.attempt_started(
-            self.job.session,
-            start,
-            self.env.world_size,
-            layout,
-            resharded_from=saved if saved and saved != layout else None,
-        )
+        with self.writing("logs/attempts.jsonl"):
+            self.records.attempt_started(
+                self.job.session,
+                start,
+                self.env.world_size,
+                layout,
+                resharded_from=saved if saved and saved != layout else None,
+            )
         self.restarts = self.records.restarts()
         log.info(
             "%s from step %d of %d (%d worker%s, %s, restarts so far: %d)",
@@ -370,6 +391,7 @@ class Trainer:
         peak = self.peak_memory()
         if not self.env.is_main:
             return None
+        self.records.release_room()
         planned = planned_memory_bytes(self.job.plan)
         gap = memory_gap(planned, peak)
         if gap and self.env.device.type == "cuda" and abs(peak / planned - 1) > 0.10:
@@ -401,6 +423,61 @@ class Trainer:
         if status == RunStatus.STOPPED_BY_ALERT or (status == RunStatus.STOPPED and not saved):
             resume = ck.find_resume(self.job.checkpoint_root, require_valid=True)
             summary["resume_step"] = resume.step if resume else 0
-        self.records.write_summary(summary)
+        with self.writing(SUMMARY):
+            self.records.write_summary(summary)
         self.callbacks.on_run_end(summary)
         return summary
+
+    # ----------------------------------------------------------------- faults
+
+    @contextlib.contextmanager
+    def writing(self, what: str) -> Iterator[None]:
+        """A record write: an OSError in it is a `ck.StorageFault` (`what` names it)."""
+        try:
+            yield
+        except OSError as e:
+            raise ck.StorageFault(f"writing {what} at step {self.step}", e) from e
+
+    def fault_cause(self, fault: ck.StorageFault) -> str:
+        """`no space left on device while saving step 20; newest valid checkpoint
+        step 10`: what failed, and where a resume would start."""
+        newest = ck.find_resume(
+            self.job.checkpoint_root, require_valid=self.cfg.train.checkpoint.validate
+        )
+        where = "no valid checkpoint yet (a resume starts from step 0)"
+        if newest is not None:
+            where = f"newest valid checkpoint step {newest.step}"
+        return f"{ck.fault_text(fault.error)} while {fault.what}; {where}"
+
+    def _fault(self, fault: ck.StorageFault) -> None:
+        """End the attempt on a storage fault: every rank removes the partial
+        checkpoint and records its failure (kind "storage"); rank 0 frees the
+        room it held for this (logs/.reserve), writes the failed run summary with
+        the cause and ends the run's records (`on_run_end`: MLflow FAILED). Writes
+        that fail again are logged in one line each, never raised over the fault.
+        `fault.cause` gets the cause."""
+        step = fault.step if fault.step is not None else self.step
+        if fault.step is not None:
+            self.checkpointer.writer.discard(fault.step)
+        if self.env.is_main:
+            ck.clean_staging(self.job.checkpoint_root)
+            self.records.release_room()  # the records below fit on a full disk
+        cause = self.fault_cause(fault)
+        fault.cause, fault.args = cause, (cause,)
+        log.error("the run's storage failed: %s", cause)
+        failure = Failure(
+            self.job.session, f"storage-{self.job.session}", self.env.rank, step, cause, "storage"
+        )
+        try:
+            self.records.add_failures(failure)
+        except OSError as e:
+            log.error("could not record the failure in logs/failures.jsonl: %s", e)
+        if not self.env.is_main:
+            return
+        summary = failed_summary(self.job, cause)
+        summary["rollbacks"] = list(self.checkpointer.rollbacks)
+        try:
+            self.records.write_summary(summary)
+        except OSError as e:
+            log.error("could not write %s: %s", SUMMARY, e)
+        self.callbacks.on_run_end(summary)

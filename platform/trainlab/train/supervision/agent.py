@@ -45,9 +45,16 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
 
+from trainlab.train import checkpoint as ck
 from trainlab.train.job import TrainJob
 from trainlab.train.loop.callbacks import Callback
-from trainlab.train.records import INTERRUPT_REASON, Failure, RunRecords, failed_summary
+from trainlab.train.records import (
+    INTERRUPT_REASON,
+    STORAGE,
+    Failure,
+    RunRecords,
+    failed_summary,
+)
 from trainlab.train.supervision.protocol import (
     PREFETCH_STEPS,
     ChildArgs,
@@ -79,8 +86,16 @@ PEER_LOST = (
 )
 
 
+# What a training process reports when the run's disk failed a write (its trainer
+# recorded the failure and, on rank 0, the failed summary: trainlab.train.loop.trainer).
+STORAGE_FAULT = "StorageFault: "
+
+
 def error_kind(message: str) -> str:
-    """`peer` when a training process failed because another one died, else `error`."""
+    """`storage` when a write of the run's disk failed, `peer` when a training
+    process failed because another one died, else `error`."""
+    if message.startswith(STORAGE_FAULT):
+        return STORAGE
     return "peer" if any(s in message for s in PEER_LOST) else "error"
 
 
@@ -259,6 +274,11 @@ class Agent:
             self.rendezvous.barrier()  # every agent's training process has ended
             if not flag.exists():
                 return summary
+            faults = [
+                f for f in self.records.failures(self.job.session) if f.get("kind") == STORAGE
+            ]
+            if faults:  # the same write would fail again: never restarted in place
+                return self._end_on_fault(str(faults[-1].get("error")))
             spent = len(self.records.failure_events(self.job.session))
             budget = self.job.cfg.train.max_failures
             if spent > budget:
@@ -397,8 +417,13 @@ class Agent:
                     return StopRequest(True, INTERRUPT_REASON), None
                 return self._stop, None
             case Failed(step, message):
+                kind = error_kind(message)
+                if kind == STORAGE and self._recorded_fault():
+                    return None, "failed"  # its trainer recorded it, with the cause
                 error = f"rank {self.rank} failed at step {step}: {message}"
-                self._record(event, step, error, error_kind(message))
+                if kind == STORAGE:  # the cause, as its trainer would have recorded it
+                    error = message[len(STORAGE_FAULT) :]
+                self._record(event, step, error, kind)
                 return None, "failed"
             case Done():
                 self._drain_hooks()  # the record is complete before the run returns
@@ -424,6 +449,35 @@ class Agent:
         """Wait for every hook submitted so far (one worker: the last one ends last)."""
         if self._last_hook is not None:
             wait([self._last_hook])
+
+    def _recorded_fault(self) -> bool:
+        """This rank's storage fault of this session is in logs/failures.jsonl."""
+        return any(
+            f.get("kind") == STORAGE and f.get("rank") == self.rank
+            for f in self.records.failures(self.job.session)
+        )
+
+    def _end_on_fault(self, error: str) -> dict[str, Any] | None:
+        """A rank's write to the run's disk failed: the run ends as failed with that
+        cause (exit 74), without a restart. Rank 0 returns the summary its trainer
+        wrote and sent to the callbacks, or (when the fault was another rank's, or
+        its trainer could not) removes partial checkpoints and writes it here."""
+        if self.rank != 0:
+            return None
+        summary = self._summary
+        if summary is not None and summary.get("status") == "failed":
+            self._drain_hooks()
+            return summary
+        ck.clean_staging(self.job.checkpoint_root)
+        self.records.release_room()
+        summary = failed_summary(self.job, error)
+        try:
+            self.records.write_summary(summary)
+        except OSError as e:
+            log.error("could not write run_summary.json: %s", e)
+        self._submit_hook("on_run_end", (summary,))
+        self._drain_hooks()
+        return summary
 
     def _give_up(self, spent: int, budget: int) -> dict[str, Any] | None:
         """Out of failures: rank 0 writes the failed run summary and closes the record."""

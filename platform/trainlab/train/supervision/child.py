@@ -19,6 +19,7 @@ import traceback
 from typing import Any
 
 from trainlab.raycluster import normal_priority
+from trainlab.train.checkpoint import StorageFault
 from trainlab.train.supervision.logs import flush_logs, setup_logging
 from trainlab.train.supervision.protocol import (
     ChildArgs,
@@ -36,6 +37,14 @@ def failure_message(error: BaseException) -> str:
     """What the agent records of an error: its type and first line, at most 500 chars."""
     first = (str(error).strip().splitlines() or [""])[0]
     return f"{type(error).__name__}: {first}"[:500]
+
+
+def _to_log_file(text: str) -> None:
+    """A line for logs/rank{r}.log only (not the terminal)."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, text, None, None)
+    for handler in logging.getLogger("trainlab").handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 def make_env(job: Any, args: ChildArgs, device: Any) -> Any:
@@ -98,7 +107,10 @@ def main(args: ChildArgs, conn: Any) -> None:
         client.call(Done())
     except BaseException as e:  # noqa: BLE001 - reported to the agent, then a non-zero exit
         step = trainer.step if trainer is not None else None
-        log.error("training process failed at step %s:\n%s", step, traceback.format_exc())
+        if isinstance(e, StorageFault):  # said in one line; the traceback in the log file
+            _to_log_file(f"training process failed at step {step}:\n{traceback.format_exc()}")
+        else:
+            log.error("training process failed at step %s:\n%s", step, traceback.format_exc())
         with contextlib.suppress(Exception):  # the agent may be gone too
             client.call(Failed(step, failure_message(e)))
         flush_logs()

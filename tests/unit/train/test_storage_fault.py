@@ -1,0 +1,238 @@
+"""Disk full (or any I/O error) during a checkpoint save or a record write ends the
+attempt cleanly (issue 27, "Faults recorded"): the partial checkpoint removed,
+the earlier valid checkpoint kept, run_summary.json `failed` with the cause
+(`no space left on device while saving step 8; newest valid checkpoint step 4`),
+the failure in logs/failures.jsonl, the callbacks' `on_run_end` (MLflow) told the
+same, and the agent never restarts it in place.
+
+Two ways to make the disk fail between two saves of a real in-process run
+(`Trainer(job, local_loader(job), DistEnv(), callbacks).fit()`):
+
+- a real full disk: the run directory on a small tmpfs (mounted here when this
+  process may mount, else that test is skipped), filled by a callback right
+  after the first checkpoint, so the second one's DCP write gets ENOSPC from the
+  kernel;
+- an injected fault at the OS-call level: `trainlab.train.checkpoint.save_file`
+  (what writes every rank's RNG file and rank 0's trainer.pt into the staging
+  directory) raises OSError(ENOSPC) from the second save on, sync and async; and
+  a record write (logs/attempts.jsonl) that raises EIO.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
+from trainlab.train import checkpoint as ck
+from trainlab.train.loop.callbacks import Callback
+from trainlab.train.loop.trainer import Trainer
+from trainlab.train.parallel.distributed import DistEnv
+from trainlab.train.records import RunRecords, failure_cause
+
+# TINY saves every 4 steps: step 4 is written, step 8 is the one the disk fails.
+TRAIN = {"total_steps": 12, "checkpoint": {"every_steps": 4, "keep_last": 2, "keep_best": 1}}
+CAUSE = "no space left on device while saving step 8; newest valid checkpoint step 4"
+
+
+class Ends(Callback):
+    """Rank 0's callbacks as MLflow's sees them: the run's end and its summary."""
+
+    def __init__(self) -> None:
+        self.summaries: list[dict[str, Any]] = []
+        self.checkpoints: list[int] = []
+
+    def on_checkpoint(self, step, path, valid, val_loss):
+        self.checkpoints.append(step)
+
+    def on_run_end(self, summary):
+        self.summaries.append(summary)
+
+
+class FillDisk(Ends):
+    """After the first checkpoint, fills the run's disk to within `margin` bytes."""
+
+    def __init__(self, run_dir: Path, margin: int = 4096):
+        super().__init__()
+        self.run_dir, self.margin = run_dir, margin
+
+    def on_checkpoint(self, step, path, valid, val_loss):
+        super().on_checkpoint(step, path, valid, val_loss)
+        if len(self.checkpoints) == 1:
+            st = os.statvfs(self.run_dir)
+            free = st.f_bavail * st.f_frsize
+            with open(self.run_dir / "filler", "wb") as f:
+                f.write(b"\0" * max(0, free - self.margin))
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return dataset_dir(tmp_path_factory)
+
+
+def fit(cfg, run_dir: Path, callbacks: Callback) -> tuple[Trainer, BaseException | None]:
+    job = make_job(cfg, run_dir)
+    trainer = Trainer(job, local_loader(job), DistEnv(), callbacks)
+    try:
+        trainer.fit()
+    except ck.StorageFault as e:
+        return trainer, e
+    return trainer, None
+
+
+def assert_recorded(run_dir: Path, ends: Ends, cause: str, step: int, kept: list[int]) -> None:
+    """The fault as every record says it; the partial checkpoint gone, the earlier kept."""
+    root = run_dir / "checkpoints"
+    assert not [p.name for p in root.iterdir() if p.name.startswith(ck.STAGING_PREFIX)]
+    assert [i.step for i in ck.committed(root)] == kept
+    newest = ck.find_resume(root)
+    assert (newest.step if newest else None) == (kept[-1] if kept else None)
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["error"] == cause
+    assert summary["failure_cause"] == "storage"
+    assert summary["final_step"] == (kept[-1] if kept else 0)
+    [failure] = RunRecords(run_dir).failures()
+    assert failure["kind"] == "storage" and failure["step"] == step
+    assert failure["error"] == cause and failure["rank"] == 0
+    assert failure_cause([failure]) == "storage"
+    # rank 0's callbacks (MLflow journals it: status FAILED, the error tag) got the same
+    [ended] = ends.summaries
+    assert ended["status"] == "failed" and ended["error"] == cause
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MiB tmpfs at tmp_path/disk, or a skip where this process may not mount."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)],
+            capture_output=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        done = None
+    if done is None or done.returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root and mount rights)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True, timeout=10)
+
+
+def test_a_real_full_disk_between_two_saves_ends_the_run_recorded(dataset, small_disk):
+    run_dir = small_disk / "run"
+    ends = FillDisk(run_dir)
+    trainer, fault = fit(tiny_config(dataset, train=TRAIN), run_dir, ends)
+    assert fault is not None and fault.error.errno == errno.ENOSPC
+    assert str(fault) == CAUSE
+    assert ends.checkpoints == [4]  # step 8 never committed
+    assert_recorded(run_dir, ends, CAUSE, step=8, kept=[4])
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_an_injected_enospc_on_the_second_save_ends_the_run_recorded(
+    dataset, tmp_path, monkeypatch, async_save
+):
+    real = ck.save_file
+
+    def save_file(obj: Any, path: Path) -> None:
+        if path.parent.name != f"{ck.STAGING_PREFIX}{ck.dir_name(4)}":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(obj, path)
+
+    monkeypatch.setattr(ck, "save_file", save_file)
+    cfg = tiny_config(
+        dataset, train={**TRAIN, "checkpoint": {**TRAIN["checkpoint"], "async_save": async_save}}
+    )
+    ends = Ends()
+    trainer, fault = fit(cfg, tmp_path / "run", ends)
+    assert fault is not None and str(fault) == CAUSE
+    # async: the fault of step 8 is seen when its write is collected, at most a
+    # save later; the state is never past the next save
+    assert trainer.step in ((8,) if not async_save else (8, 9, 10, 11, 12))
+    assert_recorded(tmp_path / "run", ends, CAUSE, step=8, kept=[4])
+
+
+def test_a_failing_record_write_ends_the_run_recorded(dataset, tmp_path, monkeypatch):
+    def attempt_started(self, *args: Any, **kwargs: Any) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(RunRecords, "attempt_started", attempt_started)
+    ends = Ends()
+    _, fault = fit(tiny_config(dataset, train=TRAIN), tmp_path / "run", ends)
+    cause = (
+        "I/O error while writing logs/attempts.jsonl at step 0; "
+        "no valid checkpoint yet (a resume starts from step 0)"
+    )
+    assert fault is not None and str(fault) == cause
+    root = tmp_path / "run" / "checkpoints"
+    assert not list(root.iterdir())
+    summary = json.loads((tmp_path / "run" / "run_summary.json").read_text())
+    assert summary["status"] == "failed" and summary["error"] == cause
+    [failure] = RunRecords(tmp_path / "run").failures()
+    assert failure["kind"] == "storage" and failure["step"] == 0
+    assert [s["error"] for s in ends.summaries] == [cause]
+
+
+def test_fault_text_names_the_cause():
+    assert ck.fault_text(OSError(errno.ENOSPC, "No space left on device")) == (
+        "no space left on device"
+    )
+    assert ck.fault_text(OSError(errno.EIO, "Input/output error")) == "I/O error"
+    gone = FileNotFoundError(errno.ENOENT, "No such file or directory", "/r/x")
+    assert ck.fault_text(gone) == "no such file or directory: /r/x"
+    wrapped = RuntimeError("outer")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "full")
+    assert ck.os_error_in(wrapped) is wrapped.__cause__
+    assert ck.os_error_in(ValueError("no")) is None
+
+
+def test_trainlab_train_on_a_full_disk_exits_74_with_the_cause_and_no_traceback(
+    dataset, tmp_path, monkeypatch
+):
+    """The CLI end to end, with Ray Train's part (`launcher._fit`) in this process:
+    what the agent returns after a storage fault (the failed summary) becomes
+    TrainingFailed, exit 74 (trainlab.exitcodes.STORAGE_FAULT), the cause first."""
+    from click.testing import CliRunner
+
+    from trainlab.cli import cli
+    from trainlab.config import to_yaml
+    from trainlab.exitcodes import STORAGE_FAULT
+    from trainlab.train.driver import launcher
+
+    def fit_in_process(cfg, job):
+        # the training process reports the fault; its agent ends the run (test_agent)
+        with contextlib.suppress(ck.StorageFault):
+            Trainer(job, local_loader(job), DistEnv()).fit()
+        summary = RunRecords(job.run_dir).read_summary()
+        assert summary is not None and summary["status"] == "failed"
+        raise launcher.TrainingFailed(summary)
+
+    real = ck.save_file
+
+    def save_file(obj: Any, path: Path) -> None:
+        if path.parent.name != f"{ck.STAGING_PREFIX}{ck.dir_name(4)}":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(obj, path)
+
+    monkeypatch.setattr(ck, "save_file", save_file)
+    monkeypatch.setattr(launcher, "_fit", fit_in_process)
+    cfg = tiny_config(dataset, train={**TRAIN, "runs_root": str(tmp_path / "runs")})
+    config = tmp_path / "unit.yaml"
+    config.write_text(to_yaml(cfg))
+    res = CliRunner().invoke(cli, ["train", str(config)], standalone_mode=False)
+    assert res.exception is None, res.exception
+    assert res.return_value == STORAGE_FAULT == 74
+    lines = res.stderr.strip().splitlines()
+    assert lines[0] == f"unit: FAILED: {CAUSE}"
+    assert "Traceback" not in res.stderr and "Traceback" not in res.stdout
