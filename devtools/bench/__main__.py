@@ -10,7 +10,6 @@ from pathlib import Path
 
 from devtools.bench import BENCHMARKS, BenchResult
 
-
 USAGE = """usage: python -m devtools.bench [NAME-SUBSTRING ...]
 
 Runs the benchmarks whose name contains one of the substrings (all without any),
