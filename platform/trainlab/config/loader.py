@@ -90,6 +90,11 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     parts = key.split(".")
     if any(not p for p in parts):
         raise ConfigError(f"--set {quote(item)}: empty part in key {quote(key)}")
+    if len(raw) > boundedyaml.MAX_BYTES:  # the bound of a config file, text or YAML
+        raise ConfigError(
+            f"--set {quote(item)}: value refused: {len(raw)} characters, more than the "
+            f"limit of {boundedyaml.MAX_BYTES}"
+        )
     if _text_field(parts) and raw.strip() != "null":  # `null`: back to the default
         # A string field takes the text as written (YAML would read "loss goes down:
         # below 8.5" as a mapping).

@@ -142,6 +142,7 @@ def test_log_checkpoints_copies_valid_checkpoints(rank0, client):
     (ckpt / "model.pt").write_bytes(b"weights")
     callbacks = r0.start()
     callbacks.on_checkpoint(20, str(ckpt), True, 3.0)
+    callbacks.callbacks[0].flush()  # artifacts reach the store from the run's journal
     run_id = only_run(client).info.run_id
     assert _artifacts(client, run_id, "checkpoints/step-00000020") == {
         "checkpoints/step-00000020/model.pt"

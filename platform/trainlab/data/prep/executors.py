@@ -269,7 +269,10 @@ class RayDataExecutor:
         self.received = Received()
         # The workers start (and import what every stage needs) while this process
         # imports Ray Data and plans the work, not after.
-        warm = ray.remote(num_cpus=1)(_warm_up)
+        # SPREAD (here and for the stages' tasks): over every node of a cluster, not
+        # packed onto the driver's node first (Ray's default does that until half of
+        # its CPUs are busy, so a small prep ran on one node); one node: no change.
+        warm = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_warm_up)
         self._warming = [warm.remote() for _ in range(self.plan.stage_actors)]
         _quiet_ray_data_console()
         log.info("prep resources: %s", self.plan)
@@ -365,6 +368,7 @@ class RayDataExecutor:
             batch_format="pyarrow",
             num_cpus=1,
             compute=ray.data.TaskPoolStrategy(size=workers),
+            scheduling_strategy="SPREAD",
         )
 
 
