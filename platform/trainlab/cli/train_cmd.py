@@ -13,6 +13,7 @@ import click
 
 from trainlab.cli.common import echo_json, json_option
 from trainlab.exitcodes import INTERRUPTED, STOPPED_BY_ALERT, STORAGE_FAULT
+from trainlab.runstatus import RunStatus
 
 # EX_TEMPFAIL: workers or nodes were lost beyond train.max_failures; a job retry may
 # succeed (docs/contracts.md, section 6).
@@ -114,7 +115,7 @@ def train(
         if as_json:
             echo_json(summary)
         return 0
-    if summary.get("status") == "interrupted":
+    if summary.get("status") == RunStatus.INTERRUPTED:
         _print_interrupted(summary)
         if as_json:
             echo_json(summary)
@@ -124,7 +125,7 @@ def train(
     _print_done(summary)
     if as_json:
         echo_json(summary)
-    if summary.get("status") == "stopped_by_alert":  # deliberate: never retried
+    if summary.get("status") == RunStatus.STOPPED_BY_ALERT:  # deliberate: never retried
         click.echo(f"  stopped by alert: {summary.get('stop_reason')}", err=True)
         return STOPPED_BY_ALERT
     return 0
@@ -171,7 +172,7 @@ def clean_up_rehearsal(summary: dict) -> dict:
     from pathlib import Path
 
     smoke = summary.get("smoke") or {}
-    passed = summary.get("status") == "completed" and all(smoke.get("checks", {}).values())
+    passed = summary.get("status") == RunStatus.COMPLETED and all(smoke.get("checks", {}).values())
     # Its records that wait for the MLflow store live in it (logs/mlflow-journal.jsonl).
     passed = passed and not summary.get("records_pending")
     run_dir = Path(str(summary.get("run_dir") or ""))

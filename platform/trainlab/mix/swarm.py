@@ -25,6 +25,7 @@ from trainlab.errors import UserError
 from trainlab.mix import cost as costs
 from trainlab.mix import record as records
 from trainlab.mix.sampling import Budget, SampleSet, sample_mixtures
+from trainlab.runstatus import RunStatus
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def reusable_trials(old: dict[str, Any], proxy: ExperimentConfig,
                         f"{', '.join(diff[:8])}; only runs of the same proxy can be reused")
     out = []
     for t in old["trials"]:
-        if t.get("status") == "completed" and t.get("metrics"):
+        if t.get("status") == RunStatus.COMPLETED and t.get("metrics"):
             mix = {s: float(t["mix"].get(s, 0.0)) for s in sources}
             out.append({**t, "mix": mix, "reused_from": old["swarm_id"]})
     return out

@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-# What a summary says when the run's own processes ended it: not overwritten.
-FINAL_STATUSES = frozenset({"completed", "failed", "stopped", "stopped_by_alert", "interrupted"})
+from trainlab.runstatus import FINAL_STATUSES  # a summary its own processes wrote: kept
 
 
 def summary_is_current(run_dir: Path) -> bool:

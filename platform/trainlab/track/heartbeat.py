@@ -21,6 +21,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from trainlab.runstatus import RunStatus
+
 if TYPE_CHECKING:
     from mlflow import MlflowClient
     from mlflow.entities import Run
@@ -147,11 +149,11 @@ def end_lost(client: MlflowClient, run: Run) -> dict[str, Any] | None:
     run_dir = run.data.tags.get("run_dir")
     if run_dir:
         try:
-            summary = write_ended_summary(run_dir, "lost", reason)
+            summary = write_ended_summary(run_dir, RunStatus.LOST, reason)
         except (OSError, ValueError) as e:
             log.warning("could not mark %s lost: %s", run_dir, e)
     # Whatever the run directory said, the store must stop calling it running.
-    client.set_tag(run.info.run_id, "status", "lost")
+    client.set_tag(run.info.run_id, "status", RunStatus.LOST)
     client.set_terminated(run.info.run_id, "FAILED")
     if summary is not None:
         try:

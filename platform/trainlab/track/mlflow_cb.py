@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainlab.redact import redact
+from trainlab.runstatus import RunStatus
 from trainlab.track import heartbeat
 from trainlab.track.gitinfo import git_info
 from trainlab.track.heartbeat import Heartbeat
@@ -70,12 +71,12 @@ _METRIC_NAME_BAD = re.compile(r"[^A-Za-z0-9_\-. :/]")
 
 # The training loop's statuses -> MLflow's terminal run statuses.
 _MLFLOW_STATUS = {
-    "completed": "FINISHED",
+    RunStatus.COMPLETED: "FINISHED",
     "finished": "FINISHED",
-    "stopped": "KILLED",
-    "stopped_by_alert": "KILLED",
-    "interrupted": "KILLED",  # Ctrl-C (the status tag says which)
-    "lost": "FAILED",  # its processes vanished (trainlab.track.heartbeat)
+    RunStatus.STOPPED: "KILLED",
+    RunStatus.STOPPED_BY_ALERT: "KILLED",
+    RunStatus.INTERRUPTED: "KILLED",  # Ctrl-C (the status tag says which)
+    RunStatus.LOST: "FAILED",  # its processes vanished (trainlab.track.heartbeat)
     "killed": "KILLED",
     "cancelled": "KILLED",
 }
@@ -333,7 +334,7 @@ class MlflowCallback(Callback):
         if self._heartbeat is not None:
             self._heartbeat.stop()
             self._heartbeat = None
-        status = str(summary.get("status", "completed")).lower()
+        status = str(summary.get("status", RunStatus.COMPLETED)).lower()
         tags = {"status": status}
         for key in ("last_checkpoint", "best_checkpoint", "weights_sha256", "error"):
             if summary.get(key):
