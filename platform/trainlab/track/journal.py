@@ -51,6 +51,10 @@ FLUSH_COMMAND = "trainlab track-flush"
 _REFUSED = frozenset({"INVALID_PARAMETER_VALUE", "RESOURCE_ALREADY_EXISTS", "BAD_REQUEST"})
 
 
+# Entries that wait this long without a failure are said (a slow store).
+WARN_AFTER_S = 30.0
+
+
 def retry_s() -> float:
     """Seconds between a running run's attempts at a store that did not answer."""
     return float(os.environ.get("TRAINLAB_STORE_RETRY_S") or 5.0)
@@ -80,6 +84,7 @@ class Journal:
         self.marker = logs / MARKER
         self.lock_path = logs / LOCK
         self._append_lock = threading.Lock()
+        self.last_error: str | None = None  # why the latest flush stopped, if the store failed
 
     # ------------------------------------------------------------------ writing
 
@@ -203,8 +208,9 @@ def flush_journal(journal: Journal, client: Any, on_start: Any = None) -> int:
     answer: what was not applied stays for the next flush. `on_start(run, existed)`
     is called after each start entry is applied. A flush of the same journal in
     progress elsewhere is not waited for (returns the pending count)."""
+    journal.last_error = None
     with journal.flushing() as mine:
-        if not mine:
+        if not mine:  # another flush is on it: not a failure
             return journal.pending_count()
         state = journal.state()
         offset = int(state.get("offset") or 0)
@@ -226,6 +232,7 @@ def flush_journal(journal: Journal, client: Any, on_start: Any = None) -> int:
             if group:
                 _apply_metrics(client, journal, state, group)
         except _StoreDown as e:
+            journal.last_error = str(e)
             log.debug("MLflow store did not answer (%s); records wait in %s", e, journal.path)
         return journal.pending_count()
 
@@ -452,6 +459,7 @@ class Flusher:
         self._next_try = 0.0  # after a failed attempt: not before this (monotonic)
         self.ready = False  # on_start was called for this flusher's run
         self._down = False
+        self._pending_since: float | None = None  # when entries started waiting
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="trainlab-journal", daemon=True)
@@ -465,33 +473,45 @@ class Flusher:
         self._wake.set()
 
     def try_flush(self) -> int:
-        """One attempt now; returns the entries still waiting."""
-        error = "locked by another process"
+        """One attempt now; returns the entries still waiting. A store that failed
+        (locked, an error) is retried every `retry_s()` and said once; entries left
+        by a flush that raced new ones go at the next wake, said only when they
+        have waited `WARN_AFTER_S`."""
+        error = None
         left = None
-        if not store_busy(self.uri):
+        if store_busy(self.uri):
+            error = "locked by another process"
+        else:
             try:
                 if self.client is None:
                     self.client = self._connect()
                 left = flush_journal(self.journal, self.client, self._started)
-                error = "it did not take them"
+                error = self.journal.last_error
                 self._adopt()
             except Exception as e:  # noqa: BLE001 - a tracking outage must not end training
                 error = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         if left is None:
             left = self.journal.pending_count()
-        if left:
-            self._next_try = time.monotonic() + retry_s()
-            if not self._down:
-                log.warning(
-                    "MLflow store did not answer (%s); %d record(s) wait in %s, retried every %g s",
-                    error,
-                    left,
-                    self.journal.path,
-                    retry_s(),
+        if not left:
+            if self._down:
+                log.info(
+                    "MLflow store answers again; the records of %s are in", self.journal.run_dir
                 )
-        elif self._down:
-            log.info("MLflow store answers again; the records of %s are in", self.journal.run_dir)
-        self._down = bool(left)
+            self._down, self._pending_since = False, None
+            return 0
+        now = time.monotonic()
+        self._pending_since = self._pending_since or now
+        if error is not None:
+            self._next_try = now + retry_s()
+        if not self._down and (error is not None or now - self._pending_since >= WARN_AFTER_S):
+            log.warning(
+                "MLflow store did not answer (%s); %d record(s) wait in %s, retried every %g s",
+                error or f"records waiting for {now - self._pending_since:.0f} s",
+                left,
+                self.journal.path,
+                retry_s(),
+            )
+            self._down = True
         return left
 
     def _started(self, run: Any, existed: bool) -> None:
