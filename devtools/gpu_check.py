@@ -486,6 +486,7 @@ def experiment_raw(
     eval_every: int | None = None,
     gpu_memory_gb: float = 80.0,
     peak_tflops: float | None = None,
+    optimizer: str = "adamw",
 ) -> dict[str, Any]:
     """The experiment config (raw) of one of the check's runs."""
     steps = size.steps
@@ -516,6 +517,7 @@ def experiment_raw(
                 "validate": validate,
             },
             "chaos": {"kill_at_steps": list(kill_at)},
+            "optimizer": {"name": optimizer},
         },
         "parallel": (
             {"strategy": "fsdp", "zero_stage": 3}
@@ -756,6 +758,7 @@ class Check:
                     )
                     self.step("memory", self.memory, 5 if self.rehearsal else 30)
                     self.step("fp16_grad_scaler", self.fp16, 5 if self.rehearsal else 40)
+                    self.step("muon_bf16_fsdp", self.muon, 5 if self.rehearsal else 40)
             except Exception as exc:  # noqa: BLE001
                 self.report["error"] = f"process group: {_error(exc)}"
                 self.report["traceback"] = traceback.format_exc()[-4000:]
@@ -1028,6 +1031,29 @@ class Check:
         bad = [k for k, v in variants.items() if not v["ok"]]
         if bad:
             rec["ok"], rec["error"] = False, f"failed: {', '.join(bad)}"
+
+    def muon(self, rec: dict[str, Any]) -> None:
+        """Muon (trainlab.optim.muon) under FSDP2 in bf16: the sharded hidden matrices
+        gathered, orthogonalised by Newton-Schulz in bf16 on the device, sliced back;
+        the run completes with finite losses (`loss_fell` says whether the last logged
+        loss is below the first: a few steps of Muon move less than AdamW's)."""
+        raw = self._raw("fp16", precision="bf16", layout="fsdp", optimizer="muon")
+        job = make_job(raw, self.work / "muon", "gpu-check-muon")
+        trainer, summary, r = train_run(job, self.device, "fsdp")
+        losses = [(w["step"], w["loss"]) for w in r.windows]
+        rec.update(
+            sharded=_is_sharded(trainer.model),
+            losses=losses,
+            status=summary.get("status"),
+            tokens_per_s=r.windows[-1]["tokens_per_s"] if r.windows else None,
+        )
+        finite = bool(losses) and all(math.isfinite(x) for _, x in losses)
+        rec["loss_fell"] = bool(losses) and losses[-1][1] < losses[0][1]  # information
+        rec["ok"] = finite and summary.get("status") == "completed" and rec["sharded"]
+        if not rec["ok"]:
+            rec["error"] = f"losses {losses}, status {summary.get('status')}"
+        del trainer
+        shutil.rmtree(self.work / "muon", ignore_errors=True)
 
     # ---------------------------------------------------------------- (4)
 

@@ -152,7 +152,9 @@ def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
     assert env_["peak_tflops"] == gpu_check.CPU_NOMINAL_TFLOPS
     assert env_["process_group"] == "gloo, 1 rank"
     steps = report["steps"]
-    assert list(steps) == ["train_bf16_fsdp", "memory", "fp16_grad_scaler", "kill_resume"]
+    assert list(steps) == [
+        "train_bf16_fsdp", "memory", "fp16_grad_scaler", "muon_bf16_fsdp", "kill_resume"
+    ]
     assert all(s["ok"] and s["seconds"] >= 0 for s in steps.values())
 
     train = steps["train_bf16_fsdp"]
@@ -182,6 +184,9 @@ def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
         assert v["ok"] and v["loss_finite"], name
         assert v["scaler_scale"] == 1.0 and v["scaler_enabled"] is False  # no CUDA: disabled
     assert fp16["variants"]["fsdp"]["sharded"] and not fp16["variants"]["plain"]["sharded"]
+
+    muon = steps["muon_bf16_fsdp"]
+    assert muon["sharded"] and muon["status"] == "completed" and muon["losses"]
 
     kr = steps["kill_resume"]
     assert kr["deterministic"] is True
