@@ -96,8 +96,10 @@ def train(
     if extend and not (run_dir or resume):
         raise UserError("--extend continues an existing run: add --resume or --run-dir DIR")
     config, run_dir, resume = _config_of(config, run_dir, resume)
-    # A new run with --set changes is named after them; a continued run keeps its name.
-    cfg = load_config(config, overrides, name_from_overrides=not (run_dir or resume))
+    # A run with --set changes is named after them, and CONFIG --resume with the same
+    # flags finds it by that name; a run given by its directory keeps its name, and
+    # so does --extend (its --set train.total_steps is the extension, not the name).
+    cfg = load_config(config, overrides, name_from_overrides=not (run_dir or extend))
     if not smoke:
         require_record(cfg, config, "trainlab train")
     try:

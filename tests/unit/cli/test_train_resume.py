@@ -195,3 +195,19 @@ def test_a_run_whose_checkpoints_are_all_refused_is_not_restarted_from_zero(
     fresh = Path(json.loads(out.strip().splitlines()[-1])["run_dir"])
     assert fresh != run_dir and fresh.name == f"{run_dir.name}-2"
     assert state() == before
+
+
+def test_resume_with_the_same_set_flags_finds_the_run_they_named(run, monkeypatch):
+    """`train CONFIG --set train.lr=1e-3` runs as `unit_lr-1e-3`; the same command with
+    --resume finds that run (it was refused as a different experiment before)."""
+    config, _ = run
+    monkeypatch.setattr(launcher, "_fit", fit_in_process)
+    flags = ["--set", "train.lr=1e-3"]
+    rv, out, _ = train(str(config), *flags, "--json")
+    assert rv == 0, rv
+    made = Path(json.loads(out.strip().splitlines()[-1])["run_dir"])
+    assert made.name == "unit_lr-1e-3"
+    monkeypatch.setattr(launcher, "_fit", must_not_train)
+    rv, _, err = train(str(config), *flags, "--resume")
+    assert rv == 0, rv
+    assert "unit_lr-1e-3: already completed at step 4 of 4" in err
