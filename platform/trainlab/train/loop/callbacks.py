@@ -80,18 +80,20 @@ DRIVER_HOOKS = frozenset({"on_run_abandoned"})
 FORWARDED_HOOKS = tuple(h for h in HOOKS if h not in DRIVER_HOOKS)
 
 
-def derive_hooks(cls: type, names: tuple[str, ...], call: str) -> type:
-    """Give `cls` a method per hook in `names` that calls `self.<call>(name, *args)`,
-    with the hook's documentation (class decorator: `functools.partial` would not
-    bind `self`)."""
+def derive_calls(cls: type, names: tuple[str, ...], call: str, docs: type | None = None) -> type:
+    """Give `cls` a method per name in `names` that returns `self.<call>(name, *args)`,
+    documented as the same method of `docs` (default: Callback, whose hooks these
+    usually are). The one place methods are derived from a declaration: callback
+    fan-out and forwarding, and the pipe's loader calls."""
+    source = docs or Callback
 
     def make(name: str) -> Any:
-        def hook(self: Any, *args: Any) -> None:
-            getattr(self, call)(name, *args)
+        def method(self: Any, *args: Any) -> Any:
+            return getattr(self, call)(name, *args)
 
-        hook.__name__ = hook.__qualname__ = name
-        hook.__doc__ = getattr(Callback, name).__doc__
-        return hook
+        method.__name__ = method.__qualname__ = name
+        method.__doc__ = getattr(source, name).__doc__
+        return method
 
     for name in names:
         setattr(cls, name, make(name))
@@ -124,7 +126,7 @@ class CallbackList(Callback):
         return "; ".join(cb.stop_reason for cb in self.callbacks if cb.stop_requested)
 
 
-derive_hooks(CallbackList, HOOKS, "_each")
+derive_calls(CallbackList, HOOKS, "_each")
 
 
 def build_callbacks(factories: tuple[str, ...] | list[str], cfg: Any) -> CallbackList:

@@ -28,8 +28,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from trainlab.train.loop.callbacks import FORWARDED_HOOKS, Callback, derive_hooks
-from trainlab.train.loop.stream import LOADER_CALLS
+from trainlab.train.loop.callbacks import FORWARDED_HOOKS, Callback, derive_calls
+from trainlab.train.loop.stream import LOADER_CALLS, StreamLoader
 
 if TYPE_CHECKING:
     from trainlab.train.job import TrainJob
@@ -173,13 +173,7 @@ class PipeLoader:
 
 
 # PipeLoader's other methods: one round trip each, derived from StreamLoader.
-for _method in LOADER_CALLS:
-
-    def _forward(self: PipeLoader, *args: Any, _m: str = _method) -> Any:
-        return self._call(_m, *args)
-
-    _forward.__name__ = _forward.__qualname__ = _method
-    setattr(PipeLoader, _method, _forward)
+derive_calls(PipeLoader, LOADER_CALLS, "_call", docs=StreamLoader)
 
 
 class PipeCallbacks(Callback):
@@ -203,4 +197,4 @@ class PipeCallbacks(Callback):
         return self._stop.reason
 
 
-derive_hooks(PipeCallbacks, FORWARDED_HOOKS, "_hook")
+derive_calls(PipeCallbacks, FORWARDED_HOOKS, "_hook")
