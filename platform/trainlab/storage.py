@@ -52,6 +52,28 @@ CREDENTIALS_ELSEWHERE = (
 )
 
 
+def is_uri(location: str | os.PathLike[str]) -> bool:
+    """True for `scheme://...` (s3://, gs://, file://): never taken for a local path."""
+    text = os.fspath(location)
+    return "://" in text and bool(urlsplit(text).scheme)
+
+
+SCRATCH_ENV_VAR = "TRAINLAB_SCRATCH_DIR"
+
+
+def scratch_root(configured: str | None = None) -> Path:
+    """This node's scratch and cache area: `resource.scratch_dir`, else
+    $TRAINLAB_SCRATCH_DIR, else {the node's temp dir}/trainlab-scratch (TMPDIR
+    decides the temp dir, so raylets started with their own TMPDIR get their own
+    scratch). Created on first use. Nothing here is the only copy of anything."""
+    import tempfile
+
+    text = configured or os.environ.get(SCRATCH_ENV_VAR)
+    root = Path(text).expanduser() if text else Path(tempfile.gettempdir()) / "trainlab-scratch"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
 def credentials_problem(location: str) -> str | None:
     """Why `location` may not be used as storage because it carries credentials
     (the CREDENTIALS_ELSEWHERE message), or None."""

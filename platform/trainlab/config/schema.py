@@ -322,6 +322,24 @@ class ResourceConfig(Section):
     # {storage}/{date}/{name}/checkpoints/; resuming a named run (--run-dir, --resume,
     # job retries) restores from there what the run directory lacks. null = none.
     storage: str | None = Field(None, min_length=1, max_length=1024)
+    # Each node's local scratch and cache area (staged checkpoint parts, downloaded
+    # checkpoints and datasets, the driver's working copy of a run kept in object
+    # storage): never the only copy of anything. An absolute path on every node;
+    # null = {the node's temp dir}/trainlab-scratch (TMPDIR decides; trainlab.storage).
+    scratch_dir: str | None = Field(
+        None, min_length=1, max_length=1024, json_schema_extra=NOT_IDENTITY
+    )
+
+    @field_validator("scratch_dir")
+    @classmethod
+    def _scratch_is_local_and_absolute(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        if "://" in v:
+            raise ValueError("a local directory on each node, not a URI")
+        if not (v.startswith("/") or v.startswith("~")):
+            raise ValueError("an absolute path (it names a directory on every node)")
+        return v
 
     @model_validator(mode="before")
     @classmethod
