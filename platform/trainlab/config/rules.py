@@ -109,6 +109,26 @@ def _arch_checks(cfg: dict[str, Any]) -> Iterator[Problem]:
             yield Problem(issue.path, issue.value, issue.rule)
 
 
+@rule("model", "resource")
+def _attention_device(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """FlexAttention trains on CUDA only (torch has no backward for it on CPU) and
+    has no dropout; `auto` picks SDPA where it cannot run (docs/gpu.md)."""
+    m = cfg["model"]
+    if m["attention"] != "flex":
+        return
+    if not cfg["resource"]["use_gpu"]:
+        yield Problem(
+            "model.attention", "flex",
+            "FlexAttention has no backward on CPU (torch raises NotImplementedError), so a "
+            "CPU training run cannot use it: use auto (SDPA on CPU), sdpa or eager",
+        )  # fmt: skip
+    elif m["dropout"] > 0:
+        yield Problem(
+            "model.attention", "flex",
+            f"FlexAttention has no dropout (model.dropout = {m['dropout']}): use auto or sdpa",
+        )  # fmt: skip
+
+
 # --------------------------------------------------------------------------- data/train
 
 
@@ -428,25 +448,62 @@ def _sequence_parallel(cfg: dict[str, Any]) -> Iterator[Problem]:
         )
 
 
+@rule("data")
+def _data_path_form(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """data.path is a local directory or s3://bucket/prefix (trainlab.data.location);
+    any other scheme (gs://, hdfs://) would be taken for nothing readable later."""
+    from trainlab.redact import redact
+    from trainlab.storage import credentials_problem
+
+    path = cfg["data"]["path"]
+    if "://" not in path:
+        return
+    scheme, _, rest = path.partition("://")
+    if credentials_problem(path):
+        yield Problem("data.path", redact(path), str(credentials_problem(path)))
+    elif scheme.lower() not in ("s3", "s3a", "file"):
+        yield Problem(
+            "data.path",
+            path,
+            f"unsupported scheme {scheme!r}; give a local directory or s3://bucket/prefix",
+        )
+    elif scheme.lower() != "file" and (not rest.split("/")[0] or "?" in rest):
+        yield Problem(
+            "data.path",
+            path,
+            "expected s3://bucket/prefix (endpoint via AWS_ENDPOINT_URL, "
+            "credentials via AWS_* variables, never in the URI)",
+        )
+
+
 # --------------------------------------------------------------------------- resource
 
 
-@rule("resource")
-def _storage_form(cfg: dict[str, Any]) -> Iterator[Problem]:
-    storage = cfg["resource"].get("storage")
-    if storage is None or "://" not in storage:
+@rule("train")
+def _runs_root_form(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """train.runs_root is a directory (local, or shared by every node) or
+    s3://bucket/prefix (trainlab.runloc); any other scheme is refused here, before
+    a run directory could be made of it."""
+    from trainlab.redact import redact
+    from trainlab.storage import credentials_problem
+
+    root = cfg["train"]["runs_root"]
+    if "://" not in root:
         return
-    scheme, _, rest = storage.partition("://")
-    if scheme not in ("s3", "file"):
+    scheme, _, rest = root.partition("://")
+    if credentials_problem(root):
+        yield Problem("train.runs_root", redact(root), str(credentials_problem(root)))
+    elif scheme.lower() not in ("s3", "s3a", "file"):
         yield Problem(
-            "resource.storage",
-            storage,
-            "must be a filesystem path every node sees or s3://bucket/prefix",
+            "train.runs_root",
+            root,
+            f"unsupported scheme {scheme!r}; give a directory (shared by every node for "
+            "multi-node runs) or s3://bucket/prefix",
         )
-    elif scheme == "s3" and (not rest.split("/")[0] or "?" in rest):
+    elif scheme.lower() != "file" and (not rest.split("/")[0] or "?" in rest):
         yield Problem(
-            "resource.storage",
-            storage,
+            "train.runs_root",
+            root,
             "expected s3://bucket/prefix (endpoint via AWS_ENDPOINT_URL, "
             "credentials via AWS_* variables, never in the URI)",
         )

@@ -65,10 +65,14 @@ def _doc_index(root: str, source: str) -> tuple[list[str], list[str], np.ndarray
 def _tokenizer(manifest: Manifest) -> Any:
     from tokenizers import Tokenizer
 
-    path = manifest.root / "tokenizer.json"
-    if not path.is_file():
-        raise UserError(f"{path}: missing; --decode needs the dataset's tokenizer")
-    return Tokenizer.from_file(str(path))
+    where = manifest.location
+    try:
+        data = where.read_bytes("tokenizer.json")
+    except FileNotFoundError:
+        raise UserError(
+            f"{where.uri_of('tokenizer.json')}: missing; --decode needs the dataset's tokenizer"
+        ) from None
+    return Tokenizer.from_str(data.decode("utf-8"))
 
 
 def rows_at_step(

@@ -11,12 +11,11 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from trainlab.data.manifest import Manifest, load_manifest
+from trainlab.data.manifest import Manifest, Shard, load_manifest
 from trainlab.errors import UserError
 
 MASK64 = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -74,15 +73,20 @@ class SourceTokens:
         return np.diff(self.offsets)
 
 
-def read_columns(path: Path, columns: list[str]) -> Any:
-    """A shard's columns as a pyarrow Table; a UserError if it is not what prep writes."""
+def read_columns(manifest: Manifest, shard: Shard, columns: list[str]) -> Any:
+    """A shard's columns as a pyarrow Table, from wherever the dataset is (a local
+    directory or an object store, read directly: Parquet fetches only the byte
+    ranges of these columns); a UserError if it is not what prep writes."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    where = manifest.location
     try:
-        return pq.read_table(path, columns=columns)
+        return pq.read_table(where.join(shard.file), columns=columns, filesystem=where.filesystem)
     except (pa.ArrowException, OSError, KeyError) as e:
-        raise UserError(f"{path}: cannot read columns {columns} ({e})") from None
+        raise UserError(
+            f"{manifest.shard_path(shard)}: cannot read columns {columns} ({e})"
+        ) from None
 
 
 def read_doc_index(manifest: Manifest, source: str) -> tuple[list[str], np.ndarray]:
@@ -90,7 +94,7 @@ def read_doc_index(manifest: Manifest, source: str) -> tuple[list[str], np.ndarr
     ids: list[str] = []
     lengths = []
     for shard in manifest.sources[source].shards:
-        table = read_columns(manifest.shard_path(shard), ["doc_id", "n_tokens"])
+        table = read_columns(manifest, shard, ["doc_id", "n_tokens"])
         ids.extend(table.column("doc_id").to_pylist())
         lengths.append(table.column("n_tokens").to_numpy().astype(np.int64))
     return ids, np.concatenate(lengths) if lengths else np.zeros(0, np.int64)
@@ -100,7 +104,7 @@ def read_source(manifest: Manifest, source: str, val_fraction: float) -> SourceT
     chunks, lengths, ids = [], [], []
     for shard in manifest.sources[source].shards:
         path = manifest.shard_path(shard)
-        table = read_columns(path, ["doc_id", "tokens", "n_tokens"])
+        table = read_columns(manifest, shard, ["doc_id", "tokens", "n_tokens"])
         col = table.column("tokens").combine_chunks()
         n = np.diff(col.offsets.to_numpy()).astype(np.int64)
         declared = table.column("n_tokens").to_numpy().astype(np.int64)

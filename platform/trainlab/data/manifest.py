@@ -15,8 +15,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from trainlab.data.location import DatasetDir, dataset_dir
 from trainlab.errors import UserError
-from trainlab.fileutil import sha256_file
+from trainlab.storage import is_uri
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -43,15 +44,21 @@ class SourceInfo:
 class Manifest:
     """What `trainlab prep` wrote, checked. `sources` keeps the sources-YAML order."""
 
-    root: Path  # absolute dataset directory
+    location: DatasetDir  # a local directory or s3://bucket/prefix
     fingerprint: str
     eos_id: int
     vocab_size: int
     token_dtype: str
     sources: dict[str, SourceInfo]
 
-    def shard_path(self, shard: Shard) -> Path:
-        return self.root / shard.file
+    @property
+    def root(self) -> str:
+        """The dataset's location for messages and records (absolute path or URI)."""
+        return self.location.uri
+
+    def shard_path(self, shard: Shard) -> str:
+        """Where a shard is, for messages (read it with `location.open(shard.file)`)."""
+        return self.location.uri_of(shard.file)
 
 
 def repo_root() -> Path | None:
@@ -60,20 +67,30 @@ def repo_root() -> Path | None:
     return root if (root / "pyproject.toml").exists() else None
 
 
-def resolve_dataset_dir(path: str | os.PathLike[str]) -> Path:
-    """`data.path` as an absolute directory: as given when absolute, else relative to
+def resolve_dataset_dir(path: str | os.PathLike[str], what: str = "data.path") -> DatasetDir:
+    """`data.path` as a dataset location holding a manifest. A URI (s3://) is looked
+    up as it is (one request); a local path as given when absolute, else relative to
     the working directory, else to the repo root (where recipes say it lives)."""
-    p = Path(path).expanduser()
+    text = os.fspath(path)
+    where = dataset_dir(text, what)
+    if not where.is_local:
+        if not where.is_file(MANIFEST):
+            raise UserError(
+                f"{what} = {str(path)!r}: no prepared dataset (no {where.uri_of(MANIFEST)}); "
+                f"run `trainlab prep SOURCES --out {where.uri}` first"
+            )
+        return where
+    p = Path(text.removeprefix("file://")).expanduser()
     candidates = [p] if p.is_absolute() else [Path.cwd() / p]
     root = repo_root()
     if not p.is_absolute() and root is not None and root != Path.cwd():
         candidates.append(root / p)
     for c in candidates:
         if (c / MANIFEST).is_file():
-            return c.resolve()
+            return dataset_dir(c.resolve(), what)
     tried = ", ".join(str(c / MANIFEST) for c in candidates)
     raise UserError(
-        f"data.path = {str(path)!r}: no prepared dataset (looked for {tried}); "
+        f"{what} = {str(path)!r}: no prepared dataset (looked for {tried}); "
         "run `trainlab prep` first"
     )
 
@@ -162,18 +179,24 @@ def parse_manifest(raw: Any, where: str) -> ManifestDoc:
         raise UserError(f"{where}: {loc or '(top level)'}{shown}: {message}"[:500]) from None
 
 
-def load_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Parse DIR/manifest.json (or a manifest file path); raise UserError if malformed."""
-    p = Path(path)
-    root = p.parent if p.name == MANIFEST else p
-    file = root / MANIFEST
+def load_manifest(path: str | os.PathLike[str] | DatasetDir) -> Manifest:
+    """Parse DIR/manifest.json (DIR a local directory or s3:// URI, or a manifest
+    file's path); raise UserError if missing or malformed."""
+    if isinstance(path, DatasetDir):
+        where = path
+    else:
+        text = os.fspath(path).rstrip("/")
+        if text.rsplit("/", 1)[-1] == MANIFEST:  # the manifest file itself
+            text = text[: -len(MANIFEST)].rstrip("/") or "."
+        where = dataset_dir(text if is_uri(text) else Path(text).resolve(), "dataset")
+    file = where.uri_of(MANIFEST)
     try:
-        raw = json.loads(file.read_text(encoding="utf-8"))
+        raw = json.loads(where.read_bytes(MANIFEST).decode("utf-8"))
     except FileNotFoundError:
         raise UserError(f"{file}: not found; run `trainlab prep` first") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{file}: cannot read manifest ({type(e).__name__}: {e})") from None
-    doc = parse_manifest(raw, str(file))
+    doc = parse_manifest(raw, file)
     sources = {
         name: SourceInfo(
             name=name,
@@ -184,7 +207,7 @@ def load_manifest(path: str | os.PathLike[str]) -> Manifest:
         for name, src in doc.sources.items()
     }
     return Manifest(
-        root=root.resolve(),
+        location=where,
         fingerprint=doc.fingerprint,
         eos_id=doc.tokenizer.eos_id,
         vocab_size=doc.tokenizer.vocab_size,
@@ -197,27 +220,44 @@ def verify_shards(manifest: Manifest, checksums: bool = True) -> None:
     """Every shard exists, has (if `checksums`) its sha256 and the manifest's row count.
 
     A shard changed after prep would silently change the stream under an unchanged
-    fingerprint; checking the checksums (about 1 GB/s) rules that out."""
+    fingerprint; checking the checksums (about 1 GB/s locally; the whole dataset is
+    downloaded once from a store) rules that out."""
+    where = manifest.location
     for src in manifest.sources.values():
         for shard in src.shards:
             path = manifest.shard_path(shard)
-            if not path.is_file():
-                raise UserError(f"{path}: shard listed in {manifest.root / MANIFEST} is missing")
-            if checksums and sha256_file(path) != shard.sha256:
+            if not where.is_file(shard.file):
+                raise UserError(f"{path}: shard listed in {where.uri_of(MANIFEST)} is missing")
+            if checksums and sha256_of(where, shard.file) != shard.sha256:
                 raise UserError(
                     f"{path}: sha256 differs from the manifest; the prepared "
                     "dataset was modified after prep (re-run `trainlab prep`)"
                 )
-            rows = parquet_rows(path)
+            rows = parquet_rows(where, shard.file)
             if rows != shard.rows:
                 raise UserError(f"{path}: {rows} rows, manifest says {shard.rows}")
 
 
-def parquet_rows(path: Path) -> int:
+def sha256_of(where: DatasetDir, rel: str) -> str:
+    """sha256 of a file of the dataset, read in 8 MB pieces."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        with where.filesystem.open_input_stream(where.join(rel)) as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+    except OSError as e:
+        raise where.unreachable(rel, e) from None
+    return h.hexdigest()
+
+
+def parquet_rows(where: DatasetDir, rel: str) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        return pq.ParquetFile(path).metadata.num_rows
+        with where.open(rel) as f:
+            return pq.ParquetFile(f).metadata.num_rows
     except (pa.ArrowException, OSError) as e:
-        raise UserError(f"{path}: not a readable Parquet shard ({e})") from None
+        raise UserError(f"{where.uri_of(rel)}: not a readable Parquet shard ({e})") from None

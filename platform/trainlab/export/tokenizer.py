@@ -11,10 +11,12 @@ trained as `tokens + [EOS]` with no BOS, so no template adds tokens: the ids
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
 
+from trainlab.data.location import DatasetDir
 from trainlab.data.manifest import MANIFEST, resolve_dataset_dir
 from trainlab.errors import UserError
 from trainlab.fileutil import sha256_file
@@ -24,25 +26,48 @@ TOKENIZER_FILE = "tokenizer.json"
 
 def dataset_tokenizer(data_path: str, fingerprint: str | None) -> tuple[Path, str]:
     """(tokenizer.json, its EOS token) of the run's prepared dataset, checked
-    against the manifest and, when known, the fingerprint the checkpoint trained on."""
-    root = resolve_dataset_dir(data_path)
-    manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+    against the manifest and, when known, the fingerprint the checkpoint trained on.
+    A dataset in object storage has its tokenizer copied to this node's scratch."""
+    where = resolve_dataset_dir(data_path)
+    manifest = json.loads(where.read_bytes(MANIFEST).decode("utf-8"))
     tok = manifest.get("tokenizer") or {}
-    path = root / str(tok.get("file") or TOKENIZER_FILE)
+    rel = str(tok.get("file") or TOKENIZER_FILE)
     if fingerprint and manifest.get("fingerprint") != fingerprint:
         raise UserError(
-            f"data.path {root}: its dataset changed since the checkpoint (fingerprint "
+            f"data.path {where}: its dataset changed since the checkpoint (fingerprint "
             f"{manifest.get('fingerprint')} != {fingerprint}); pass --tokenizer with the "
             "tokenizer.json the model was trained with"
         )
-    if not path.is_file():
-        raise UserError(f"{path}: the dataset's tokenizer is missing")
+    try:
+        path = where.local(rel) if where.is_local else _fetched(where, rel)
+    except FileNotFoundError:
+        path = None
+    if path is None or not path.is_file():
+        raise UserError(f"{where.uri_of(rel)}: the dataset's tokenizer is missing")
     if tok.get("sha256") and sha256_file(path) != tok["sha256"]:
-        raise UserError(f"{path}: does not match the sha256 in {root / MANIFEST}")
+        raise UserError(
+            f"{where.uri_of(rel)}: does not match the sha256 in {where.uri_of(MANIFEST)}"
+        )
     eos = tok.get("eos_token")
     if not isinstance(eos, str):
-        raise UserError(f"{root / MANIFEST}: tokenizer.eos_token missing")
+        raise UserError(f"{where.uri_of(MANIFEST)}: tokenizer.eos_token missing")
     return path, eos
+
+
+def _fetched(where: DatasetDir, rel: str) -> Path:
+    """A file of a dataset in object storage, copied under this node's scratch (by
+    the dataset's location: the copy is checked against the manifest's sha256)."""
+    import hashlib
+
+    from trainlab.storage import scratch_root
+
+    key = hashlib.sha256(where.uri.encode()).hexdigest()[:16]
+    dest = scratch_root() / "datasets" / key / rel
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
+    tmp.write_bytes(where.read_bytes(rel))
+    os.replace(tmp, dest)
+    return dest
 
 
 def eos_of(tokenizer_file: Path, eos_token: str) -> int:

@@ -253,13 +253,27 @@ def plan_ray_resources(cluster_cpus: float, physical_cpus: int) -> RayPlan:
 class RayDataExecutor:
     """Each stage: one Ray Data dataset of work items mapped by capped workers."""
 
-    def __init__(self) -> None:
+    def __init__(self, this_node_only: bool = False) -> None:
+        """`this_node_only`: every worker on this process's node (a dataset staged in
+        this node's scratch before an upload to object storage: other nodes do not
+        see that directory)."""
         import ray
 
         from trainlab.raycluster import ensure_ray
 
         resources = ensure_ray()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
+        # SPREAD (here and for the stages' tasks): over every node of a cluster, not
+        # packed onto the driver's node first (Ray's default does that until half of
+        # its CPUs are busy, so a small prep ran on one node); one node: no change.
+        self._strategy: Any = "SPREAD"
+        if this_node_only and len(nodes) > 1:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            here = ray.get_runtime_context().get_node_id()
+            nodes = [n for n in nodes if n["NodeID"] == here]
+            resources = dict(nodes[0].get("Resources") or {}) if nodes else resources
+            self._strategy = NodeAffinitySchedulingStrategy(here, soft=False)
         # One node is this machine (the embedded cluster advertises more logical CPUs
         # than it has cores); on a real cluster the logical CPUs are the cores.
         physical = (os.cpu_count() or 1) if len(nodes) <= 1 else int(resources.get("CPU", 1))
@@ -269,10 +283,7 @@ class RayDataExecutor:
         self.received = Received()
         # The workers start (and import what every stage needs) while this process
         # imports Ray Data and plans the work, not after.
-        # SPREAD (here and for the stages' tasks): over every node of a cluster, not
-        # packed onto the driver's node first (Ray's default does that until half of
-        # its CPUs are busy, so a small prep ran on one node); one node: no change.
-        warm = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_warm_up)
+        warm = ray.remote(num_cpus=1, scheduling_strategy=self._strategy)(_warm_up)
         self._warming = [warm.remote() for _ in range(self.plan.stage_actors)]
         _quiet_ray_data_console()
         log.info("prep resources: %s", self.plan)
@@ -312,7 +323,7 @@ class RayDataExecutor:
         ds = self._dataset([json.dumps(b) for b in batches])
         kwargs = _by_ref(kwargs)
         workers = min(workers, len(batches))
-        ds = self._map(ds, timed(stage), kwargs, workers)
+        ds = self._map(ds, timed(stage), kwargs, workers, self._strategy)
         for table in ds.iter_batches(batch_size=None, batch_format="pyarrow"):
             yield self.received.count(_stage_name(stage), table)
 
@@ -330,7 +341,11 @@ class RayDataExecutor:
         # otherwise gather a task's outputs up to its block size first).
         ds.context.target_max_block_size = 1
         ds = self._map(
-            ds, pulled(stage), {**_by_ref(kwargs), "listing": listing, "claims": claims}, workers
+            ds,
+            pulled(stage),
+            {**_by_ref(kwargs), "listing": listing, "claims": claims},
+            workers,
+            self._strategy,
         )
         reported: set[int] = set()
         try:
@@ -357,7 +372,7 @@ class RayDataExecutor:
         return ds
 
     @staticmethod
-    def _map(ds: Any, fn: Callable, kwargs: dict[str, Any], workers: int) -> Any:
+    def _map(ds: Any, fn: Callable, kwargs: dict[str, Any], workers: int, strategy: Any) -> Any:
         """`fn` (`timed`, `pulled`) over the dataset's batches, `workers` tasks at most."""
         import ray.data
 
@@ -368,7 +383,7 @@ class RayDataExecutor:
             batch_format="pyarrow",
             num_cpus=1,
             compute=ray.data.TaskPoolStrategy(size=workers),
-            scheduling_strategy="SPREAD",
+            scheduling_strategy=strategy,
         )
 
 

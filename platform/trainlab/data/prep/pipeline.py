@@ -20,11 +20,22 @@ included) leaves no manifest (the old one is removed before anything is
 overwritten); the next run with the same inputs reuses every recorded unit and
 redoes the rest, and a changed input invalidates only the units it touches.
 The work directory, stale shards and temporary files are swept at the end.
+
+`--out s3://bucket/prefix` (object storage, no shared filesystem needed): the
+dataset is built in a staging directory under this node's scratch area
+(`trainlab.storage.scratch_root()`, one per output location, so a killed run's
+finished units are reused by the next), by workers on this node only, then
+uploaded: the store's old manifest is deleted before anything else is written,
+the tokenizer and shards go up next, shards no new manifest lists are deleted,
+and manifest.json goes up last. A run that fails or is killed at any point
+leaves the location without a manifest, so nothing takes it for a dataset.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import re
 import resource
 import shutil
@@ -38,6 +49,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from trainlab.data.location import DatasetDir, dataset_dir
 from trainlab.data.prep.cleaning import CLEANING_RULES, CLEANING_RULES_VERSION
 from trainlab.data.prep.dedup import lsh_bands, partition_bounds
 from trainlab.data.prep.executors import LocalExecutor, RayDataExecutor, Received
@@ -78,7 +90,8 @@ from trainlab.data.prep.tokenizer import (
 from trainlab.data.prep.units import SourceFiles, WorkUnit, plan_units
 from trainlab.data.prep.units import unit_target_bytes as default_unit_bytes
 from trainlab.data.prep.work import WORK_DIR, WorkDir
-from trainlab.errors import UserError
+from trainlab.errors import UserError, first_line
+from trainlab.storage import is_uri
 
 MB = 1 << 20
 TOKENIZER_FILE = "tokenizer.json"
@@ -108,7 +121,7 @@ class Executor(Protocol):
 
 @dataclass
 class PrepResult:
-    out_dir: Path
+    out_dir: Path | str  # a local directory, or the s3:// URI it was uploaded to
     manifest: dict
     up_to_date: bool
     seconds: float
@@ -184,7 +197,8 @@ def run_prep(
     unit_bytes: int | None = None,
     on_checked: Callable[[], None] | None = None,
 ) -> PrepResult:
-    """Prepare the dataset described by the sources file `sources` into `out`.
+    """Prepare the dataset described by the sources file `sources` into `out`, a
+    local directory or s3://bucket/prefix (see the module's docstring).
 
     `tokenizer` / `vocab_size` override the sources file's tokenizer choice.
     `executor`: "ray" (Ray Data on `trainlab.raycluster.ensure_ray()`), "local"
@@ -194,16 +208,25 @@ def run_prep(
     "starting" only then, so bad input stays one line).
     """
     t0 = time.perf_counter()
-    out_dir = Path(out)
+    store = _store_of(out)
     inputs = _check_inputs(Path(sources), tokenizer, vocab_size)
-    _prepare_out_dir(out_dir)
+    if store is not None:
+        _check_store(store)
+        out_dir = _staging_dir(store)
+    else:
+        out_dir = Path(out)
+        _prepare_out_dir(out_dir)
     if on_checked is not None:
         on_checked()
     timings = {"check": time.perf_counter() - t0}
-    existing = current_manifest(out_dir, inputs.signature)
+    existing = (
+        current_manifest(out_dir, inputs.signature)
+        if store is None
+        else _current_in_store(store, inputs.signature)
+    )
     if existing is not None:
         return PrepResult(
-            out_dir,
+            out_dir if store is None else store.uri,
             existing,
             True,
             time.perf_counter() - t0,
@@ -211,10 +234,12 @@ def run_prep(
             driver_peak_rss_bytes=peak_rss_bytes(),
         )
 
-    ex = _make_executor(executor)
+    ex = _make_executor(executor, this_node_only=store is not None)
     units = plan_units(inputs.sources, unit_bytes or default_unit_bytes(inputs.total_bytes))
     old_manifest = read_manifest(out_dir)
     (out_dir / MANIFEST).unlink(missing_ok=True)  # from here on the directory is unfinished
+    if store is not None:
+        old_manifest = _remove_store_manifest(store)
 
     t = time.perf_counter()
     tokenizer_json = inputs.tokenizer_json
@@ -236,12 +261,16 @@ def run_prep(
     t = time.perf_counter()
     doc = build_manifest(info, inputs.cleaning, accounts, inputs.signature)
     manifest = doc.to_json()
-    _remove_stale_files(out_dir, manifest, old_manifest)
-    write_manifest(out_dir, doc)
-    shutil.rmtree(out_dir / WORK_DIR, ignore_errors=True)
+    if store is None:
+        _remove_stale_files(out_dir, manifest, old_manifest)
+        write_manifest(out_dir, doc)
+        shutil.rmtree(out_dir / WORK_DIR, ignore_errors=True)
+    else:
+        timings["upload"] = _upload(out_dir, store, manifest, old_manifest)
+        shutil.rmtree(out_dir, ignore_errors=True)  # the store holds the dataset now
     timings["finish"] = time.perf_counter() - t
     return PrepResult(
-        out_dir,
+        out_dir if store is None else store.uri,
         manifest,
         False,
         time.perf_counter() - t0,
@@ -253,6 +282,126 @@ def run_prep(
         driver_received_bytes=ex.received.bytes,
         driver_document_bytes=ex.received.document_bytes,
     )
+
+
+# --------------------------------------------------------------------------- object storage
+
+
+def _store_of(out: str | Path) -> DatasetDir | None:
+    """--out as object storage (s3://), or None for a local directory (a file://
+    URI is one too). Any other scheme is a UserError naming --out."""
+    text = os.fspath(out)
+    if not is_uri(text):
+        return None
+    where = dataset_dir(text, "--out")
+    return None if where.is_local else where
+
+
+def _check_store(store: DatasetDir) -> None:
+    """The bucket exists and takes writes (a probe file), before any work."""
+    from trainlab.storage import check_writable, resolve_storage
+
+    try:
+        check_writable(resolve_storage(store.uri))
+    except UserError as e:
+        raise UserError(f"--out {store.uri}: {e.lines[0]}") from None
+
+
+def _staging_dir(store: DatasetDir) -> Path:
+    """Where a dataset bound for `store` is built: this node's scratch area, one
+    directory per location (a killed run's recorded units are found again)."""
+    from trainlab.storage import scratch_root
+
+    key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
+    staging = scratch_root() / "prep-staging" / key
+    _prepare_out_dir(staging)
+    return staging
+
+
+def _current_in_store(store: DatasetDir, input_signature: str) -> dict | None:
+    """The store's manifest if it was built from exactly these inputs and every file
+    it lists is there (their checksums are verified where the dataset is read:
+    `trainlab train`, `data inspect`); otherwise None (the dataset is rebuilt)."""
+    from trainlab.data.manifest import parse_manifest
+
+    try:
+        raw = json.loads(store.read_bytes(MANIFEST).decode("utf-8"))
+    except (FileNotFoundError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(raw, dict) or raw.get("input_signature") != input_signature:
+        return None
+    try:
+        doc = parse_manifest(raw, store.uri_of(MANIFEST))
+    except UserError:
+        return None
+    files = [doc.tokenizer.file] + [s.file for src in doc.sources.values() for s in src.shards]
+    return doc.to_json() if all(store.is_file(f) for f in files) else None
+
+
+def _remove_store_manifest(store: DatasetDir) -> dict | None:
+    """Delete the store's manifest before anything there is overwritten; return it."""
+    try:
+        raw = json.loads(store.read_bytes(MANIFEST).decode("utf-8"))
+    except (FileNotFoundError, UnicodeDecodeError, ValueError):
+        raw = None
+    try:
+        store.filesystem.delete_file(store.join(MANIFEST))
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if store.is_file(MANIFEST):
+            raise store.unreachable(MANIFEST, e) from None
+    return raw if isinstance(raw, dict) else None
+
+
+UPLOAD_THREADS = 8
+UPLOAD_CHUNK = 16 << 20
+
+
+def _upload(staging: Path, store: DatasetDir, manifest: dict, old_manifest: dict | None) -> float:
+    """Tokenizer and shards (in parallel), stale shards deleted, manifest.json last.
+    Returns the seconds it took."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    t = time.perf_counter()
+    files = [manifest["tokenizer"].get("file", TOKENIZER_FILE), *sorted(listed_files(manifest))]
+    with ThreadPoolExecutor(UPLOAD_THREADS) as pool:
+        list(pool.map(lambda rel: _upload_file(staging / rel, store, rel), files))
+    _remove_stale_in_store(store, manifest, old_manifest)
+    local = staging / MANIFEST
+    atomic_write_bytes(local, (json.dumps(manifest, indent=2) + "\n").encode())
+    _upload_file(local, store, MANIFEST)  # last: the dataset is complete
+    return time.perf_counter() - t
+
+
+def _upload_file(local: Path, store: DatasetDir, rel: str) -> None:
+    """One file to the store, streamed (multipart for a big one: the object appears
+    whole or not at all)."""
+    try:
+        with open(local, "rb") as src, store.filesystem.open_output_stream(store.join(rel)) as dst:
+            while chunk := src.read(UPLOAD_CHUNK):
+                dst.write(chunk)
+    except OSError as e:
+        where = f" (endpoint {store.endpoint_url})" if store.endpoint_url else ""
+        raise UserError(
+            f"--out {store.uri_of(rel)}{where}: upload failed ({first_line(e)}); the "
+            "location has no manifest; run the same command again"
+        ) from None
+
+
+def _remove_stale_in_store(store: DatasetDir, manifest: dict, old_manifest: dict | None) -> None:
+    """Shards of the source folders that the new manifest does not list (an earlier,
+    bigger build)."""
+    from pyarrow import fs
+
+    keep = listed_files(manifest)
+    names = set(manifest["sources"]) | {f.split("/")[0] for f in listed_files(old_manifest)}
+    for name in sorted(n for n in names if re.match(SOURCE_NAME_PATTERN, n)):
+        selector = fs.FileSelector(store.join(name), allow_not_found=True)
+        for info in store.filesystem.get_file_info(selector):
+            base = info.base_name
+            if base.startswith("part-") and f"{name}/{base}" not in keep:
+                store.filesystem.delete_file(info.path)
 
 
 # --------------------------------------------------------------------------- checks
@@ -343,9 +492,9 @@ def _prepare_out_dir(out_dir: Path) -> None:
         raise UserError(f"--out {out_dir}: cannot create ({e.strerror or e})") from None
 
 
-def _make_executor(executor: str | Executor) -> Executor:
+def _make_executor(executor: str | Executor, this_node_only: bool = False) -> Executor:
     if executor == "ray":
-        return RayDataExecutor()
+        return RayDataExecutor(this_node_only=this_node_only)
     if executor == "local":
         return LocalExecutor()
     if isinstance(executor, str):

@@ -1,0 +1,117 @@
+"""`trainlab prep SOURCES --out s3://bucket/prefix` against a real S3-compatible
+server (moto's, tests/conftest.py): the dataset lands in the bucket with its
+manifest last, nothing named `s3:` appears locally, an upload cut off midway
+leaves no manifest (and the next run finishes it), and other schemes are refused
+in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+import trainlab.data.prep.pipeline as pipeline
+from tests.unit.data.prep.test_idempotence import make_corpus
+from trainlab.cli import main
+from trainlab.data.location import dataset_dir
+from trainlab.data.prep import run_prep
+from trainlab.errors import UserError
+
+
+def keys(s3, bucket: str, prefix: str) -> set[str]:
+    """The objects below `prefix`, but for empty directory markers (pyarrow's S3
+    filesystem leaves one for the parent of a file it deletes: the write probe)."""
+    listed = s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
+    return {o["Key"].removeprefix(prefix) for o in listed if not o["Key"].endswith("/")}
+
+
+@pytest.fixture
+def scratch(tmp_path, monkeypatch) -> Path:
+    """This test's own scratch area (the staging directory lives there)."""
+    monkeypatch.setenv("TRAINLAB_SCRATCH_DIR", str(tmp_path / "scratch"))
+    return tmp_path / "scratch"
+
+
+def test_prep_to_s3_writes_the_dataset_and_nothing_local(s3_env, tmp_path, scratch, monkeypatch):
+    s3, bucket = s3_env
+    sources = make_corpus(tmp_path)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    result = run_prep(sources, f"s3://{bucket}/prepared", executor="local")
+    assert result.out_dir == f"s3://{bucket}/prepared" and not result.up_to_date
+    assert list(work.iterdir()) == []  # no folder named "s3:" (or anything else) here
+    m = result.manifest
+    shards = [s["file"] for s in m["sources"]["code"]["shards"]]
+    assert len(shards) >= 2
+    assert keys(s3, bucket, "prepared/") == {"manifest.json", "tokenizer.json", *shards}
+    stored = json.loads(s3.get_object(Bucket=bucket, Key="prepared/manifest.json")["Body"].read())
+    assert stored == m
+    # The shards are plain Parquet, readable from the store with the manifest's rows.
+    where = dataset_dir(f"s3://{bucket}/prepared")
+    rows = [pq.read_table(where.join(f), filesystem=where.filesystem).num_rows for f in shards]
+    assert rows == [s["rows"] for s in m["sources"]["code"]["shards"]]
+    assert not any(scratch.rglob("*.parquet"))  # the staging copy is gone once uploaded
+    # The same inputs again: up to date, from the store's manifest.
+    again = run_prep(sources, f"s3://{bucket}/prepared", executor="local")
+    assert again.up_to_date and again.manifest == m
+    # The same dataset as a local prep of the same inputs, byte for byte.
+    local = run_prep(sources, tmp_path / "local", executor="local")
+    assert local.manifest["fingerprint"] == m["fingerprint"]
+
+
+def test_an_upload_cut_off_midway_leaves_no_manifest(s3_env, tmp_path, scratch, monkeypatch):
+    s3, bucket = s3_env
+    sources = make_corpus(tmp_path)
+    uri = f"s3://{bucket}/ds"
+    first = run_prep(sources, uri, executor="local")
+    (tmp_path / "raw" / "extra.py").write_text("x = 1  # a new input file, long enough\n" * 4)
+
+    real, uploaded = pipeline._upload_file, []
+
+    def dies_after_two(local, store, rel):
+        if len(uploaded) == 2:
+            raise KeyboardInterrupt  # the process killed mid-upload (Ctrl-C)
+        real(local, store, rel)
+        uploaded.append(rel)
+
+    monkeypatch.setattr(pipeline, "_upload_file", dies_after_two)
+    monkeypatch.setattr(pipeline, "UPLOAD_THREADS", 1)
+    with pytest.raises(KeyboardInterrupt):
+        run_prep(sources, uri, executor="local")
+    assert len(uploaded) == 2
+    assert "manifest.json" not in keys(s3, bucket, "ds/")  # the old one went first
+
+    monkeypatch.setattr(pipeline, "_upload_file", real)
+    done = run_prep(sources, uri, executor="local")
+    assert done.units_reused == done.units_total  # the staged units were kept
+    assert done.manifest["fingerprint"] != first.manifest["fingerprint"]
+    listed = {s["file"] for s in done.manifest["sources"]["code"]["shards"]}
+    assert keys(s3, bucket, "ds/") == {"manifest.json", "tokenizer.json", *listed}
+
+
+def test_an_unreachable_bucket_is_one_line_before_any_work(s3_env, tmp_path, scratch):
+    sources = make_corpus(tmp_path)
+    with pytest.raises(UserError) as e:
+        run_prep(sources, "s3://no-such-bucket-here/ds", executor="local")
+    (line,) = e.value.lines
+    assert line.startswith("--out s3://no-such-bucket-here/ds: ") and "not writable" in line
+
+
+@pytest.mark.parametrize("out", ["gs://bucket/ds", "hdfs://namenode/ds"])
+def test_an_unsupported_scheme_is_refused_in_one_line(tmp_path, monkeypatch, capsys, out):
+    sources = make_corpus(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    before = set(os.listdir(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        main(["prep", str(sources), "--out", out])
+    assert e.value.code == 2
+    scheme = out.split(":")[0]
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --out = '{out}': unsupported scheme '{scheme}'; give a local directory "
+        "or s3://bucket/prefix"
+    ]
+    assert set(os.listdir(tmp_path)) == before
