@@ -6,31 +6,45 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
-# The CPU build of torch lies on disk on our machines; asking for any other spec
-# pulls a multi-GB CUDA build. A machine with an NVIDIA GPU gets the default build.
-TORCH_SPEC ?= torch==2.13.0
+# The lock `make setup` installs (devtools/lock.py; `make lock` writes every lock):
+# every package pinned and hashed for Linux x86_64, CPython 3.11, torch's CPU
+# build, which lies on disk on our machines (pip's find-links); PyPI's torch of
+# the same version is the multi-GB CUDA build. requirements/cuda.txt is the GPU
+# nodes' lock (cluster/Dockerfile).
+LOCK   ?= requirements/cpu.txt
+PIP_VERSION := 26.3
 PYTEST_ARGS ?=
 
 export PYTHONDONTWRITEBYTECODE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR := false
 
-.PHONY: setup test test-all test-fast lint demo bench clean gpu-wheels gpu-check notebook
+.PHONY: setup lock test test-all test-fast lint demo bench clean gpu-wheels gpu-check notebook
 
 setup: $(STAMP)
 
-# Each step says what it does first: the whole setup takes a minute or two.
-$(STAMP): pyproject.toml
+# Each step says what it does first: the whole setup takes a minute or two. The
+# lock installs exactly (--require-hashes: every package pinned, every file
+# checked); trainlab itself then goes in without its dependencies (they are the lock's).
+$(STAMP): $(LOCK)
 	@echo "setup 1/4: creating $(VENV) (Python: $(PYTHON))"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "setup 2/4: upgrading pip"
-	@$(PIP) install --quiet --upgrade pip
-	@echo "setup 3/4: installing $(TORCH_SPEC) (the largest step)"
-	@$(PIP) install --quiet "$(TORCH_SPEC)"
-	@echo "setup 4/4: installing trainlab and its dependencies (ray, mlflow, ...)"
-	@$(PIP) install --quiet -e ".[dev]"
+	@echo "setup 2/4: pip $(PIP_VERSION)"
+	@$(PIP) install --quiet "pip==$(PIP_VERSION)"
+	@echo "setup 3/4: installing the lock $(LOCK) (torch, ray, mlflow, ...: the largest step)"
+	@$(PIP) install --quiet --require-hashes -r $(LOCK)
+	@echo "setup 4/4: installing trainlab (editable, its dependencies from the lock)"
+	@$(PIP) install --quiet --no-deps -e .
 	@touch $(STAMP)
 	@echo "setup done: $(VENV)"
+
+# Re-resolve requirements/*.txt from pyproject.toml and requirements/*.in (uv pip
+# compile, pins kept where still allowed; `make test` fails while a lock is stale).
+# LOCK_ARGS go to uv, e.g. LOCK_ARGS=--upgrade, or where torch's CPU wheel is not on
+# disk: LOCK_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu".
+LOCK_ARGS ?=
+lock: $(STAMP)
+	$(PY) -m devtools.lock $(LOCK_ARGS)
 
 test: setup
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
@@ -63,7 +77,9 @@ endif
 NOTEBOOK_STAMP := $(VENV)/.notebook-installed
 
 $(NOTEBOOK_STAMP): $(STAMP)
-	$(PIP) install --quiet -e ".[dev,notebook]"
+	@# The lock's pins (without hashes: pip would then want one for trainlab itself).
+	sed -n 's/^\([A-Za-z0-9][^ ]*==[^ ]*\).*/\1/p' $(LOCK) > $(VENV)/lock-pins.txt
+	$(PIP) install --quiet -c $(VENV)/lock-pins.txt -e ".[dev,notebook]"
 	touch $(NOTEBOOK_STAMP)
 
 notebook: $(NOTEBOOK_STAMP)

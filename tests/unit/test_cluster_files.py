@@ -46,26 +46,28 @@ def test_image_ray_and_python_match_pyproject():
     assert Version(f"{m['py']}.{m['minor']}") in SpecifierSet(requires)
 
 
-def test_image_torch_matches_pyproject_and_makefile():
-    torch_spec = _dockerfile_args()["TORCH_SPEC"]
-    pinned = Requirement(torch_spec)
-    (spec,) = pinned.specifier
-    assert pinned.name == "torch" and spec.operator == "=="
-    assert Version(spec.version) in _pyproject_requirements()["torch"].specifier
-    makefile = (REPO / "Makefile").read_text()
-    assert re.search(rf"^TORCH_SPEC \?= {re.escape(torch_spec)}$", makefile, flags=re.M)
-
-
-def test_image_installs_the_project_from_pyproject():
-    runs = re.findall(
-        r"^RUN (.+?)(?<!\\)$", (CLUSTER / "Dockerfile").read_text(), flags=re.M | re.S
-    )
+def test_image_installs_the_lock_then_the_project_without_dependencies():
+    """The image is the CUDA lock (hashes required), trainlab on top with --no-deps,
+    and the build checks the result equals the lock: no version comes from a range."""
+    text = (CLUSTER / "Dockerfile").read_text()
+    assert _dockerfile_args()["LOCK"] == "requirements/cuda.txt"
+    runs = re.findall(r"^RUN (.+?)(?<!\\)$", text, flags=re.M | re.S)
     installs = [r for r in runs if "pip install" in r]
-    assert any(re.search(r"pip install [^&]*(-e )?\.(\s|$)", r) for r in installs), installs
-    # Nothing else pinned by hand that could drift from pyproject.toml.
-    for req in re.findall(r"\b([A-Za-z][\w\-\[\],]*==[\w.]+)", " ".join(installs)):
-        name = Requirement(req).name
-        assert name == "torch" or name in _pyproject_requirements(), req
+    assert any("--require-hashes -r ${LOCK}" in r for r in installs), installs
+    assert any(re.search(r"pip install [^&]*--no-deps -e \.(\s|$)", r) for r in installs)
+    assert any("trainlab.environment check-lock" in r for r in runs)
+    # Nothing pinned by hand beside the lock.
+    assert not re.findall(r"\b[A-Za-z][\w\-\[\],]*==[\w.]+", " ".join(installs))
+
+
+def test_specs_name_the_image_of_the_current_lock():
+    """The tag is the CUDA lock's (`make lock` rewrites it): a dependency change
+    is a new image, and every spec runs it."""
+    from trainlab.environment import image_tag
+
+    for name in MANIFESTS:
+        tags = set(re.findall(r"image: REGISTRY/trainlab:(\S+)", (CLUSTER / name).read_text()))
+        assert tags == {image_tag("cuda")}, (name, tags)
 
 
 @pytest.mark.parametrize("name", MANIFESTS)
