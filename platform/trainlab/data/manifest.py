@@ -74,7 +74,11 @@ def resolve_dataset_dir(path: str | os.PathLike[str], what: str = "data.path") -
     text = os.fspath(path)
     where = dataset_dir(text, what)
     if not where.is_local:
-        if not where.is_file(MANIFEST):
+        try:
+            there = where.is_file(MANIFEST)
+        except UserError as e:  # the store could not be asked (endpoint, credentials)
+            raise UserError(f"{what} = {text!r}: {e.lines[0]}") from None
+        if not there:
             raise UserError(
                 f"{what} = {str(path)!r}: no prepared dataset (no {where.uri_of(MANIFEST)}); "
                 f"run `trainlab prep SOURCES --out {where.uri}` first"

@@ -28,11 +28,13 @@ def check_node(data_dir: str, markers: list[tuple[str, str | None, str]]) -> dic
     (storage URI, S3 endpoint, marker file name) written by the head."""
     import socket
 
-    from trainlab.storage import resolve_storage
+    from trainlab.storage import is_uri, resolve_storage
 
     problems = []
     manifest = os.path.join(data_dir, "manifest.json")
-    if not os.path.isfile(manifest):
+    if is_uri(data_dir):  # object storage: this node's endpoint and credentials reach it?
+        problems += _dataset_in_store(data_dir)
+    elif not os.path.isfile(manifest):
         problems.append(
             f"prepared data not found: {manifest} does not exist on this node "
             "(run `trainlab prep` there, or put data.path on a shared filesystem)"
@@ -51,6 +53,24 @@ def check_node(data_dir: str, markers: list[tuple[str, str | None, str]]) -> dic
                 f"head is not visible here ({str(e).splitlines()[0]})"
             )
     return {"host": socket.gethostname(), "problems": problems}
+
+
+def _dataset_in_store(uri: str) -> list[str]:
+    """A dataset in object storage as this node sees it (its own AWS_* variables)."""
+    from trainlab.data.location import dataset_dir
+    from trainlab.errors import UserError
+
+    try:
+        where = dataset_dir(uri)
+        if not where.is_file("manifest.json"):
+            return [
+                f"prepared data not found: {where.uri_of('manifest.json')} does not exist "
+                "as seen from this node (run `trainlab prep SOURCES --out "
+                f"{where.uri}`, or check this node's AWS_ENDPOINT_URL)"
+            ]
+    except UserError as e:
+        return [f"prepared data not readable from this node: {e.lines[0]}"]
+    return []
 
 
 def run(data_dir: str, storage_uris: list[str]) -> list[str]:
@@ -103,7 +123,9 @@ def _probe_nodes(data_dir: str, markers: list[tuple[str, str | None, str]]) -> l
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m trainlab.jobs.probe")
-    ap.add_argument("--data", required=True, help="prepared dataset directory (absolute)")
+    ap.add_argument(
+        "--data", required=True, help="prepared dataset: an absolute directory or s3:// URI"
+    )
     ap.add_argument(
         "--storage",
         required=True,

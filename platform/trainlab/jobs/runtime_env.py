@@ -105,6 +105,8 @@ def exclude_patterns(repo: Path, extra_paths: Iterable[str | Path] = ()) -> list
     `extra_paths` (configured data and runs locations) that lie inside the repo."""
     patterns = [*EXCLUDE_ANYWHERE, *EXCLUDE_AT_ROOT]
     for p in extra_paths:
+        if "://" in str(p):
+            continue  # object storage (s3://): never part of the working_dir
         path = Path(p)
         if not path.is_absolute():
             path = repo / path

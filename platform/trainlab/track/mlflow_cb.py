@@ -465,6 +465,15 @@ class MlflowCallback(Callback):
             artifacts.append(
                 {"path": str(Path(ctx.manifest_path).resolve()), "artifact_path": "data"}
             )
+        elif "://" in ctx.manifest_path:  # a dataset in object storage: its manifest's text
+            from trainlab.data.location import dataset_dir
+            from trainlab.errors import UserError
+
+            try:
+                data = dataset_dir(ctx.manifest_path.rsplit("/", 1)[0]).read_bytes("manifest.json")
+                artifacts.append({"text": data.decode("utf-8"), "file": "data/manifest.json"})
+            except (OSError, UserError, UnicodeDecodeError) as e:
+                log.warning("%s: not recorded (%s)", ctx.manifest_path, e)
         resume_tags = {"status": "running", "restarts": str(ctx.restarts)}
         if ctx.ray_job_id:
             resume_tags["ray_job_id"] = ctx.ray_job_id

@@ -75,7 +75,7 @@ def in_process_job(
         run_dir=str(run_dir),
         config_hash=config_hash(cfg),
         dataset_fingerprint=spec.fingerprint if spec else "synthetic",
-        manifest_path=str(Path(spec.path) / "manifest.json") if spec else "",
+        manifest_path=f"{spec.path.rstrip('/')}/manifest.json" if spec else "",
         data_spec=spec,
         sources=tuple(spec.sources) if spec else (synthetic_source,),
         session=session,

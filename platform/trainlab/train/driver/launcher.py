@@ -115,8 +115,8 @@ def prepare_data(cfg: ExperimentConfig) -> DataInfo:
     from trainlab.data import prepare_run_data
 
     spec = prepare_run_data(cfg)
-    manifest = Path(spec.path) / "manifest.json"
-    return DataInfo(spec, spec.fingerprint, str(manifest), list(spec.sources))
+    manifest = f"{spec.path.rstrip('/')}/manifest.json"  # a directory or s3:// URI
+    return DataInfo(spec, spec.fingerprint, manifest, list(spec.sources))
 
 
 def check_resumable(run_dir: Path, cfg: ExperimentConfig, chash: str, data: DataInfo) -> None:
