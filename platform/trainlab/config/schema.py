@@ -54,8 +54,9 @@ class ModelConfig(Section):
     vocab_size: int = Field(8192, ge=2, le=4_194_304)
     max_seq_len: int = Field(1024, ge=1, le=1_048_576)
     tie_embeddings: bool = True
-    # Attention implementation, by name (see trainlab.models.attention).
-    attention: str = Field("sdpa", pattern=r"^[a-z][a-z0-9_]*$")
+    # Attention implementation, by name (see trainlab.models.attention): auto (FlexAttention
+    # with a block mask on CUDA, SDPA on CPU: docs/gpu.md), sdpa, flex (CUDA training), eager.
+    attention: str = Field("auto", pattern=r"^[a-z][a-z0-9_]*$")
     norm_eps: float = Field(1e-5, gt=0, le=1e-2)
     rope_theta: float = Field(10000.0, gt=0)
     init_std: float = Field(0.02, gt=0, le=1.0)
@@ -202,6 +203,12 @@ class TrainConfig(Section):
     # Clip the global gradient norm to this value; 0 disables clipping.
     grad_clip: float = Field(1.0, ge=0.0)
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    # torch.compile each transformer block (after recomputation, before FSDP); auto: on
+    # CUDA only (on CPU it compiles for tens of seconds and runs no faster: docs/gpu.md).
+    compile: Literal["auto", "true", "false"] = Field("auto", json_schema_extra=NOT_IDENTITY)
+    # Tokens per chunk of the cross-entropy: each chunk's logits go to fp32 on their own,
+    # never the whole micro batch's (2048 x a 128k vocabulary: 1 GiB); 0 = one chunk.
+    loss_chunk_tokens: int = Field(2048, ge=0, le=1_048_576, json_schema_extra=NOT_IDENTITY)
     log_interval: int = Field(10, ge=1, json_schema_extra=NOT_IDENTITY)
     # Validation loss per source every eval_interval steps, over eval_batches batches.
     eval_interval: int = Field(100, ge=1)
@@ -228,6 +235,12 @@ class TrainConfig(Section):
     components: list[Annotated[str, Field(pattern=IMPORT_PATH)]] = Field(
         default_factory=list, max_length=64
     )
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile_word(cls, value: object) -> object:
+        """YAML's true/false (booleans) mean "true"/"false"."""
+        return str(value).lower() if isinstance(value, bool) else value
 
     @field_validator("components")
     @classmethod

@@ -7,7 +7,8 @@ architectures (norm, MLP, biases, position scheme, per-head q/k norms) is
 passed in by the architecture's `build()`.
 
 Packed rows (docs/contracts.md, section 3): `document_ids` make attention
-block-diagonal; learned positions are looked up relative to the first token of
+block-diagonal (the mask, dense or FlexAttention's block mask, is built once
+per forward and shared by every block: trainlab.models.attention); learned positions are looked up relative to the first token of
 each document segment in the row (so they stay below max_seq_len), RoPE uses
 `position_ids` as given (only relative positions matter to it).
 
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainlab.models.attention import AttentionMask, get_attention
+from trainlab.models.attention import AttentionMask, get_attention, prepare_mask
 from trainlab.models.registry import ModelSpec
 
 # A norm over the last dimension, built from that dimension's size.
@@ -251,7 +252,9 @@ class TransformerLM(nn.Module):
         else:
             x = input_ids
             b, t = x.shape[0], x.shape[1]
-        mask = AttentionMask(t, document_ids)
+        # Built once here and shared by every block (trainlab.models.attention).
+        dropout = self.cfg.dropout if self.training else 0.0
+        mask = prepare_mask(self.cfg.attention, t, document_ids, x.device, dropout)
         rope = None
         if self.pos_embeddings is not None and self.tok_embeddings is not None:
             if document_ids is not None:

@@ -402,6 +402,16 @@ def _attention_files_names() -> tuple[str, ...]:
     return tuple(sorted(names))
 
 
+def resolve_attention(name: str, cuda: bool, dropout: float = 0.0) -> str:
+    """The implementation `model.attention = name` runs: `auto` is FlexAttention
+    (block mask, no `[T, T]` tensor) on CUDA and SDPA elsewhere (FlexAttention
+    has no backward on CPU) or with dropout (FlexAttention has none); any other
+    name is itself. Torch-free: the planner asks it too."""
+    if name != "auto":
+        return name
+    return "flex" if cuda and dropout == 0 else "sdpa"
+
+
 def get_arch(name: str) -> Architecture:
     """The architecture registered as `name`; a UserError names the choices."""
     arch = find_arch(name)
@@ -433,4 +443,5 @@ __all__ = [
     "get_arch",
     "num_parameters",
     "register_arch",
+    "resolve_attention",
 ]

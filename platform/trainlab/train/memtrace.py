@@ -451,9 +451,11 @@ def _bucket_as_result(state, bucket):  # DDP checks `bucket`'s annotation: none
 
 
 def _use_foreach(optimizer: Any, foreach: bool) -> None:
-    """What AdamW picks by itself on the target device: `foreach` on CUDA."""
+    """What an optimizer without a fused kernel picks by itself on the target
+    device: `foreach` on CUDA. A fused one (AdamW: trainlab.optim.adamw) runs its
+    fused CPU kernel here, in place like CUDA's."""
     for opt in (optimizer, getattr(optimizer, "optim", None)):
-        if opt is not None:
+        if opt is not None and not opt.defaults.get("fused"):
             opt.defaults["foreach"] = foreach
             for group in opt.param_groups:
                 group["foreach"] = foreach

@@ -254,6 +254,11 @@ def test_bounds(base: Path):
             "must be <= resource.gpus_per_node (2)",
         ),
         (["parallel.sequence_parallel=true"], "needs parallel.tp > 1"),
+        (["model.attention=flex"], "model.attention = 'flex': FlexAttention has no backward on CPU"),
+        (
+            ["model.attention=flex", "resource.use_gpu=true", "model.dropout=0.1"],
+            "model.attention = 'flex': FlexAttention has no dropout",
+        ),
     ],
 )
 def test_cross_field_rule(base: Path, overrides: list[str], expected: str):

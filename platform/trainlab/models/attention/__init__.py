@@ -10,6 +10,13 @@ An implementation takes queries `[B, H, T, D]`, keys and values
 `AttentionMask` of the batch and the dropout probability, and returns
 `[B, H, T, D]`. It must be causal and must not let a token attend across
 documents of a packed row (`mask.document_ids`, see docs/contracts.md).
+
+The mask is built once per forward (`prepare_mask`, called by the model before
+its blocks) and shared by every layer: `@register("name", needs="dense")` asks
+for the `[B, 1, T, T]` boolean mask, `needs="block"` for FlexAttention's block
+mask; each is built only for packed rows. `auto` (the default) is no kernel of
+its own: `prepare_mask` resolves it per forward (trainlab.models.registry.
+resolve_attention: FlexAttention on CUDA, SDPA elsewhere; docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import importlib
 import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -28,6 +36,11 @@ AttentionFn = Callable[
 ]
 
 _REGISTRY: dict[str, AttentionFn] = {}
+# What each implementation needs built before the blocks: "dense", "block" or None.
+_NEEDS: dict[str, str | None] = {}
+# How a mask kind other than the dense one is built from document ids (the module
+# of the kernel that reads it registers it: flex.py, "block").
+_MASK_BUILDERS: dict[str, Callable[[torch.Tensor], Any]] = {}
 _discovered = False
 
 
@@ -35,13 +48,20 @@ _discovered = False
 class AttentionMask:
     """What attention may see, derived once per forward and shared by every layer.
 
-    `document_ids` is `[B, T]` (-1 for padding) or None for unpacked rows, in
-    which case plain causal attention applies.
+    `document_ids` is `[B, T]` (-1 for padding) or None for rows of one document
+    each, where plain causal attention applies (the trainer drops them for such
+    batches: trainlab.train.loop.step.to_step_tensors). `impl` is the
+    implementation this forward runs (`auto` resolved). The dense and block
+    masks are built by `prepare_mask` before the first block, so the blocks
+    (and FSDP's per-block copies of this dataclass, and compiled blocks) only
+    read them.
     """
 
     seq_len: int
     document_ids: torch.Tensor | None = None
+    impl: str = "sdpa"
     _dense: torch.Tensor | None = field(default=None, repr=False)
+    _block: Any = field(default=None, repr=False)
 
     @property
     def is_plain_causal(self) -> bool:
@@ -62,14 +82,55 @@ class AttentionMask:
                 self._dense = (same_doc & causal)[:, None]
         return self._dense
 
+    def block(self) -> Any:
+        """FlexAttention's `BlockMask` of causal-and-same-document attention
+        (trainlab.models.attention.flex.block_mask): blocks of 128 x 128 with no
+        allowed pair are skipped by the kernel; no `[T, T]` tensor is kept."""
+        if self._block is None and self.document_ids is not None:
+            _discover()
+            self._block = _MASK_BUILDERS["block"](self.document_ids)
+        return self._block
 
-def register(name: str) -> Callable[[AttentionFn], AttentionFn]:
-    """Make `fn` selectable as `model.attention: name`."""
+
+def prepare_mask(
+    name: str, seq_len: int, document_ids: torch.Tensor | None, device: torch.device,
+    dropout_p: float = 0.0,
+) -> AttentionMask:
+    """The forward's mask for `model.attention = name` on `device`: `auto`
+    resolved, and the dense or block mask the implementation needs built now."""
+    from trainlab.models.registry import resolve_attention
+
+    impl = resolve_attention(name, device.type == "cuda", dropout_p)
+    _discover()
+    mask = AttentionMask(seq_len, document_ids, impl)
+    if document_ids is not None:
+        needs = _NEEDS.get(impl)
+        if needs == "dense":
+            mask.dense()
+        elif needs == "block":
+            mask.block()
+    return mask
+
+
+def register(name: str, needs: str | None = None) -> Callable[[AttentionFn], AttentionFn]:
+    """Make `fn` selectable as `model.attention: name`; `needs` ("dense",
+    "block" or None) is the mask `prepare_mask` builds for it before the blocks."""
 
     def add(fn: AttentionFn) -> AttentionFn:
         if name in _REGISTRY and _REGISTRY[name] is not fn:
             raise ValueError(f"attention {name!r} is registered twice")
         _REGISTRY[name] = fn
+        _NEEDS[name] = needs
+        return fn
+
+    return add
+
+
+def register_mask(kind: str) -> Callable[[Callable], Callable]:
+    """Make `fn(document_ids) -> mask` the builder of the `kind` mask."""
+
+    def add(fn: Callable) -> Callable:
+        _MASK_BUILDERS[kind] = fn
         return fn
 
     return add
@@ -102,4 +163,12 @@ def get_attention(name: str) -> AttentionFn:
         ) from None
 
 
-__all__ = ["AttentionFn", "AttentionMask", "available", "get_attention", "register"]
+__all__ = [
+    "AttentionFn",
+    "AttentionMask",
+    "available",
+    "get_attention",
+    "prepare_mask",
+    "register",
+    "register_mask",
+]

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from trainlab.models.attention import AttentionMask, register
 
 
-@register("eager")
+@register("eager", needs="dense")
 def eager_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float = 0.0
 ) -> torch.Tensor:

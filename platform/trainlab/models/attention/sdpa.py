@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from trainlab.models.attention import AttentionMask, register
 
 
-@register("sdpa")
+@register("sdpa", needs="dense")
 def sdpa_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask, dropout_p: float = 0.0
 ) -> torch.Tensor:

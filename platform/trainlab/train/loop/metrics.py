@@ -71,6 +71,8 @@ class Meter:
     steady_tokens: int = 0
     steady_seconds: float = 0.0
     window_rates: list[float] = field(default_factory=list)
+    # Metrics said once, in the next window (the first step's compile time).
+    once: dict[str, float] = field(default_factory=dict)
 
     def reset(self) -> None:
         self.steps, self.step_time, self.data_wait, self.ckpt_block = 0, 0.0, 0.0, 0.0
@@ -107,6 +109,8 @@ class Meter:
             "ckpt_age_s": ckpt_age_s,
             "eta_s": step_time * (self.cfg.train.total_steps - step),
         }
+        metrics.update(self.once)
+        self.once = {}
         peak = self.cfg.resource.peak_tflops
         if peak and self.flops_per_token:
             metrics["mfu"] = self.flops_per_token * tokens_per_s / (peak * 1e12 * self.world_size)

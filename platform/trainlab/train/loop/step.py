@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.data import IGNORE_INDEX, Batch
+from trainlab.models.loss import chunked_cross_entropy
 from trainlab.train.loop.schedule import lr_at
 from trainlab.train.parallel import clip_grad_norm, gradient_sync
 
@@ -30,6 +31,8 @@ __all__ = [
     "local_value",
     "loss_context",
     "loss_sum_and_count",
+    "one_document_rows",
+    "to_step_tensors",
     "to_tensors",
     "train_step",
     "train_step_tensors",
@@ -40,20 +43,55 @@ def to_tensors(batch: Batch, device: torch.device) -> dict[str, torch.Tensor]:
     return {k: torch.as_tensor(v).to(device, non_blocking=True) for k, v in batch.items()}
 
 
+def one_document_rows(batches: list[Batch]) -> bool:
+    """Whether every row of every micro batch holds one document (or only padding):
+    read on the host, from the loader's arrays, before anything goes to the device."""
+    for b in batches:
+        ids = b.get("document_ids")
+        if ids is None:
+            continue
+        ids = np.asarray(ids)
+        if ids.size and not (ids == ids[:, :1]).all():
+            return False
+    return True
+
+
+def to_step_tensors(batches: list[Batch], device: torch.device) -> list[dict[str, torch.Tensor]]:
+    """A step's micro batches on the device. When every row holds one document
+    the document ids are left out: attention is then plain causal
+    (`is_causal=True`, the flash kernel on CUDA, no mask built), which is what the
+    block-diagonal mask of one document is (learned positions are the same too)."""
+    drop = one_document_rows(batches)
+    return [
+        to_tensors({k: v for k, v in b.items() if not (drop and k == "document_ids")}, device)
+        for b in batches
+    ]
+
+
 def loss_sum_and_count(
-    model: torch.nn.Module, batch: dict[str, torch.Tensor]
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy over the tokens whose label is not -100,
-    and how many there were."""
+    and how many there were. The loss is taken `chunk` tokens at a time
+    (`train.loss_chunk_tokens`, trainlab.models.loss; 0: at once); vocabulary-
+    parallel logits (tensor parallelism: a DTensor under `loss_context`) take
+    torch's loss_parallel cross-entropy, which holds only this rank's share of
+    the vocabulary."""
     logits = model(
         batch["input_ids"],
         position_ids=batch.get("position_ids"),
         document_ids=batch.get("document_ids"),
     )
     labels = batch["labels"]
-    loss = F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
+    if hasattr(logits, "placements"):  # a DTensor: tensor parallelism's sharded vocabulary
+        loss = F.cross_entropy(
+            logits.float().flatten(0, 1),
+            labels.flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+    else:
+        loss = chunked_cross_entropy(logits, labels, chunk)
     return loss, (labels != IGNORE_INDEX).sum()
 
 
@@ -114,21 +152,29 @@ def train_step_tensors(
     pipeline parallelism the loss is 0 on ranks without the last stage. Both are
     0-dim device tensors, not read back here (no device-to-host sync); the norm is
     the one before clipping. `loss_factor` multiplies the loss (and so the
-    gradients): train.chaos's NaN and spike rehearsals."""
+    gradients): train.chaos's NaN and spike rehearsals.
+
+    No host sync: the labelled-token count, the loss scale and the gradient norm
+    stay on the device (a step that neither logs, evaluates nor checkpoints
+    queues its work and returns: trainlab.train.loop.metrics reads its values
+    one step late)."""
     lr = lr_at(step, cfg.train)
     for optimizer in m.optimizers:
         for group in optimizer.param_groups:
             group["lr"] = lr
-    tensors = [to_tensors(mb, device) for mb in micro_batches]
+    tensors = to_step_tensors(micro_batches, device)
+    # Everything below stays on the device: no value is read back by the host
+    # (tests/unit/train/test_host_sync.py counts the reads: zero).
     mine = sum((b["labels"] != IGNORE_INDEX).sum() for b in tensors)
-    labelled = float(m.env.dp_sum(torch.as_tensor(mine, dtype=torch.float64, device=device)))
-    scale = m.env.dp_size / max(labelled, 1.0) * loss_factor
+    labelled = m.env.dp_sum(torch.as_tensor(mine, dtype=torch.float64, device=device))
+    scale = (m.env.dp_size / labelled.clamp(min=1.0) * loss_factor).float()
+    chunk = cfg.train.loss_chunk_tokens
     total = torch.zeros((), device=device)
     scaler, model = m.scaler, m.model
     with loss_context(m):
         if m.pipeline is not None:
             with autocast_context(cfg.train.precision, device):
-                out = m.pipeline.run(concat(tensors), scale, backward=True)
+                out = m.pipeline.run(concat(tensors), scale, backward=True, chunk=chunk)
             if out is not None:
                 total = out
             m.pipeline.sync_tied_gradients()
@@ -138,7 +184,7 @@ def train_step_tensors(
                     gradient_sync(model, i == len(tensors) - 1),
                     autocast_context(cfg.train.precision, device),
                 ):
-                    loss_sum, _ = loss_sum_and_count(model, batch)
+                    loss_sum, _ = loss_sum_and_count(model, batch, chunk)
                     loss = loss_sum * scale
                 (scaler.scale(loss) if scaler else loss).backward()
                 total += local_value(loss.detach())
@@ -153,6 +199,8 @@ def train_step_tensors(
         if hasattr(norm, "full_tensor"):  # a DTensor under FSDP
             norm = norm.full_tensor()
     if scaler is not None:
+        # A fused optimizer takes the scale and the inf flags as tensors: no host
+        # read (torch.amp.GradScaler.step; the per-tensor loop reads found_inf).
         scaler.step(m.optimizer)
         scaler.update()
     else:
@@ -160,8 +208,6 @@ def train_step_tensors(
             optimizer.step()
     for optimizer in m.optimizers:
         optimizer.zero_grad(set_to_none=True)
-    if not isinstance(norm, torch.Tensor):  # the sharded clip returns a float
-        norm = torch.tensor(float(norm), device=device)
     return total.detach(), norm.detach()
 
 

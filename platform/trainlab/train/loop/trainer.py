@@ -69,6 +69,8 @@ from trainlab.train.loop.step import (
 )
 from trainlab.train.loop.stream import StreamLoader
 from trainlab.train.parallel import reshard
+from trainlab.train.parallel.compile import compile_seconds
+from trainlab.train.parallel.compile import enabled as compile_on
 from trainlab.train.parallel.distributed import DistEnv
 from trainlab.train.records import (
     INTERRUPT_REASON,
@@ -192,10 +194,18 @@ class Trainer:
         if got_step != self.step:
             raise RuntimeError(f"data stream gave step {got_step}, expected {self.step}")
         t1 = time.perf_counter()
+        first = self.step == self.start_step
+        compiling = first and compile_on(self.cfg.train.compile, self.env.device.type)
+        compiled_before = compile_seconds() if compiling else 0.0
         loss, grad_norm = self.train_step(micro_batches)
         step, last = self.step, self.step == self.cfg.train.total_steps
         step_time = time.perf_counter() - t0
         self.meter.record(data_wait=t1 - t0, step_time=step_time)
+        if compiling:  # the blocks compile in this start's first step: said once
+            seconds = compile_seconds() - compiled_before
+            self.meter.once["compile_time_s"] = seconds
+            if self.env.is_main:
+                log.info("compiled the transformer blocks in the first step: %.1f s", seconds)
         if step == self.start_step + 1 and self.env.is_main:
             with self.writing("logs/attempts.jsonl"):
                 self.records.first_step_done(self.job.session, step)

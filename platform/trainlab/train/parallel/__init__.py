@@ -6,6 +6,7 @@ applies them, one module per technique, in this order (torchtitan's):
     pipeline   cut the model into this rank's stages (parallel.pp)
     tensor     shard each stage over the tp mesh (parallel.tp, sequence_parallel)
     recompute  activation checkpointing (parallel.activation_checkpointing)
+    compile    torch.compile of each block (train.compile)
     fsdp       FSDP2 over the dp mesh (ZeRO-2/3)   | one of the two, by
     replicate  DDP / FSDP2's replicate (ZeRO-0/1)  | parallel.strategy
 
@@ -31,6 +32,7 @@ from torch import nn
 
 from trainlab.config.schema import ExperimentConfig
 from trainlab.errors import UserError
+from trainlab.train.parallel import compile as compiling
 from trainlab.train.parallel import fsdp, recompute, replicate
 from trainlab.train.parallel.distributed import DistEnv
 from trainlab.train.parallel.fsdp import mixed_precision as fsdp_mixed_precision
@@ -83,8 +85,11 @@ def parallelize(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> Parall
     rank's part of the layout: each technique of the module docstring in turn."""
     p, dims = cfg.parallel, env.layout
     fsdp_on = p.strategy == "fsdp"
+    compiled = compiling.enabled(cfg.train.compile, env.device.type)
     if env.mesh is None or not dims.model_parallel:  # data parallelism at most
         recompute.apply(model, p.activation_checkpointing)
+        if compiled:
+            compiling.apply(model)
         if not env.distributed:
             return ParallelModel([model])
         if fsdp_on:
@@ -117,6 +122,8 @@ def parallelize(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> Parall
         if dims.tp > 1:
             tensor.apply_tensor_parallel(part, env.mesh["tp"], p.sequence_parallel)
         recompute.apply(part, p.activation_checkpointing)
+        if compiled:
+            compiling.apply(part)
         if dims.dp > 1 and fsdp_on:
             fsdp.apply(part, p.zero_stage, cfg.train.precision, env.mesh["dp"])
         elif dims.dp > 1:
@@ -136,11 +143,13 @@ def clip_grad_norm(
     max_norm: float,
     pp_group: Any = None,
     exclude: frozenset[int] = frozenset(),
-) -> float:
+) -> torch.Tensor:
     """Clip the gradients of `params` (this rank's; any mix of plain tensors and
     DTensors on different meshes) by their global norm, summed over pipeline ranks
     through `pp_group`; parameters whose id is in `exclude` (a tied table's second
-    copy) are clipped but not counted. Returns the norm before clipping."""
+    copy) are clipped but not counted. Returns the norm before clipping, a 0-dim
+    tensor on the device: nothing is read back (the factor is clamped to 1 on the
+    device, as torch.nn.utils.clip_grad_norm_ does)."""
     import torch.distributed as dist
 
     with_grad = [p for p in params if p.grad is not None]
@@ -160,11 +169,11 @@ def clip_grad_norm(
         square = square + norm.float() ** 2
     if pp_group is not None:
         dist.all_reduce(square, group=pp_group)
-    total = float(square.sqrt())
-    if math.isfinite(max_norm) and total > max_norm:
-        coef = max_norm / (total + 1e-6)
+    total = square.sqrt()
+    if math.isfinite(max_norm):
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
         for p in with_grad:
-            p.grad.mul_(coef)
+            p.grad.mul_(coef.to(p.grad.dtype))
     return total
 
 

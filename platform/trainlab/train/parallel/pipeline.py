@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainlab.data import IGNORE_INDEX
+from trainlab.models.loss import chunked_cross_entropy
 
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
@@ -97,7 +98,8 @@ class PipelinePlan:
     group: Any  # the pp process group
     tied_group: Any = None  # the first and last stage's ranks, when the table is tied
     schedule: Any = None
-    loss_scale: float = 1.0
+    loss_scale: float | torch.Tensor = 1.0
+    loss_chunk: int = 0
 
     @property
     def has_first(self) -> bool:
@@ -119,21 +121,30 @@ class PipelinePlan:
         self.schedule = cls(first, self.microbatches, loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        loss = F.cross_entropy(
-            logits.float().flatten(0, 1),
-            labels.flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        if hasattr(logits, "placements"):  # tensor parallelism: loss_parallel's
+            loss = F.cross_entropy(
+                logits.float().flatten(0, 1),
+                labels.flatten(),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+        else:  # chunk by chunk in fp32 (trainlab.models.loss)
+            loss = chunked_cross_entropy(logits, labels, self.loss_chunk)
         return loss * self.loss_scale
 
     def run(
-        self, batch: dict[str, torch.Tensor], scale: float, backward: bool
+        self,
+        batch: dict[str, torch.Tensor],
+        scale: float | torch.Tensor,
+        backward: bool,
+        chunk: int = 0,
     ) -> torch.Tensor | None:
         """One pass of the schedule over the rank's rows `batch` (all micro batches):
         forward and backward when `backward`, else forward only. Returns the sum of
-        the micro batches' scaled losses on the rank holding the last stage, else None."""
-        self.loss_scale = scale
+        the micro batches' scaled losses on the rank holding the last stage, else None.
+        `scale` may be a device tensor (the step reads nothing back); `chunk` is
+        train.loss_chunk_tokens."""
+        self.loss_scale, self.loss_chunk = scale, chunk
         kwargs = {k: batch[k] for k in ("position_ids", "document_ids") if k in batch}
         args = (batch["input_ids"],) if self.has_first else ()
         target = batch["labels"] if self.has_last else None
