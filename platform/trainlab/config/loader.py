@@ -21,6 +21,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from trainlab import boundedyaml
+from trainlab.config.jobcopy import is_relative, relative_in_copy, uploaded_copy
 from trainlab.config.rules import Problem, check_rules, resolve_parallel_defaults
 from trainlab.config.schema import SECTIONS, ExperimentConfig
 from trainlab.errors import ConfigError, clip, field_errors, quote, read_yaml
@@ -321,14 +322,20 @@ def anchor_path(value: str, anchor: Path) -> str:
 
 def anchor_paths(raw: dict[str, Any], anchor: Path) -> None:
     """Make every local path of a raw config absolute against `anchor`, in place;
-    a key left out gets its schema default anchored too (the record shows where)."""
+    a key left out gets its schema default anchored too (the record shows where).
+    Inside a Ray job's uploaded working dir a relative path is refused (jobcopy)."""
+    copy, problems = uploaded_copy(anchor), []
     for section, key in PATH_KEYS:
         node = raw.get(section, {})
         if not isinstance(node, dict):
             continue  # a wrong type: validation reports it
         value = node.get(key, _default(section, key))
         if isinstance(value, str) and value:
+            if copy is not None and is_relative(value):
+                problems.append(relative_in_copy(f"{section}.{key}", value, copy))
             raw[section] = {**node, key: anchor_path(value, anchor)}
+    if problems:
+        raise ConfigError(problems)
 
 
 def _default(section: str, key: str) -> Any:
