@@ -68,6 +68,7 @@ SUMMARY_KEYS = (
     "packages_sha256",
     "nodes",
     "drift",
+    "image",
 )
 _REQ_NAME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(\[[^\]]*\])?==([^\s;\\]+)")
 _LOCAL_PACKAGE_REPO = Path(__file__).resolve().parents[2]
@@ -251,6 +252,8 @@ def fingerprint() -> dict[str, Any]:
         "mlflow": packages.get("mlflow"),
         "trainlab": trainlab.__version__,
         "lock": platform_lock(cuda),
+        # The cluster image a submitted job expects (trainlab.jobs.runtime_env.image_env).
+        "image": os.environ.get("TRAINLAB_IMAGE"),
         "accelerator": model,
         "accelerator_driver": driver,
         "packages": packages,
@@ -368,7 +371,7 @@ def node_drift(
     return lines
 
 
-def check_nodes(run_dir: str | Path | None = None, allow_drift: bool | None = None) -> list[str]:
+def check_nodes(run: Any = None, allow_drift: bool | None = None) -> list[str]:
     """Ask every node for its environment before any worker starts: a node whose
     runtime packages differ from its lock stops the run (UserError, exit 2), one
     line per node and package; with `allow_drift` (default: TRAINLAB_ALLOW_ENV_DRIFT)
@@ -387,8 +390,8 @@ def check_nodes(run_dir: str | Path | None = None, allow_drift: bool | None = No
                 "(the drift is recorded)",
             ]
         )
-    if run_dir is not None:
-        write_run_environment(run_dir, nodes=fps, drift_lines=lines)
+    if run is not None:
+        write_run_environment(run, nodes=fps, drift_lines=lines)
     return lines
 
 
@@ -421,34 +424,80 @@ def run_fingerprint(
     return fp
 
 
+class _Dir:
+    """A local run directory with the few operations of a run location."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.local = Path(path)
+
+    def write_text(self, rel: str, text: str) -> None:
+        tmp = self.local / f".{rel}.tmp"
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        tmp.replace(self.local / rel)
+
+    def read_text(self, rel: str) -> str | None:
+        try:
+            return (self.local / rel).read_text()
+        except FileNotFoundError:
+            return None
+
+
+def _location(run: Any) -> Any:
+    """Where the run's files go: a run location (trainlab.runloc) as given, a store
+    URI as one, a path as a local directory."""
+    if hasattr(run, "write_text") and hasattr(run, "read_text"):
+        return run
+    text = os.fspath(run)
+    if "://" in text and not text.startswith("file://"):
+        from trainlab.runloc import RunLocation
+
+        return RunLocation.of(text)
+    return _Dir(text.removeprefix("file://"))
+
+
 def write_run_environment(
-    run_dir: str | Path,
+    run: Any,
     nodes: list[dict[str, Any]] | None = None,
     drift_lines: list[str] | None = None,
 ) -> dict[str, Any]:
-    """environment.json (the summary) and environment-packages.txt in `run_dir`."""
+    """environment.json (the summary) and environment-packages.txt of the run at
+    `run` (a directory, a store URI or a RunLocation); returns the summary."""
     fp = run_fingerprint(nodes, drift_lines)
-    run_dir = Path(run_dir)
+    loc = _location(run)
     packages = fp.pop("packages")
-    (run_dir / PACKAGES_FILE).write_text(
-        "".join(f"{name}=={version}\n" for name, version in sorted(packages.items()))
+    loc.write_text(
+        PACKAGES_FILE, "".join(f"{name}=={version}\n" for name, version in sorted(packages.items()))
     )
     summary = {k: fp.get(k) for k in SUMMARY_KEYS}
-    tmp = run_dir / f".{ENV_FILE}.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    tmp.replace(run_dir / ENV_FILE)
+    loc.write_text(ENV_FILE, json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
 
 
-def run_environment(run_dir: str | Path) -> dict[str, Any]:
+def run_environment(run: Any) -> dict[str, Any]:
     """The run's environment summary: environment.json as the driver wrote it
     (node check included); if it is not there, this process's own."""
-    path = Path(run_dir) / ENV_FILE
     try:
-        return json.loads(path.read_text())
+        text = _location(run).read_text(ENV_FILE)
+        if text:
+            return json.loads(text)
     except (OSError, ValueError):
-        fp = run_fingerprint()
-        return {k: fp.get(k) for k in SUMMARY_KEYS}
+        pass
+    fp = run_fingerprint()
+    return {k: fp.get(k) for k in SUMMARY_KEYS}
+
+
+def packages_file(run: Any) -> Path | None:
+    """This node's copy of the run's environment-packages.txt (for an artifact)."""
+    loc = _location(run)
+    path = loc.local / PACKAGES_FILE
+    if not path.is_file():
+        text = loc.read_text(PACKAGES_FILE)
+        if text is None:
+            return None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return path
 
 
 def mlflow_tags(env: Mapping[str, Any]) -> dict[str, str]:

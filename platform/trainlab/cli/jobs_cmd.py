@@ -6,6 +6,7 @@ with --json, one JSON object on its last line.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -56,6 +57,11 @@ def _err(msg: str) -> None:
     help="The cluster image has trainlab installed: do not ship platform/trainlab.",
 )
 @_plain_http_option
+@click.option(
+    "--allow-env-drift",
+    is_flag=True,
+    help="Start even when a node's packages differ from the lock; the drift is recorded.",
+)
 @json_option
 def submit(
     config: str,
@@ -65,11 +71,15 @@ def submit(
     follow: bool,
     use_cluster_library: bool,
     allow_plain_http: bool,
+    allow_env_drift: bool,
     as_json: bool,
 ) -> int:
     """Validate, plan, check and submit CONFIG as a Ray job; print its job id."""
     from trainlab.jobs.submit import submit as run_submit
     from trainlab.raycluster import LineRouter, command_log
+
+    if allow_env_drift:  # forwarded to the job (trainlab.jobs.runtime_env)
+        os.environ["TRAINLAB_ALLOW_ENV_DRIFT"] = "1"
 
     # Logs go to stdout unless stdout is reserved for the JSON result; Ray's own
     # lines in them go to a log file (trainlab.raycluster.LineRouter).

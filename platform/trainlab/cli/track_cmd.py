@@ -69,21 +69,70 @@ def compare(
     that differ between them highlighted. NAME is a run name or run id; none
     means every run (within --experiment / --since)."""
     from trainlab.track import tracking_uri
-    from trainlab.track.query import compare_runs, parse_since
+    from trainlab.track.query import compare_report, parse_since
 
     if as_json and as_csv:
         raise UserError("--json and --csv: choose one output format")
     uri = tracking_uri(runs_root)
-    rows = compare_runs(uri, names, experiment, parse_since(since))
+    report = compare_report(uri, names, experiment, parse_since(since))
+    rows = report["runs"]
     if as_json:
-        echo_json(rows)
+        echo_json(report)
     elif as_csv:
         _write_csv(rows)
     elif not rows:
         click.echo(f"no runs recorded in {uri}")
     else:
         _print_compare(rows, uri)
+        _print_noise(report)
     return 0
+
+
+def _print_noise(report: dict[str, Any]) -> None:
+    """Groups as mean ± sd (n) per metric; each other run or group against the
+    first: the difference with its 95% interval and the verdict (docs/noise.md)."""
+    from trainlab.track.noise import METRICS
+
+    console = _console()
+    for g in report["groups"]:
+        bands = "; ".join(
+            f"{m} {b['mean']:.4f} ± {b['std']:.4f} (n={b['n']})"
+            if b["std"] is not None
+            else f"{m} {_num(b['mean'], '.4f')} (n={b['n']}, no sd)"
+            for m, b in g["metrics"].items()
+        )
+        console.print(
+            f"group {g['group_id']} ({g['name']}, {g['n']} seeds): {bands}", highlight=False
+        )
+    for c in report["comparisons"]:
+        if "noise_from" in c:
+            source = (
+                f"noise band of recorded group {c['noise_from']}"
+                if c["noise_from"]
+                else "no recorded group of this experiment: noise unknown (--repeats K measures it)"
+            )
+        else:
+            source = "Welch t" if "group" in c["a"] and "group" in c["b"] else "group's band"
+        console.print(f"{c['b']} vs {c['a']} ({source}):", highlight=False)
+        for m in METRICS:
+            r = c["metrics"][m]
+            if r["difference"] is None or r["difference"] != r["difference"]:
+                continue  # the metric is missing on a side
+            interval = (
+                f"95% interval [{r['interval'][0]:+.4f}, {r['interval'][1]:+.4f}]"
+                if r["interval"]
+                else "no interval"
+            )
+            console.print(
+                f"  {m}: {r['difference']:+.4f}, {interval}: {r['verdict']}", highlight=False
+            )
+    env_keys = list(report["runs"][0].get("environment_differing") or {})
+    if len(report["runs"]) > 1:
+        note = ", ".join(
+            f"{k} ({' / '.join(sorted({str(r['environment'].get(k)) for r in report['runs']}))})"
+            for k in env_keys
+        )
+        console.print(f"differing environment: {note or 'none'}", highlight=False)
 
 
 CSV_HEAD = (

@@ -7,6 +7,7 @@ train.total_steps (trainlab.train.driver.rundir)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -60,6 +61,19 @@ EXIT_INFRASTRUCTURE = 75
     is_flag=True,
     help="Keep the rehearsal's run directory after it passed (a failed one is always kept).",
 )
+@click.option(
+    "--repeats",
+    type=int,
+    default=None,
+    metavar="K",
+    help="Run K seeds (data.seed, train.seed + 0..K-1) as one group, for the noise "
+    "band `trainlab compare` shows (trainlab.groups).",
+)
+@click.option(
+    "--allow-env-drift",
+    is_flag=True,
+    help="Start even when a node's packages differ from the lock; the drift is recorded.",
+)
 @json_option
 def train(
     config: str,
@@ -69,6 +83,8 @@ def train(
     resume: bool,
     extend: bool,
     keep_smoke: bool,
+    repeats: int | None,
+    allow_env_drift: bool,
     as_json: bool,
 ) -> int:
     """Train CONFIG on Ray Train: the local embedded cluster, or RAY_ADDRESS when set.
@@ -102,6 +118,13 @@ def train(
     cfg = load_config(config, overrides, name_from_overrides=not (run_dir or extend))
     if not smoke:
         require_record(cfg, config, "trainlab train")
+    if allow_env_drift:  # trainlab.environment.check_nodes records the drift instead
+        os.environ["TRAINLAB_ALLOW_ENV_DRIFT"] = "1"
+    if repeats is not None:
+        from trainlab.groups import train_repeats
+
+        flags = {"smoke": smoke, "run_dir": run_dir, "resume": resume, "extend": extend}
+        return train_repeats(cfg, repeats, as_json, **flags)
     try:
         summary = run(cfg, run_dir=run_dir, resume=resume, smoke=smoke, extend=extend)
     except TrainingFailed as e:

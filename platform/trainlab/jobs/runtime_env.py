@@ -59,7 +59,11 @@ FORWARDED_ENV_VARS = (
     "AWS_ENDPOINT_URL_S3",
     "AWS_REGION",
     "AWS_DEFAULT_REGION",
+    # --allow-env-drift (trainlab.environment: the job's node check records, not stops)
+    "TRAINLAB_ALLOW_ENV_DRIFT",
 )
+# The image the job expects its nodes to run: the CUDA lock's (cluster/Dockerfile).
+IMAGE_ENV = "TRAINLAB_IMAGE"
 # The driver runs on the head node and reserves no CPU or GPU: every CPU/GPU of
 # the cluster stays available to training workers (a 2-worker run on a 2-CPU
 # cluster must still fit) and the driver never lands on, or holds, a GPU node.
@@ -185,6 +189,7 @@ def forwarded_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     from trainlab.redact import is_secret_name, url_credentials
 
     env = {k: os.environ[k] for k in FORWARDED_ENV_VARS if os.environ.get(k)}
+    env |= image_env()
     env.update(extra or {})
     leaking = sorted(k for k, v in env.items() if is_secret_name(k) or url_credentials(v))
     if leaking:
@@ -196,6 +201,17 @@ def forwarded_env(extra: dict[str, str] | None = None) -> dict[str, str]:
             "AWS_* variables or an instance role; docs/security.md)"
         )
     return env
+
+
+def image_env() -> dict[str, str]:
+    """`TRAINLAB_IMAGE=trainlab:<tag>`: the cluster image of this checkout's lock
+    (trainlab.environment.image_tag), recorded with the job's runs; {} without a lock."""
+    from trainlab.environment import image_tag
+
+    try:
+        return {IMAGE_ENV: f"trainlab:{image_tag('cuda')}"}
+    except UserError:
+        return {}
 
 
 def build_runtime_env(

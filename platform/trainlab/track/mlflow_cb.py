@@ -456,6 +456,8 @@ class MlflowCallback(Callback):
 
     def _start_entry(self, ctx: RunContext, runs_root: str) -> dict[str, Any]:
         from trainlab.config import to_yaml
+        from trainlab.environment import mlflow_tags, packages_file, run_environment
+        from trainlab.groups import group_tags
 
         artifacts: list[dict[str, Any]] = [
             {"text": to_yaml(ctx.cfg), "file": "config.yaml"},
@@ -474,6 +476,11 @@ class MlflowCallback(Callback):
                 artifacts.append({"text": data.decode("utf-8"), "file": "data/manifest.json"})
             except (OSError, UserError, UnicodeDecodeError) as e:
                 log.warning("%s: not recorded (%s)", ctx.manifest_path, e)
+        # The environment (trainlab.environment) and a repeat's group (trainlab.groups).
+        env, group = run_environment(ctx.run_dir), group_tags()
+        artifacts += [{"data": env, "file": "environment.json"}]
+        packages = packages_file(ctx.run_dir)
+        artifacts += [{"path": str(packages), "artifact_path": "environment"}] if packages else []
         resume_tags = {"status": "running", "restarts": str(ctx.restarts)}
         if ctx.ray_job_id:
             resume_tags["ray_job_id"] = ctx.ray_job_id
@@ -486,7 +493,7 @@ class MlflowCallback(Callback):
             # Named after its run directory ({name}, {name}-2, ...: unique per date), so
             # the UI tells apart runs of one config; `runs`/`compare` also match cfg.name.
             "run_name": Path(ctx.run_dir).name,
-            "tags": run_tags(ctx),
+            "tags": {**run_tags(ctx), **mlflow_tags(env), **group},
             "params": run_params(ctx.cfg, ctx.plan),
             "artifacts": artifacts,
             "resume_tags": resume_tags,

@@ -15,6 +15,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from trainlab.errors import UserError
+from trainlab.groups import experiment_key
 from trainlab.redact import redact
 from trainlab.track.heartbeat import ACTIVE_TAG
 from trainlab.track.series import metric_series
@@ -31,6 +32,7 @@ MIX_PREFIX = "data.mix."
 # the checkout, `submit`/`tune` absolute; the same place is not a difference.
 PATH_KEYS = frozenset({"data.path", "train.runs_root", "resource.storage"})
 SEARCH_PAGE = 1000
+ENV_PREFIX = "env."
 
 
 # --------------------------------------------------------------------------- metric histories
@@ -118,8 +120,9 @@ def find_runs(
 def _labels(run: Run) -> set[str]:
     """What selects a run on the command line: its MLflow run name (its run
     directory's, e.g. `tiny-2`), its config's name (`tiny`: every run of it) and
-    its run id."""
+    its run id; a group's id (trainlab.groups) selects its seeds."""
     labels = {run.info.run_name, run.info.run_id, run.data.params.get("name")}
+    labels.add(run.data.tags.get("group_id"))  # a `--repeats` group: all its seeds
     return {label for label in labels if label}
 
 
@@ -234,6 +237,14 @@ def run_row(client: MlflowClient, run: Run, experiment_names: dict[str, str]) ->
         "config_hash": run.data.tags.get("config_hash"),
         "dataset_fingerprint": run.data.tags.get("dataset_fingerprint"),
         "git_commit": run.data.tags.get("git_commit"),
+        "group_id": run.data.tags.get("group_id"),
+        "experiment_key": experiment_key(params),
+        # What it ran with (trainlab.environment: the `env.*` tags).
+        "environment": {
+            k.removeprefix(ENV_PREFIX): v
+            for k, v in sorted(run.data.tags.items())
+            if k.startswith(ENV_PREFIX)
+        },
         "params": params,
     }
     return row
@@ -285,9 +296,63 @@ def compare_runs(
     exp_names = {e.experiment_id: e.name for e in client.search_experiments()}
     rows = [run_row(client, r, exp_names) for r in runs]
     keys = differing_keys(rows)
+    env_keys = differing_environment(rows)
     for row in rows:
         row["differing"] = {k: row["params"].get(k) for k in keys}
+        row["environment_differing"] = {k: row["environment"].get(k) for k in env_keys}
     return rows
+
+
+# Environment keys that differ between any two runs by design, never "differing".
+ENV_NOT_COMPARED = frozenset({"git_commit", "git_dirty", "nodes"})
+
+
+def differing_environment(rows: Iterable[dict[str, Any]]) -> list[str]:
+    """Environment keys (python, torch, lock_sha256, accelerator, ...) whose value
+    differs between the rows, like `differing_keys` for the config; the code
+    version is compare's own column (git_commit), not an environment difference."""
+    rows = list(rows)
+    if len(rows) < 2:
+        return []
+    keys = sorted(set().union(*(r["environment"] for r in rows)) - ENV_NOT_COMPARED)
+    return [k for k in keys if len({r["environment"].get(k) for r in rows}) > 1]
+
+
+def compare_report(
+    uri: str,
+    names: Sequence[str] = (),
+    experiment: str | None = None,
+    since: datetime | None = None,
+) -> dict[str, Any]:
+    """`trainlab compare --json`: {"runs": compare_runs' rows, "groups": each
+    group's bands per metric (mean, std, n), "comparisons": every other run or
+    group against the first (difference, interval, verdict: trainlab.track.noise)}."""
+    from trainlab.track.noise import noise_report, units
+
+    rows = compare_runs(uri, names, experiment, since)
+    us = units(rows)
+    singles = [u for u in us if not u["group_id"]]
+    # Two single runs borrow the band of a recorded group of their experiment.
+    recorded = recorded_groups(uri) if rows and len(singles) >= 2 else {}
+    return {"runs": rows, **noise_report(rows, recorded)}
+
+
+def recorded_groups(uri: str) -> dict[str, dict[str, Any]]:
+    """The store's groups by experiment key (the one with most seeds, then newest)."""
+    from trainlab.track.noise import group_summary, units
+
+    client = client_for(uri)
+    exp_names = {e.experiment_id: e.name for e in client.search_experiments()}
+    ids = list(exp_names)
+    members = _search_all(client, ids, "tags.group_id != '' and tags.run_key != ''", None)
+    rows = [run_row(client, r, exp_names) for r in members]
+    best: dict[str, dict[str, Any]] = {}
+    for unit in units(rows):
+        g = group_summary(unit)
+        key = g["experiment_key"]
+        if key not in best or g["n"] > best[key]["n"]:
+            best[key] = g
+    return best
 
 
 def list_runs(

@@ -32,7 +32,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from trainlab.environment import run_environment
 from trainlab.fileutil import write_text_atomic
+from trainlab.groups import summary_group
 from trainlab.runstatus import RunStatus
 
 SUMMARY = "run_summary.json"
@@ -335,6 +337,10 @@ def run_summary(
     if status == RunStatus.FAILED:
         summary["error"] = error
         summary["failure_cause"] = failure_cause(failures)
+    # The software it ran with (trainlab.environment: the driver's node check wrote it).
+    summary["environment"] = run_environment(job.run_dir)
+    if summary_group():  # one seed of a `--repeats` group (trainlab.groups)
+        summary["group"] = summary_group()
     extensions = RunRecords(job.run_dir).extensions()
     if extensions:
         summary["extensions"] = extensions

@@ -51,7 +51,7 @@ def client(runs_root):
 def test_compare_json_has_the_documented_fields(runs_root, client, capsys):
     code, out, _ = trainlab(capsys, "compare", "--json", "--runs-root", str(runs_root))
     assert code == 0
-    rows = json.loads(out.strip().splitlines()[-1])
+    rows = json.loads(out.strip().splitlines()[-1])["runs"]
     assert [r["name"] for r in rows] == ["hot", "base"]  # newest first
     for row in rows:
         for key in (
@@ -90,16 +90,16 @@ def test_compare_json_has_the_documented_fields(runs_root, client, capsys):
 def test_compare_selects_by_name_experiment_and_since(runs_root, capsys):
     root = ("--runs-root", str(runs_root))
     _, out, _ = trainlab(capsys, "compare", "base", "--json", *root)
-    (row,) = json.loads(out)
+    (row,) = json.loads(out)["runs"]
     assert row["name"] == "base" and row["differing"] == {}
     _, out, _ = trainlab(capsys, "compare", row["run_id"], "--json", *root)
-    assert [r["name"] for r in json.loads(out)] == ["base"]
+    assert [r["name"] for r in json.loads(out)["runs"]] == ["base"]
     _, out, _ = trainlab(capsys, "compare", "--experiment", "tiny", "--json", *root)
-    assert len(json.loads(out)) == 2
+    assert len(json.loads(out)["runs"]) == 2
     _, out, _ = trainlab(capsys, "compare", "--since", "2999-01-01", "--json", *root)
-    assert json.loads(out) == []
+    assert json.loads(out)["runs"] == []
     _, out, _ = trainlab(capsys, "compare", "--since", "2000-01-01", "--json", *root)
-    assert len(json.loads(out)) == 2
+    assert len(json.loads(out)["runs"]) == 2
 
 
 def test_compare_table_highlights_differing_keys(runs_root, capsys):
@@ -150,7 +150,7 @@ def test_an_empty_runs_root_is_not_an_error_and_stays_empty(tmp_path, capsys, mo
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     root = tmp_path / "runs"
     code, out, _ = trainlab(capsys, "compare", "--json", "--runs-root", str(root))
-    assert (code, json.loads(out)) == (0, [])
+    assert (code, json.loads(out)) == (0, {"runs": [], "groups": [], "comparisons": []})
     code, out, _ = trainlab(capsys, "runs", "--runs-root", str(root))
     assert code == 0 and "no runs recorded" in out
     assert not root.exists()  # reading never creates a store

@@ -33,9 +33,9 @@ def test_runs_of_one_config_are_named_after_their_run_directories(runs_root, cli
         "tiny-2": str(second.run_dir),
     }
     root = ("--runs-root", str(runs_root))
-    rows = json.loads(trainlab(capsys, "compare", "tiny", "--json", *root))
+    rows = json.loads(trainlab(capsys, "compare", "tiny", "--json", *root))["runs"]
     assert [r["name"] for r in rows] == ["tiny-2", "tiny"]  # the config's name: both
-    rows = json.loads(trainlab(capsys, "compare", "tiny-2", "--json", *root))
+    rows = json.loads(trainlab(capsys, "compare", "tiny-2", "--json", *root))["runs"]
     assert [r["name"] for r in rows] == ["tiny-2"]  # a run's own name: that one
     rows = json.loads(trainlab(capsys, "runs", "--json", *root))
     assert [r["name"] for r in rows] == ["tiny-2", "tiny"]

@@ -304,6 +304,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from trainlab import hooksecrets
+    from trainlab.environment import check_nodes
     from trainlab.raycluster import ensure_ray
     from trainlab.train.driver.placement import excluded_nodes, lost_nodes, node_selector
     from trainlab.train.driver.worker import train_loop_per_worker
@@ -313,6 +314,9 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     ensure_ray(num_cpus=cfg.resource.local_num_cpus)
     route_worker_output(job.logs_dir / "ray.log")  # the terminal keeps trainlab's lines
     _check_cluster(cfg)
+    # Every node on its lock before any worker starts (else UserError, or recorded
+    # drift with --allow-env-drift); writes the run's environment.json.
+    check_nodes(job.run_dir)
     if Interrupts.requested_now():  # Ctrl-C while Ray started: nothing was trained
         return _interrupted(job)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", HEALTH_CHECK_INTERVAL_S)
