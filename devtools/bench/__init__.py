@@ -43,4 +43,5 @@ BENCHMARKS: list[str] = [
     "devtools.bench.track_bench:bench_tracking",
     "devtools.bench.train_bench:bench_train_step_throughput",
     "devtools.bench.train_bench:bench_recovery_seconds",
+    "devtools.bench.sync_bench:bench_host_syncs_per_step",
 ]

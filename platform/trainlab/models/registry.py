@@ -129,6 +129,9 @@ class StepDtypes:
     norm_fp32: bool  # layer_norm runs in fp32 (CUDA autocast's policy; not CPU's)
     grad: int  # a weight gradient as autograd makes it: 4, or 2 for 16-bit parameters
     cast_block_inputs: bool  # FSDP mixed precision casts each block's float inputs
+    # The attention implementation the step runs (`model.attention` resolved for the
+    # device: resolve_attention); "" reads `model.attention` as given.
+    attention: str = ""
 
 
 class Architecture:
@@ -242,22 +245,35 @@ class Architecture:
 
     def attention_saved_bytes(self, m: ModelSpec, d: StepDtypes, seq_len: int) -> float:
         """What attention keeps besides its input norm: the q, k and v projections'
-        outputs (the head views are not copies), q and k after RoPE (new tensors), the attention output
-        (the out projection's input is a view of it), and the kernel's own: for
-        `sdpa` the log-sum-exp (fp32, one per head) and the mask it was given (the
-        packed batch's block-diagonal mask, converted to the compute dtype, [T] per
-        token); for `eager` the fp32 softmax and its 16-bit cast ([heads, T] each),
-        the masked scores, and K/V repeated for grouped-query attention."""
+        outputs (the head views are not copies), q and k after RoPE (new tensors),
+        the attention output (the out projection's input is a view of it), and the
+        kernel's own: for `sdpa` the log-sum-exp (fp32, one per head) and the mask
+        it was given (the packed batch's block-diagonal mask, converted to the
+        compute dtype, [T] per token); for `flex` the log-sum-exp only (its block
+        mask is per batch, a few bytes per pair of 128-token blocks: no [T, T]
+        tensor); for `eager` the fp32 softmax and its 16-bit cast ([heads, T]
+        each), the masked scores, and K/V repeated for grouped-query attention."""
         h, a = m.hidden_size, m.num_heads
         kv = (m.num_kv_heads or a) * (h // a)
         c = d.compute
         saved = c * (h + 2 * kv) + c * h
         if not self.learned_positions:  # RoPE: new q and k
             saved += c * (h + kv)
-        if m.attention == "eager":
+        impl = d.attention or m.attention
+        if impl == "eager":
             repeat = 2 * c * h if kv != h else 0
             return saved + repeat + (4 + c) * a * seq_len + seq_len
+        if impl == "flex":
+            return saved + 4 * a
         return saved + 4 * a + c * seq_len
+
+    def attention_kept_bytes(self, m: ModelSpec, d: StepDtypes) -> float:
+        """What a block recomputed under `selective` keeps besides its inputs: the
+        fused attention kernel's output and log-sum-exp (trainlab.train.parallel.
+        recompute's save list); nothing for `eager` (no single kernel to keep)."""
+        if (d.attention or m.attention) == "eager":
+            return 0.0
+        return d.compute * m.hidden_size + 4 * m.num_heads
 
     def mlp_saved_bytes(self, m: ModelSpec, d: StepDtypes) -> float:
         """The MLP's width-ffn tensors (mlp_tensors of them) in the compute dtype."""

@@ -35,13 +35,18 @@ FUSED_DEVICES = ("cuda", "cpu")
 
 
 def fused_available(params: list) -> bool:
-    """Whether torch's fused AdamW runs on all of `params` (floating point, on a
-    device it has the kernel for)."""
+    """Whether torch's fused AdamW runs on all of `params`: floating point, on a
+    device it has the kernel for, and all plain tensors or all DTensors of one
+    mesh (the fused op refuses a mix: a tensor-parallel GPT-2 keeps some
+    parameters plain)."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     devices = set(_get_fused_kernels_supported_devices())
-    return bool(params) and all(
-        p.is_floating_point() and p.device.type in devices for p in params
+    meshes = {id(getattr(p, "device_mesh", None)) for p in params}
+    return (
+        bool(params)
+        and len(meshes) == 1
+        and all(p.is_floating_point() and p.device.type in devices for p in params)
     )
 
 

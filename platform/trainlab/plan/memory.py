@@ -85,11 +85,12 @@ parallelism), and holds pp micro batches of L/pp layers on the first stage
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainlab.config.schema import ExperimentConfig
-from trainlab.models.registry import ParamShape, StepDtypes, get_arch
+from trainlab.models.loss import chunk_working_bytes
+from trainlab.models.registry import ParamShape, StepDtypes, get_arch, resolve_attention
 from trainlab.optim import PlanParam, StepMemory
 
 __all__ = [
@@ -355,6 +356,7 @@ class _Step:
     gathered: list[float] = field(default_factory=list)  # FSDP's gathered parameters
     gathered_root: float = 0.0
     logits: float = 0.0  # elements of the [tokens, vocab / tp] logits
+    loss_chunk: float = 0.0  # the chunked loss's fp32 working set (0: not chunked, tp)
     out_rows: float = 0.0
 
     def numel(self, ps: list[ParamShape]) -> float:
@@ -375,6 +377,8 @@ def _step(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> _Step:
     zero1 = zero == 1 and dp > 1
     ddp = tp * pp * dp > 1 and not fsdp
     d = step_dtypes(t.precision, fsdp, cfg.resource.use_gpu)
+    m = cfg.model
+    d = replace(d, attention=resolve_attention(m.attention, cfg.resource.use_gpu, m.dropout))
     mp = tp * pp  # model-parallel split (see the module docstring)
     notes = _notes(cfg, mp)
     root = [s for s in _param_shapes(cfg) if s.layer is None]
@@ -416,7 +420,8 @@ def _notes(cfg: ExperimentConfig, mp: int) -> list[str]:
     m, notes = cfg.model, []
     if mp > 1:
         notes.append("tp/pp > 1: estimated by the paper model, not traced")
-    if cfg.resource.use_gpu and m.attention == "sdpa" and (m.num_kv_heads or m.num_heads) != m.num_heads:
+    sdpa = resolve_attention(m.attention, cfg.resource.use_gpu, m.dropout) == "sdpa"
+    if cfg.resource.use_gpu and sdpa and (m.num_kv_heads or m.num_heads) != m.num_heads:
         notes.append(
             "grouped-query attention with the packed batch's mask: CUDA SDPA may have no "
             "fused kernel for enable_gqa with an explicit mask and fall back to the math "
@@ -439,11 +444,8 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
     ckpt = [recompute == "full" or (recompute == "selective" and i % 2 == 0) for i in range(L)]
     saved_block = arch.block_saved_bytes(m, d, T) * N
     input_block = arch.block_input_bytes(m, d) * N
-    if d.cast_block_inputs:
-        # FSDP's input casting rebuilds the AttentionMask dataclass for each block
-        # (dataclasses.replace), so each block builds its own dense bool mask; a
-        # recomputed block keeps its copy.
-        input_block += T * N
+    if recompute == "selective":  # the recomputed blocks keep the attention's outputs
+        input_block += arch.attention_kept_bytes(m, d) * N / tp
     if mp > 1:
         replicated = (2 * arch.norm_saved_bytes(m, d) + arch.block_input_extra_bytes(m, d)) * N
         # pp: the first stage holds pp micro batches of L/pp layers: L layers' worth.
@@ -457,7 +459,7 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
     # under FSDP's input casting, above), the final norm, the embedding's dropout
     # mask.
     s.rope = 0.0 if (arch.learned_positions or d.cast_block_inputs) else 2 * 4 * m.head_dim * N
-    s.mask = T * N if (any(ckpt) and not d.cast_block_inputs) else 0.0
+    s.mask = T * N if (any(ckpt) and d.attention != "flex") else 0.0
     s.final_norm = arch.norm_saved_bytes(m, d, 1) * N
     s.model_saved = s.rope + s.mask + s.final_norm + (h * N if m.dropout > 0 else 0)
     # autocast's 16-bit weight copies (DDP/single, 16-bit): cached for the whole
@@ -474,6 +476,10 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
     s.gathered_root = pbytes * s.padded(s.root) if s.fsdp else 0.0
     s.logits = N * V / tp
     s.out_rows = V * h / mp
+    # The chunked loss (trainlab.models.loss; not under tp: loss_parallel's): one
+    # chunk's fp32 working set at a time.
+    chunk = cfg.train.loss_chunk_tokens or N
+    s.loss_chunk = 0.0 if tp > 1 else float(chunk_working_bytes(min(chunk, N), V, d.compute))
 
 
 def _forward_marks(s: _Step) -> dict[str, _Parts]:
@@ -485,6 +491,9 @@ def _forward_marks(s: _Step) -> dict[str, _Parts]:
     # copy and the log-softmax; autocast's cache holds every weight copy; FSDP holds
     # the root group (and, ZeRO-2, every block).
     fwd_logits = (d.compute + 4 + 4) * s.logits if d.compute < 4 else 8 * s.logits
+    bwd_logits = 12 * s.logits
+    if s.loss_chunk:  # chunked: the logits (their own gradient later) and one chunk
+        fwd_logits = bwd_logits = d.compute * s.logits + s.loss_chunk
     marks["forward"] = s.start.plus(
         activations=acts_all + sum(s.copies) + s.copy_root,
         logits_loss=fwd_logits,
@@ -494,7 +503,7 @@ def _forward_marks(s: _Step) -> dict[str, _Parts]:
     # log-softmax, all fp32. FSDP ZeRO-3: the root was resharded after forward.
     marks["loss backward"] = s.start.plus(
         activations=acts_all + sum(s.kept_copies) + s.copy_root,
-        logits_loss=12 * s.logits,
+        logits_loss=bwd_logits,
         parameters=(s.gathered_root + sum(s.gathered)) if zero2 else 0.0,
     )
     # The output projection's backward: the logits' gradient in the compute dtype,

@@ -39,7 +39,13 @@ and what is done about it:
   the model code) except layer_norm, which CUDA runs in fp32: for a GPU target
   the trace runs it so (`_cuda_autocast_norms`).
 - SDPA: CPU and CUDA kernels keep the same tensors for backward (q, k, v, the
-  output, the log-sum-exp, the converted mask) without dropout. With
+  output, the log-sum-exp, the converted mask) without dropout.
+- Attention: `model.attention` is resolved for the target device (`auto`:
+  FlexAttention on CUDA); FlexAttention, which has no CPU backward, is stood
+  in for by SDPA with `is_causal` (the same saved tensors, no mask:
+  `_target_attention`).
+- The loss: the chunked cross-entropy's fp32 chunks (`train.loss_chunk_tokens`)
+  count as `logits_loss` with the logits. With
   `model.dropout > 0` CPU falls back to the math kernel (attention weights and
   masks kept), CUDA's flash kernel does not: the trace overstates such runs.
 - The CUDA caching allocator rounds each block to 512 bytes; irrelevant at
@@ -223,6 +229,7 @@ def _trackers() -> tuple[type, type]:
     class _Lean:
         peak_phase = "setup"
         logits_shape: tuple[int, int] = (0, 0)  # (tokens, vocab)
+        logits_rows: set[int] = set()  # rows of the loss's [rows, vocab] tensors
         logits_now = 0
         logits_at_peak = 0
         phase_peaks: dict[str, int] | None = None
@@ -263,8 +270,9 @@ def _trackers() -> tuple[type, type]:
                     self.logits_at_peak = self.logits_now
 
         def _track(self, reftype: Any, t: torch.Tensor) -> None:
-            tokens, vocab = self.logits_shape
-            if not (t.dim() >= 2 and t.shape[-1] == vocab and t.numel() == tokens * vocab):
+            _, vocab = self.logits_shape
+            rows = t.numel() // vocab if vocab else 0
+            if not (t.dim() >= 2 and t.shape[-1] == vocab and rows in self.logits_rows):
                 return super()._track(reftype, t)
             # Logits-shaped when first seen (a view of a weight can have the shape).
             new = [st for st in get_untyped_storages(t) if st not in self._WINFO]
@@ -329,7 +337,10 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
         if not fsdp:
             tracker.track_external(optimizer, getattr(optimizer, "optim", None))
         tokens = micro_batch * seq
+        chunk = min(cfg.train.loss_chunk_tokens or tokens, tokens)
         tracker.logits_shape = (tokens, vocab)
+        # The chunked loss's fp32 chunks are the loss's too (trainlab.models.loss).
+        tracker.logits_rows = {tokens, chunk, tokens % chunk} - {0}
         tracker.phase_peaks, tracker.phase_seconds, tracker.phase_snaps = {}, {}, {}
         tracker.phase = "setup"
         # A packed batch as the loader makes it (trainlab.data.pack): with
@@ -356,10 +367,11 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
             and any(isinstance(m, norms) for m in model.modules())
         )
         gpu_policy = _cuda_autocast_norms() if emulate else contextlib.nullcontext()
+        attention = _target_attention(cfg.resource.use_gpu)
         # Gradient accumulation: from the second micro batch on, the step starts with
         # the gradients of the earlier ones; two show the steady state.
         micro_batches = min(cfg.data.grad_accum_steps or 1, 2)
-        with tracker, gpu_policy:
+        with tracker, gpu_policy, attention:
             for i in range(micro_batches):
                 if i:
                     tracker.reset_mod_stats()  # the trackers refuse a second forward otherwise
@@ -398,6 +410,35 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
         )
         del model, optimizer, tracker
     return result
+
+
+@contextlib.contextmanager
+def _target_attention(use_gpu: bool) -> Iterator[None]:
+    """The attention the target device runs: `auto` resolved for it (not for the
+    CPU the trace runs on), and FlexAttention, which has no CPU backward, stood in
+    for by SDPA without a mask (`is_causal`): the same tensors kept for backward
+    (q, k, v, the output, the log-sum-exp), and no `[T, T]` mask, as FlexAttention
+    with its block mask (a few bytes per pair of 128-token blocks, not traced)."""
+    import torch.nn.functional as F
+
+    import trainlab.models.attention as attention_pkg
+    import trainlab.models.attention.flex as flex
+    import trainlab.models.registry as registry
+
+    resolve = registry.resolve_attention
+
+    def for_target(name: str, cuda: bool, dropout: float = 0.0) -> str:
+        return resolve(name, use_gpu, dropout)
+
+    def causal(q: Any, k: Any, v: Any, blocks: Any, gqa: bool) -> Any:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+
+    with (
+        _patched(registry, "resolve_attention", for_target),
+        _patched(flex, "_flex", causal),
+        _patched(attention_pkg.AttentionMask, "block", lambda self: None),
+    ):
+        yield
 
 
 @contextlib.contextmanager
