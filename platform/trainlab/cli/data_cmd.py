@@ -70,7 +70,7 @@ def _print_report(name: str, r: dict[str, Any]) -> None:
 
 
 @data.command("at-step")
-@click.argument("config_or_run_dir", metavar="CONFIG_OR_RUN_DIR", type=click.Path(exists=True))
+@click.argument("config_or_run_dir", metavar="CONFIG_OR_RUN_DIR")
 @click.argument("step", type=int)
 @click.option("--rows", type=click.IntRange(min=1), default=None, help="Show the first N rows.")
 @click.option("--decode", is_flag=True, help="Add each row's text (the dataset's tokenizer).")

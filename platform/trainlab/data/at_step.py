@@ -26,8 +26,18 @@ from trainlab.errors import UserError
 
 
 def config_of(config_or_run_dir: str) -> tuple[str, Path | None]:
-    """(config file, run directory or None) for the command's first argument."""
+    """(config file, run directory or None) for the command's first argument: a
+    local path (a URI is never taken for one: `s3://b/run` would be `s3:/b/run`)."""
+    from trainlab.storage import is_uri
+
+    if is_uri(config_or_run_dir):
+        raise UserError(
+            f"CONFIG_OR_RUN_DIR = {config_or_run_dir!r}: give a local config file or run "
+            "directory (the dataset itself may be in object storage: data.path s3://...)"
+        )
     p = Path(config_or_run_dir)
+    if not p.exists():
+        raise UserError(f"CONFIG_OR_RUN_DIR = {config_or_run_dir!r}: no such file or directory")
     if p.is_dir():
         if not (p / "config.yaml").is_file():
             raise UserError(f"{p}: a directory, but not a run directory (no config.yaml)")

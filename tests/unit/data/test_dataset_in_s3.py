@@ -114,3 +114,12 @@ def test_another_scheme_is_refused_by_validate(capsys):
         "data.path = 'gs://bucket/ds': unsupported scheme 'gs'; give a local directory "
         "or s3://bucket/prefix"
     )
+
+
+def test_at_step_never_takes_a_uri_for_a_local_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["data", "at-step", "s3://bucket/runs/tiny", "3"])
+    assert e.value.code == 2 and list(tmp_path.iterdir()) == []
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: CONFIG_OR_RUN_DIR = 's3://bucket/runs/tiny': give a local")
