@@ -12,7 +12,13 @@ real trainer (`trainlab.train.loop.trainer.Trainer`) in a plain process, no Ray:
 3. `fp16_grad_scaler`: fp16 with the grad scaler, under FSDP and without;
 4. `kill_resume`: deterministic mode, a run killed (train.chaos) after its
    mid-run checkpoint and resumed by a fresh process ends with the same weights,
-   bit for bit, as an uninterrupted run (FSDP and plain).
+   bit for bit, as an uninterrupted run (FSDP and plain);
+5. the fast path (docs/gpu.md): `eager_vs_compiled` (the 1B run of (1), which
+   compiles its blocks, against the same run with `train.compile: false`:
+   tokens/s, MFU, compile time), `host_syncs` (a quiet step under
+   `torch.cuda.set_sync_debug_mode`: zero), `dense_vs_flex` (step time and
+   peak memory of SDPA's dense mask against FlexAttention's block mask on
+   packed rows at 4k, 8k and 16k tokens; which SDPA backend runs).
 
 Every figure goes into one JSON: `$OUT/gpu-check.json` when $OUT is set, else
 gpu-check.json at the repository root (or --out). Each step is timed and
@@ -487,6 +493,7 @@ def experiment_raw(
     gpu_memory_gb: float = 80.0,
     peak_tflops: float | None = None,
     optimizer: str = "adamw",
+    compile: str = "auto",
 ) -> dict[str, Any]:
     """The experiment config (raw) of one of the check's runs."""
     steps = size.steps
@@ -518,6 +525,7 @@ def experiment_raw(
             },
             "chaos": {"kill_at_steps": list(kill_at)},
             "optimizer": {"name": optimizer},
+            "compile": compile,
         },
         "parallel": (
             {"strategy": "fsdp", "zero_stage": 3}
@@ -699,6 +707,7 @@ class Check:
             "steps": {},
         }
         self.train_result: dict[str, Any] = {}
+        self.train_windows: list[dict[str, Any]] = []
         self.train_job: Any = None
 
     # ---------------------------------------------------------------- plumbing
@@ -759,6 +768,9 @@ class Check:
                     self.step("memory", self.memory, 5 if self.rehearsal else 30)
                     self.step("fp16_grad_scaler", self.fp16, 5 if self.rehearsal else 40)
                     self.step("muon_bf16_fsdp", self.muon, 5 if self.rehearsal else 40)
+                    self.step("eager_vs_compiled", self.eager_vs_compiled, 10 if self.rehearsal else 60)
+                    self.step("host_syncs", self.host_syncs, 10 if self.rehearsal else 20)
+                    self.step("dense_vs_flex", self.dense_vs_flex, 10 if self.rehearsal else 90)
             except Exception as exc:  # noqa: BLE001
                 self.report["error"] = f"process group: {_error(exc)}"
                 self.report["traceback"] = traceback.format_exc()[-4000:]
@@ -885,6 +897,7 @@ class Check:
             ),
             summary=_summary_subset(summary),
         )
+        self.train_windows = list(r.windows)
         self.train_result = {
             "peak_total": peak_total,
             "peak_training": r.training_peak,
@@ -1054,6 +1067,184 @@ class Check:
             rec["error"] = f"losses {losses}, status {summary.get('status')}"
         del trainer
         shutil.rmtree(self.work / "muon", ignore_errors=True)
+
+    # ---------------------------------------------------------------- (5) the fast path
+
+    def eager_vs_compiled(self, rec: dict[str, Any]) -> None:
+        """The 1B run of (1) again with `train.compile: false`: tokens/s and MFU
+        eager next to (1)'s, which compiled its blocks (`auto` on CUDA)."""
+        raw = self._raw("train", precision="bf16", layout="fsdp", compile="false")
+        job = make_job(raw, self.work / "eager", "gpu-check-eager")
+        trainer, summary, r = train_run(job, self.device, "fsdp")
+        fpt = float(job.plan["flops_per_token"])
+        eager = summary.get("tokens_per_s") or (r.windows[-1]["tokens_per_s"] if r.windows else None)
+        compiled = (self.train_result.get("summary") or {}).get("tokens_per_s")
+
+        def mfu(tps: Any) -> float | None:
+            return fpt * tps / (self.peak_tflops * 1e12) if tps and self.peak_tflops else None
+
+        compile_s = [w.get("compile_time_s") for w in self.train_windows if "compile_time_s" in w]
+        rec.update(
+            compiled_run="train_bf16_fsdp (train.compile auto: on for CUDA)",
+            compiled_on=self.device.type == "cuda",
+            tokens_per_s_eager=eager,
+            tokens_per_s_compiled=compiled,
+            mfu_eager=mfu(eager),
+            mfu_compiled=mfu(compiled),
+            speedup=round(compiled / eager, 3) if eager and compiled else None,
+            compile_time_s=compile_s[0] if compile_s else None,
+            peak_bytes_eager=_peak_bytes(self.device),
+            peak_bytes_compiled=self.train_result.get("peak_total"),
+            status=summary.get("status"),
+        )
+        del trainer
+        shutil.rmtree(self.work / "eager", ignore_errors=True)
+        if summary.get("status") != "completed":
+            rec["ok"], rec["error"] = False, f"eager run {summary.get('status')!r}"
+
+    def host_syncs(self, rec: dict[str, Any]) -> None:
+        """Device-to-host syncs of a step that neither logs, evaluates nor
+        checkpoints: torch.cuda.set_sync_debug_mode("warn") on CUDA (each sync
+        warns), `aten._local_scalar_dense` under a dispatch mode on CPU (and CUDA)."""
+        import warnings
+
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from trainlab.train.loop.metrics import launch
+        from trainlab.train.loop.trainer import Trainer
+        from trainlab.train.parallel.distributed import DistEnv
+
+        class Reads(TorchDispatchMode):
+            count = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+                if func is torch.ops.aten._local_scalar_dense.default:
+                    self.count += 1
+                return func(*args, **(kwargs or {}))
+
+        raw = self._raw("resume", precision="bf16", layout="plain")
+        raw["train"]["log_interval"] = 1000
+        job = make_job(raw, self.work / "syncs", "gpu-check-syncs")
+        trainer = Trainer(job, loader_for(job), DistEnv(rank=0, world_size=1, local_rank=0, device=self.device))
+        trainer._start()
+        stream = trainer.loader.iter_from(0)
+        for _ in range(2):
+            trainer.train_step(next(stream)[1])
+        batches = next(stream)[1]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        reads = Reads()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if self.device.type == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with reads:
+                    loss, norm = trainer.train_step(batches)
+                    launch(trainer.env, trainer.step, loss, norm, 0.0, 0.0)
+            finally:
+                if self.device.type == "cuda":
+                    torch.cuda.set_sync_debug_mode(0)
+        syncs = [str(w.message)[:200] for w in caught if "synchroniz" in str(w.message)]
+        rec.update(
+            local_scalar_dense=reads.count,
+            cuda_sync_warnings=len(syncs) if self.device.type == "cuda" else None,
+            examples=syncs[:5],
+        )
+        del trainer
+        shutil.rmtree(self.work / "syncs", ignore_errors=True)
+        if reads.count or syncs:
+            rec["ok"], rec["error"] = False, f"{reads.count} reads, {len(syncs)} sync warnings"
+
+    def dense_vs_flex(self, rec: dict[str, Any]) -> None:
+        """Step time and peak memory of SDPA with the dense mask against FlexAttention
+        with the block mask on packed rows (documents of 64-2048 tokens), bf16, at
+        4k, 8k and 16k tokens per row; and which SDPA backend runs for the dense
+        mask and for plain causal rows. The CPU rehearsal runs forward only
+        (FlexAttention has no CPU backward) at 64 and 128 tokens."""
+        import torch
+
+        from trainlab.config import ExperimentConfig
+        from trainlab.models import build_model
+
+        cuda = self.device.type == "cuda"
+        lengths = (4096, 8192, 16384) if cuda else (64, 128)
+        size = self.sizes["fp16"].model
+        results: dict[str, Any] = {}
+        for seq in lengths:
+            row: dict[str, Any] = {}
+            g = torch.Generator().manual_seed(seq)
+            docs = torch.full((1, seq), -1, dtype=torch.int32)
+            at, d = 0, 0
+            while at < seq:
+                n = int(torch.randint(64 if cuda else 4, 2048 if cuda else 40, (1,), generator=g))
+                docs[0, at : at + n] = d
+                at, d = at + n, d + 1
+            ids = torch.randint(0, size["vocab_size"], (1, seq), generator=g)
+            batch = {"input_ids": ids.to(self.device), "document_ids": docs.to(self.device)}
+            for impl in ("sdpa", "flex"):
+                model_cfg = ExperimentConfig.model_validate(
+                    {"name": "x", "model": {**size, "max_seq_len": seq, "attention": impl},
+                     "data": {"seq_len": seq},
+                     "resource": {"use_gpu": cuda}}
+                ).model
+                torch.manual_seed(0)
+                model = build_model(model_cfg).to(self.device)
+                times: list[float] = []
+                try:
+                    _reset_peak(self.device)
+                    for _ in range(4):
+                        t = time.perf_counter()
+                        with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                            if cuda:
+                                model(**batch).float().mean().backward()
+                            else:
+                                with torch.no_grad():
+                                    model(**batch)
+                        if cuda:
+                            torch.cuda.synchronize()
+                        times.append(time.perf_counter() - t)
+                    row[impl] = {
+                        "step_time_s": sorted(times[1:])[len(times[1:]) // 2],
+                        "first_s": times[0],
+                        "peak_bytes": _peak_bytes(self.device),
+                    }
+                except Exception as exc:  # noqa: BLE001 - e.g. out of memory at 16k dense
+                    row[impl] = {"error": _error(exc)}
+                del model
+            results[str(seq)] = row
+        rec["backward"] = cuda
+        rec["by_seq_len"] = results
+        rec["sdpa_backends"] = self._sdpa_backends()
+        bad = [k for k, r in results.items() if "error" in r.get("flex", {})]
+        if bad:
+            rec["ok"], rec["error"] = False, f"flex failed at {', '.join(bad)}"
+
+    def _sdpa_backends(self) -> dict[str, Any]:
+        """Which SDPA backends accept the dense-mask call and the plain causal one
+        (bf16, GQA); the dispatcher takes the first of flash, efficient, cudnn,
+        math that accepts a call."""
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        q = torch.randn(1, 16, 256, 64, device=self.device, dtype=dtype)
+        kv = torch.randn(1, 8, 256, 64, device=self.device, dtype=dtype)
+        mask = torch.ones(256, 256, dtype=torch.bool, device=self.device).tril()[None, None]
+        out: dict[str, Any] = {}
+        for call, kw in (("dense_mask", {"attn_mask": mask}), ("causal", {"is_causal": True})):
+            ok = []
+            for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH"):
+                try:
+                    with sdpa_kernel(getattr(SDPBackend, b)):
+                        F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True, **kw)
+                    ok.append(b)
+                except Exception:  # noqa: BLE001, S112 - not available for this call
+                    continue
+            out[call] = {"accepted": ok, "runs": ok[0] if ok else None}
+        return out
 
     # ---------------------------------------------------------------- (4)
 

@@ -15,8 +15,9 @@ alike unless said:
 | ZeRO-1 (DDP + ZeroRedundancyOptimizer) | 4 | 4 | 8/d (rank 0's greedy share) | 4 |
 | FSDP2 ZeRO-2/3 | 4/d (row-padded shards) + 2 (4 in fp32) per gathered parameter | 4/d | 8/d | 2-4 per parameter of the block prefetched / reduce-scattered |
 
-plus, during the optimizer step, AdamW `foreach`'s sqrt(exp_avg_sq) of the
-larger parameter group (4 per parameter of it; CUDA) and a 4-byte step per tensor.
+plus, during the optimizer step, nothing more: AdamW runs torch's fused kernel
+(CUDA and CPU), in place; where a device has none, `foreach`'s sqrt(exp_avg_sq) of
+the larger parameter group (4 per parameter of it; CUDA). A 4-byte step per tensor.
 Each optimizer states its own state and step figures (`memory` in
 trainlab.optim's modules; Muon: 4 bytes per hidden-matrix element, AdamW's 8 for
 the rest, and one matrix's Newton-Schulz working set during the step).
@@ -32,22 +33,31 @@ recomputed block's too); the residual stream stays fp32 and every Linear casts
 its own 16-bit copy of its input. bf16/fp16 under FSDP is its mixed-precision
 policy: fp32 shards, 16-bit gathered parameters and residual stream, fp32
 gradient reduce-scatter; its input casting also gives every block its own
-16-bit RoPE tables and its own copy of the attention-mask dataclass (so its own
-dense mask).
+16-bit RoPE tables (the attention mask is built once before the blocks and its
+tensors are shared: FSDP's per-block copies of its dataclass hold the same mask).
 
 Activations are what autograd saves, per block and token, as the architecture
 states it (`Architecture.block_saved_bytes`): the norms' inputs and outputs, the
-q, k and v outputs, q and k after RoPE, the attention output, the kernel's log-sum-exp
-and the packed batch's block-diagonal mask converted to the compute dtype
-(T bytes x 2-4 per token: the trainer's batches always carry document ids), the
-MLP's ffn-wide tensors. E.g. Llama per token: fp32 36h + 12kv + 16f, DDP bf16
-32h + 6kv + 8f, FSDP bf16 22h + 6kv + 8f (+ 4 x heads + c x T). `full`
+qkv output, q and k after RoPE, the attention output, the kernel's log-sum-exp
+and, on the `sdpa` path, the packed batch's block-diagonal mask converted to the
+compute dtype (T bytes x 2-4 per token, per block: SDPA converts it on each call),
+the MLP's ffn-wide tensors. The `flex` path (`model.attention: auto` on CUDA,
+docs/gpu.md) keeps no mask: FlexAttention's block mask is a few bytes per pair of
+128-token blocks. The planner resolves `auto` for the device (`resource.use_gpu`).
+E.g. Llama per token: fp32 36h + 12kv + 16f, DDP bf16
+32h + 6kv + 8f, FSDP bf16 22h + 6kv + 8f (+ 4 x heads, + c x T on the sdpa path). `full`
 recomputation keeps each block's input only and rebuilds one block at a time
-in backward; `selective` does that for every other block.
+in backward; `selective` does that for every other block and keeps, in those, the
+attention kernel's output and log-sum-exp (c x h + 4 x heads per token).
 
-The loss: the logits [tokens, vocab] in the compute dtype, `.float()`,
-log-softmax (kept): 10 bytes per logit in forward (8 in fp32), 12 at the start
-of backward (the gradients of the loss and of the log-softmax, fp32). Tied
+The loss (`train.loss_chunk_tokens`, trainlab.models.loss): the logits [tokens,
+vocab] in the compute dtype, kept from forward to the output projection's
+backward (the chunked loss writes their gradient over them), plus one chunk's
+fp32 working set at a time (its fp32 copy, none in fp32, and its exponentials:
+8 x chunk x vocab bytes in bf16), forward and backward. Under tensor parallelism
+the vocabulary-sharded logits go through torch's `loss_parallel`: `.float()` and
+the log-softmax kept, 10 bytes per logit in forward (8 in fp32), 12 at the start
+of backward. Tied
 embeddings: the output's gradient waits in autograd's input buffer until the
 embedding's arrives and the two are summed out of place.
 
@@ -454,10 +464,11 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
     s.work_block = arch.block_backward_bytes(m, d, N) / tp
     s.stored = [input_block if c else saved_block for c in ckpt]
     # Model-level: RoPE's cos and sin (fp32; FSDP mixed precision gives each block a
-    # 16-bit copy, counted in the block), the packed batch's dense bool mask (kept
-    # by recomputed blocks' arguments, else freed when forward returns; per block
-    # under FSDP's input casting, above), the final norm, the embedding's dropout
-    # mask.
+    # 16-bit copy, counted in the block), the packed batch's dense bool mask on the
+    # sdpa/eager path (built once before the blocks, shared by all and by FSDP's
+    # per-block copies of its dataclass; kept by recomputed blocks' arguments, else
+    # freed when forward returns; none on the flex path), the final norm, the
+    # embedding's dropout mask.
     s.rope = 0.0 if (arch.learned_positions or d.cast_block_inputs) else 2 * 4 * m.head_dim * N
     s.mask = T * N if (any(ckpt) and d.attention != "flex") else 0.0
     s.final_norm = arch.norm_saved_bytes(m, d, 1) * N

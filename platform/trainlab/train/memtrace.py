@@ -379,7 +379,7 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
                 last = i == micro_batches - 1
                 # As train_step: the sync context around the forward only.
                 with gradient_sync(model, last), autocast_context(precision, env.device):
-                    loss_sum, _ = loss_sum_and_count(model, batch)
+                    loss_sum, _ = loss_sum_and_count(model, batch, cfg.train.loss_chunk_tokens)
                     loss = loss_sum / (tokens * micro_batches)
                 tracker.phase = "backward"
                 loss.backward()

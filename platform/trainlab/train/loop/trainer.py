@@ -294,7 +294,7 @@ class Trainer:
         m = self.state.model
         if m.pipeline is None:
             for batch in batches:
-                total, count = loss_sum_and_count(m.model, batch)
+                total, count = loss_sum_and_count(m.model, batch, self.cfg.train.loss_chunk_tokens)
                 yield local_value(total), count
             return
         if not batches:
@@ -309,7 +309,7 @@ class Trainer:
                 pad = {k: v[:1].expand(short, *v.shape[1:]).clone() for k, v in part.items()}
                 pad["labels"].fill_(IGNORE_INDEX)
                 part = concat([part, pad])
-            total = m.pipeline.run(part, 1.0, backward=False)
+            total = m.pipeline.run(part, 1.0, backward=False, chunk=self.cfg.train.loss_chunk_tokens)
             count = (part["labels"] != IGNORE_INDEX).sum()
             yield (total if total is not None else torch.zeros((), device=count.device)), count
 
