@@ -232,6 +232,12 @@ def cluster() -> None:
     default=None,
     help="Dashboard / Jobs API port (default 8290, or a free one).",
 )
+@click.option(
+    "--scratch-per-node",
+    is_flag=True,
+    help="Give each node its own trainlab scratch directory (TRAINLAB_SCRATCH_DIR), "
+    "as machines without a shared disk have: rehearse runs and data in object storage.",
+)
 @json_option
 def up(
     num_cpus: int | None,
@@ -239,6 +245,7 @@ def up(
     worker_cpus: int,
     port: int | None,
     dashboard_port: int | None,
+    scratch_per_node: bool,
     as_json: bool,
 ) -> int:
     """Start a local Ray head node from this environment; print where it is."""
@@ -251,6 +258,7 @@ def up(
         worker_cpus=worker_cpus,
         gcs_port=port,
         dashboard_port=dashboard_port,
+        scratch_per_node=scratch_per_node,
     )
     if as_json:
         echo_json(state.to_json())

@@ -162,7 +162,10 @@ def _config_of(config: str, run_dir: str | None, resume: bool) -> tuple[str, str
     from pathlib import Path
 
     from trainlab.errors import UserError
+    from trainlab.storage import is_uri
 
+    if is_uri(config) and not config.startswith("file://"):
+        return _config_in_store(config, run_dir, resume)
     path = Path(config)
     if not path.is_dir():
         return config, run_dir, resume
@@ -173,6 +176,32 @@ def _config_of(config: str, run_dir: str | None, resume: bool) -> tuple[str, str
     if not (path / "config.yaml").is_file():
         raise UserError(f"{config}: no config.yaml here; not a run directory")
     return str(path / "config.yaml"), str(path), False
+
+
+def _config_in_store(
+    config: str, run_dir: str | None, resume: bool
+) -> tuple[str, str | None, bool]:
+    """A run in object storage given as CONFIG with --resume: its config.yaml,
+    fetched into this node's working copy of the run, and the run's URI."""
+    from trainlab.errors import UserError
+    from trainlab.runloc import RunLocation
+
+    loc = RunLocation.of(config)
+    if not resume:
+        raise UserError(
+            f"{config}: is a run in object storage; to continue it: "
+            f"trainlab train {config} --resume"
+        )
+    try:
+        text = loc.read_text("config.yaml")
+    except OSError as e:
+        raise UserError(f"{config}: cannot read the run's config.yaml: {e}") from None
+    if text is None:
+        raise UserError(f"{config}: no config.yaml there; not a run in object storage")
+    local = loc.local / "config.yaml"
+    local.parent.mkdir(parents=True, exist_ok=True)
+    local.write_text(text)
+    return str(local), loc.uri, False
 
 
 def _print_complete(s: dict, total_steps: int) -> None:

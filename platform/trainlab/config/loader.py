@@ -11,6 +11,7 @@ import copy
 import difflib
 import hashlib
 import json
+import logging
 import os
 import re
 import typing
@@ -25,6 +26,9 @@ from trainlab.config.jobcopy import is_relative, relative_in_copy, uploaded_copy
 from trainlab.config.rules import Problem, check_rules, resolve_parallel_defaults
 from trainlab.config.schema import SECTIONS, ExperimentConfig
 from trainlab.errors import ConfigError, clip, field_errors, quote, read_yaml
+from trainlab.redact import redact
+
+log = logging.getLogger("trainlab.config")
 
 EXTENDS_KEY = "extends"
 # What an experiment is and why: each file says it for itself, never inherited.
@@ -224,6 +228,8 @@ def _line(p: Problem) -> str:
 def validate_raw(raw: dict[str, Any], source: str | None = None) -> ExperimentConfig:
     """Validate a merged raw mapping; raise ConfigError listing every problem,
     each line prefixed with `source` (the config file) when given."""
+    prefix = f"{source}: " if source else ""
+    raw = fold_storage(raw, prefix)
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as err:
@@ -243,8 +249,35 @@ def validate_raw(raw: dict[str, Any], source: str | None = None) -> ExperimentCo
         resolve_parallel_defaults(typed["parallel"], typed["resource"])
     problems += check_rules({k: v.model_dump() for k, v in typed.items()})
     unique = dict.fromkeys(_line(p) for p in problems)
-    prefix = f"{source}: " if source else ""
     raise ConfigError([prefix + line for line in unique])
+
+
+STORAGE_FOLDED = (
+    "resource.storage is folded into train.runs_root: a run and its checkpoints live "
+    "there (a path every node sees, or s3://bucket/prefix), each node's disk is only a "
+    "cache (resource.scratch_dir)"
+)
+
+
+def fold_storage(raw: dict[str, Any], prefix: str = "", runs_root_given: bool = True) -> dict:
+    """`resource.storage` (a copy target for checkpoints, before runs could live in
+    object storage) is read as `train.runs_root` when that is not given; both
+    given and different is an error saying which one to keep."""
+    resource = raw.get("resource")
+    if not isinstance(resource, dict) or "storage" not in resource:
+        return raw
+    storage = resource["storage"]
+    rest = {k: v for k, v in resource.items() if k != "storage"}
+    train = raw.get("train") if isinstance(raw.get("train"), dict) else {}
+    if storage is None:
+        return {**raw, "resource": rest}
+    if runs_root_given and "runs_root" in train and train["runs_root"] != storage:
+        raise ConfigError(
+            f"{prefix}resource.storage = {redact(str(storage))!r} and train.runs_root = "
+            f"{train['runs_root']!r}: {STORAGE_FOLDED}; keep only train.runs_root"
+        )
+    log.warning("%s%s; reading resource.storage as train.runs_root", prefix, STORAGE_FOLDED)
+    return {**raw, "resource": rest, "train": {**train, "runs_root": storage}}
 
 
 def load_config(
@@ -270,6 +303,8 @@ def load_config(
     if isinstance(tracking, dict):
         tracking.setdefault("experiment", path.stem)
     raw = apply_overrides(raw, overrides)
+    train = raw.get("train")
+    raw = fold_storage(raw, f"{path}: ", runs_root_given=isinstance(train, dict) and "runs_root" in train)
     if name_from_overrides and isinstance(raw.get("name"), str):
         raw["name"] = override_name(raw["name"], overrides)
     anchor_paths(raw, config_anchor(path))
@@ -295,7 +330,7 @@ def require_record(cfg: ExperimentConfig, source: str, command: str) -> None:
 # --------------------------------------------------------------------------- paths
 
 # The config keys holding a local path (or a URL, left as it is).
-PATH_KEYS = (("data", "path"), ("train", "runs_root"), ("resource", "storage"))
+PATH_KEYS = (("data", "path"), ("train", "runs_root"))
 ANCHOR_MARKERS = (".git", "pyproject.toml")
 
 

@@ -219,7 +219,8 @@ class TrainConfig(Section):
     # Worker-group restarts Ray Train may do before the run fails.
     max_failures: int = Field(3, ge=0, le=1000, json_schema_extra=NOT_IDENTITY)
     # Where run directories go: {runs_root}/{date}/{name}/. Relative paths here and in
-    # data.path / resource.storage: to the config file's repository root (config.loader).
+    # data.path: to the config file's repository root (config.loader). Or s3://bucket/prefix:
+    # runs then live in object storage, each node keeps only a cache (resource.scratch_dir).
     runs_root: str = Field("runs", json_schema_extra=NOT_IDENTITY)
     checkpoint: CheckpointConfig = Field(
         default_factory=CheckpointConfig, json_schema_extra=NOT_IDENTITY
@@ -330,11 +331,6 @@ class ResourceConfig(Section):
     local_num_cpus: int | None = Field(None, ge=1, le=4096)
     # `trainlab submit`: resubmit a job that failed for infrastructure reasons.
     job_retries: int = Field(0, ge=0, le=100)
-    # Durable checkpoint storage: a path or s3://bucket/prefix (endpoint from
-    # AWS_ENDPOINT_URL). Rank 0 copies every valid checkpoint retention keeps to
-    # {storage}/{date}/{name}/checkpoints/; resuming a named run (--run-dir, --resume,
-    # job retries) restores from there what the run directory lacks. null = none.
-    storage: str | None = Field(None, min_length=1, max_length=1024)
     # Each node's local scratch and cache area (staged checkpoint parts, downloaded
     # checkpoints and datasets, the driver's working copy of a run kept in object
     # storage): never the only copy of anything. An absolute path on every node;
@@ -352,27 +348,6 @@ class ResourceConfig(Section):
             raise ValueError("a local directory on each node, not a URI")
         if not (v.startswith("/") or v.startswith("~")):
             raise ValueError("an absolute path (it names a directory on every node)")
-        return v
-
-    @model_validator(mode="before")
-    @classmethod
-    def _mask_storage_credentials(cls, data: object) -> object:
-        # Credentials in the storage URL are refused below; masked first, so that the
-        # error (which quotes the value) does not print them.
-        from trainlab.redact import redact, url_credentials
-
-        if isinstance(data, dict) and url_credentials(str(data.get("storage") or "")):
-            return {**data, "storage": redact(str(data["storage"]))}
-        return data
-
-    @field_validator("storage")
-    @classmethod
-    def _storage_without_credentials(cls, v: str | None) -> str | None:
-        from trainlab.storage import credentials_problem
-
-        problem = credentials_problem(v) if v else None
-        if problem:
-            raise ValueError(problem)
         return v
 
 

@@ -61,6 +61,9 @@ class NodeProc:
     log: str
     num_cpus: int
     temp_dir: str = ""  # Ray's session files, logs and sockets of this node
+    # With `scratch_per_node`: this node's trainlab scratch (TRAINLAB_SCRATCH_DIR of
+    # its processes), as a machine of a cluster without a shared disk has its own.
+    scratch_dir: str = ""
 
 
 @dataclass
@@ -70,6 +73,7 @@ class ClusterState:
     temp_dir: str
     nodes: list[NodeProc] = field(default_factory=list)
     started_at: float = 0.0
+    scratch_per_node: bool = False
 
     @property
     def head(self) -> NodeProc:
@@ -158,13 +162,18 @@ def stop_group(pgid: int, grace_s: float = 5.0) -> None:
             time.sleep(0.2)
 
 
-def _node_env(gcs_address: str) -> dict[str, str]:
+def _node_env(gcs_address: str, scratch_dir: str = "") -> dict[str, str]:
     """Environment of one node of the cluster at `gcs_address`. RAY_ADDRESS names that
     cluster to every process the node starts: Ray's own helpers that look the cluster
     up (the job supervisor, Ray Train's placement-group cleaner through the state API)
     would otherwise guess among every Ray instance on this machine, and fail, or pick
     another engineer's cluster, when there is more than one."""
-    return _ray_env({**SINGLE_MACHINE_ENV, "RAY_ADDRESS": gcs_address})
+    extra = {**SINGLE_MACHINE_ENV, "RAY_ADDRESS": gcs_address}
+    if scratch_dir:  # every process Ray starts on the node inherits it
+        from trainlab.storage import SCRATCH_ENV_VAR
+
+        extra[SCRATCH_ENV_VAR] = scratch_dir
+    return _ray_env(extra)
 
 
 def _ray_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -220,7 +229,13 @@ def _agent_port_flags() -> list[str]:
 
 
 def start_head(
-    num_cpus: int, gcs_port: int, dashboard_port: int, temp_dir: Path, log: Path, timeout_s: float
+    num_cpus: int,
+    gcs_port: int,
+    dashboard_port: int,
+    temp_dir: Path,
+    log: Path,
+    timeout_s: float,
+    scratch_dir: str = "",
 ) -> NodeProc:
     cmd = [
         *RAY_START,
@@ -237,9 +252,9 @@ def start_head(
         f"--temp-dir={temp_dir}",
         *_agent_port_flags(),
     ]
-    pgid = _launch(cmd, log, _node_env(f"{HOST}:{gcs_port}"))
+    pgid = _launch(cmd, log, _node_env(f"{HOST}:{gcs_port}", scratch_dir))
     _wait_ready(pgid, log, "the Ray head", timeout_s)
-    return NodeProc("head", pgid, str(log), num_cpus, str(temp_dir))
+    return NodeProc("head", pgid, str(log), num_cpus, str(temp_dir), scratch_dir)
 
 
 def start_worker(
@@ -249,6 +264,7 @@ def start_worker(
     log: Path,
     timeout_s: float,
     resources: dict[str, float] | None = None,
+    scratch_dir: str = "",
 ) -> NodeProc:
     # Its own temp dir: sharing the head's would make both nodes' log monitors
     # forward every worker log line, so a job's logs would show each line twice.
@@ -264,9 +280,9 @@ def start_worker(
     ]
     if resources:
         cmd.append(f"--resources={json.dumps(resources)}")
-    pgid = _launch(cmd, log, _node_env(gcs_address))
+    pgid = _launch(cmd, log, _node_env(gcs_address, scratch_dir))
     _wait_ready(pgid, log, "a Ray worker node", timeout_s)
-    return NodeProc("worker", pgid, str(log), num_cpus, str(temp_dir))
+    return NodeProc("worker", pgid, str(log), num_cpus, str(temp_dir), scratch_dir)
 
 
 # --------------------------------------------------------------------------- up / down
@@ -279,8 +295,12 @@ def cluster_up(
     gcs_port: int | None = None,
     dashboard_port: int | None = None,
     timeout_s: float = 300.0,
+    scratch_per_node: bool = False,
 ) -> ClusterState:
-    """Start the head (and `worker_nodes` more raylets); record and return the state."""
+    """Start the head (and `worker_nodes` more raylets); record and return the state.
+    `scratch_per_node`: each node gets its own trainlab scratch directory
+    (`{its temp dir}-scratch`), as on a cluster whose machines share no disk: with
+    runs and data in object storage, nothing may depend on another node's files."""
     from trainlab.raycluster import local_num_cpus
 
     if read_state() is not None:
@@ -305,6 +325,7 @@ def cluster_up(
         dashboard_url=f"http://{HOST}:{dashboard_port}",
         temp_dir=str(temp_dir),
         started_at=time.time(),
+        scratch_per_node=scratch_per_node,
     )
     for attempt in (1, 2):  # a second try on a machine too busy for the first
         try:
@@ -315,6 +336,7 @@ def cluster_up(
                 temp_dir,
                 logs / f"head-{stamp}-{attempt}.log",
                 timeout_s,
+                scratch_dir=f"{temp_dir}-scratch" if scratch_per_node else "",
             )
             break
         except UserError:
@@ -350,6 +372,7 @@ def add_worker_node(
                 home_dir() / "logs" / f"worker{index}-{stamp}-{attempt}.log",
                 timeout_s,
                 resources={"trainlab_worker_node": 1},
+                scratch_dir=f"{temp_dir}-scratch" if state.scratch_per_node else "",
             )
             break
         except UserError:

@@ -35,6 +35,7 @@ from trainlab.monitor.sinks import (
     WebhookSink,
     check_webhook_url,
 )
+from trainlab.runloc import RunLocation
 from trainlab.train.loop.callbacks import Callback, RunContext
 
 log = logging.getLogger(__name__)
@@ -48,8 +49,10 @@ _DEFAULT_HOOK_ENV = {"page": "TRAINLAB_PAGE_WEBHOOK", "message": "TRAINLAB_MESSA
 
 
 def alert_log_path(run_dir: str | Path) -> Path:
-    """The run's alert log: one JSON object per alert, appended across restarts."""
-    return Path(run_dir) / "logs" / "alerts.jsonl"
+    """The run's alert log: one JSON object per alert, appended across restarts
+    (in this node's directory of the run; a run in object storage ships it there
+    with its other logs, trainlab.runloc.ship_logs)."""
+    return RunLocation.of(run_dir).local / "logs" / "alerts.jsonl"
 
 
 class MonitorCallback(Callback):
@@ -90,7 +93,8 @@ class MonitorCallback(Callback):
         # statistics restart with the processes); alerts so far are kept.
         self.on_run_end({})
         alerts_cfg = ctx.cfg.tracking.alerts
-        self.rules = [*build_rules(alerts_cfg), *low_disk_rules(alerts_cfg, ctx.run_dir)]
+        local = RunLocation.of(ctx.run_dir).local  # a run in object storage: its scratch copy
+        self.rules = [*build_rules(alerts_cfg), *low_disk_rules(alerts_cfg, str(local))]
         now = self.clock()
         for rule in self.rules:
             if isinstance(rule, StaleCheckpoint):

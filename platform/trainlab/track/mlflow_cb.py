@@ -432,10 +432,15 @@ class MlflowCallback(Callback):
         """The journal of `run_dir` and its flusher (not started); returns the
         runs root whose store it goes to."""
         self._run_dir = run_dir
-        # Contract: the run directory is {runs_root}/{date}/{name}.
-        runs_root = self.runs_root or str(Path(run_dir).resolve().parents[1])
+        # The store is the runs root's (never derived from where the run directory
+        # is: a --run-dir elsewhere still records where `trainlab runs` looks); for
+        # a runs root in object storage, its working copy on this node.
+        from trainlab.runloc import RunLocation, local_runs_root
+
+        scratch = self.cfg.resource.scratch_dir
+        runs_root = self.runs_root or str(local_runs_root(self.cfg.train.runs_root, scratch))
         self.tracking_uri = tracking_uri(runs_root)
-        self._journal = Journal(run_dir)
+        self._journal = Journal(str(RunLocation.of(run_dir, scratch).local))
         self._flusher = Flusher(
             self._journal, self._connect, self.tracking_uri, on_start=self._store_ready
         )

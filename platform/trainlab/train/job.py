@@ -11,13 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.config import ExperimentConfig
+from trainlab.runloc import RunLocation
 
 
 @dataclass(frozen=True)
 class TrainJob:
     cfg: ExperimentConfig  # layout resolved (parallel.strategy in ddp/fsdp)
     plan: dict[str, Any]  # Plan.to_json()
-    run_dir: str  # absolute
+    run_dir: str  # absolute path, or the URI of a run in object storage
     config_hash: str
     dataset_fingerprint: str
     manifest_path: str  # absolute
@@ -36,8 +37,15 @@ class TrainJob:
     ray_job_id: str | None = None
 
     @property
+    def location(self) -> RunLocation:
+        """Where the run lives (`run_dir`: a path, or a URI in object storage)."""
+        return RunLocation.of(self.run_dir, self.cfg.resource.scratch_dir)
+
+    @property
     def run_path(self) -> Path:
-        return Path(self.run_dir)
+        """This node's directory of the run: the run directory, or for a run in
+        object storage its working copy on this node's scratch."""
+        return self.location.local
 
     @property
     def checkpoint_root(self) -> Path:

@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.environment import run_environment
-from trainlab.fileutil import write_text_atomic
 from trainlab.groups import summary_group
+from trainlab.runloc import RunLocation
 from trainlab.runstatus import RunStatus
 
 SUMMARY = "run_summary.json"
@@ -93,50 +93,41 @@ def failure_cause(failures: list[dict[str, Any]]) -> str:
     return "infrastructure" if kinds & INFRASTRUCTURE_KINDS else "code"
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return []
-    out = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError):
-            rec = json.loads(line)
-            if isinstance(rec, dict):
-                out.append(rec)
-    return out
-
-
-def _append_jsonl(path: Path, records: list[dict[str, Any]]) -> None:
-    with open(path, "a") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-
-
 class RunRecords:
-    """The records of one run directory."""
+    """The records of one run, in its directory or its object-storage prefix
+    (`run_dir`: a path, a store URI, or a `trainlab.runloc.RunLocation`). Every
+    record is written where the run lives, so processes on different nodes see
+    each other's records without a shared filesystem."""
 
-    def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: str | Path | RunLocation):
+        self.loc = run_dir if isinstance(run_dir, RunLocation) else RunLocation.of(run_dir)
+        self.run_dir = self.loc.local  # this node's directory of the run
         self.logs = self.run_dir / "logs"
 
     # ------------------------------------------------------------------ failures
 
     def add_failures(self, *failures: Failure) -> None:
         now = time.time()
-        _append_jsonl(
-            self.logs / FAILURES,
-            [{**asdict(f), "time": f.time or now} for f in failures],
+        self.loc.append_jsonl(
+            f"logs/{FAILURES}", [{**asdict(f), "time": f.time or now} for f in failures]
         )
 
     def failures(self, session: str | None = None) -> list[dict[str, Any]]:
         """Failure records (of one session when given), oldest first."""
-        records = _read_jsonl(self.logs / FAILURES)
+        records = self.loc.read_jsonl(f"logs/{FAILURES}")
         return [r for r in records if session is None or r.get("session") == session]
 
     def failure_events(self, session: str) -> set[str]:
         """Distinct failures of a session (one per failed attempt, whatever the ranks)."""
         return {r.get("event") or f"t{r.get('time')}" for r in self.failures(session)}
+
+    def mark_attempt_failed(self, event: str) -> None:
+        """Any rank's training process of attempt `event` failed: the other ranks'
+        agents stop theirs (`attempt_failed`)."""
+        self.loc.write_text(f"logs/.failed-{event}", "")
+
+    def attempt_failed(self, event: str) -> bool:
+        return self.loc.exists(f"logs/.failed-{event}")
 
     # ------------------------------------------------------------------ attempts
 
@@ -160,22 +151,22 @@ class RunRecords:
             record["layout"] = layout
         if resharded_from is not None:
             record["resharded_from"] = resharded_from
-        _append_jsonl(self.logs / ATTEMPTS, [record])
+        self.loc.append_jsonl(f"logs/{ATTEMPTS}", [record])
 
     def first_step_done(self, session: str, step: int) -> None:
         """When an attempt completed its first step (recovery time = this minus the
         failure's time)."""
-        _append_jsonl(
-            self.logs / ATTEMPTS, [{"session": session, "first_step": step, "time": time.time()}]
+        self.loc.append_jsonl(
+            f"logs/{ATTEMPTS}", [{"session": session, "first_step": step, "time": time.time()}]
         )
 
     def attempts(self) -> list[dict[str, Any]]:
         """Every start of the training processes in this run directory."""
-        return [r for r in _read_jsonl(self.logs / ATTEMPTS) if "start_step" in r]
+        return [r for r in self.loc.read_jsonl(f"logs/{ATTEMPTS}") if "start_step" in r]
 
     def first_steps(self) -> list[dict[str, Any]]:
         """{"session", "first_step", "time"} of each attempt that completed a step."""
-        return [r for r in _read_jsonl(self.logs / ATTEMPTS) if "first_step" in r]
+        return [r for r in self.loc.read_jsonl(f"logs/{ATTEMPTS}") if "first_step" in r]
 
     def restarts(self) -> int:
         return max(0, len(self.attempts()) - 1)
@@ -184,11 +175,11 @@ class RunRecords:
 
     def write_progress(self, step: int) -> None:
         """Rank 0's newest logged step, for failures that take the agent down too."""
-        write_text_atomic(self.logs / PROGRESS, json.dumps({"step": step, "time": time.time()}))
+        self.loc.write_text(f"logs/{PROGRESS}", json.dumps({"step": step, "time": time.time()}))
 
     def last_logged_step(self) -> int | None:
         try:
-            return int(json.loads((self.logs / PROGRESS).read_text())["step"])
+            return int(json.loads(self.loc.read_text(f"logs/{PROGRESS}") or "")["step"])
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -197,42 +188,44 @@ class RunRecords:
     def add_extension(self, record: dict[str, Any]) -> None:
         """The run was continued past its total_steps (`trainlab train --extend`):
         what changed, the config hashes before and after, the hash the run keeps."""
-        _append_jsonl(self.logs / EXTENSIONS, [{**record, "time": time.time()}])
+        self.loc.append_jsonl(f"logs/{EXTENSIONS}", [{**record, "time": time.time()}])
 
     def extensions(self) -> list[dict[str, Any]]:
-        return _read_jsonl(self.logs / EXTENSIONS)
+        return self.loc.read_jsonl(f"logs/{EXTENSIONS}")
 
     # ------------------------------------------------------------------ interrupts
 
     def request_interrupt(self) -> None:
         """Ask the training processes to stop at the next step boundary (a Ctrl-C)."""
-        (self.logs / INTERRUPT_FLAG).touch()
+        self.loc.write_text(f"logs/{INTERRUPT_FLAG}", "")
 
     def interrupt_requested(self) -> bool:
-        return (self.logs / INTERRUPT_FLAG).exists()
+        return self.loc.exists(f"logs/{INTERRUPT_FLAG}")
 
     def clear_interrupt(self) -> None:
         """A new start of the run (a resume) is not interrupted by an old Ctrl-C."""
-        (self.logs / INTERRUPT_FLAG).unlink(missing_ok=True)
+        self.loc.delete(f"logs/{INTERRUPT_FLAG}")
 
     # ------------------------------------------------------------------ chaos
 
-    def chaos_marker(self, step: int) -> Path:
-        return self.logs / f"chaos-step-{step:08d}.json"
+    def chaos_killed(self, step: int) -> bool:
+        """train.chaos killed a training process at `step` already (once per run)."""
+        return self.loc.exists(f"logs/chaos-step-{step:08d}.json")
 
     def record_chaos_kill(self, step: int, rank: int) -> str:
         """Written by a training process right before train.chaos kills it; returns
         the error text the agent will record for it."""
         error = f"chaos: train.chaos.kill_at_steps killed rank {rank} at step {step}"
         record = {"step": step, "rank": rank, "time": time.time(), "error": error}
-        write_text_atomic(self.chaos_marker(step), json.dumps(record))
+        self.loc.write_text(f"logs/chaos-step-{step:08d}.json", json.dumps(record))
         return error
 
     def chaos_kill(self, rank: int, since: float) -> dict[str, Any] | None:
         """The chaos kill of `rank`'s training process at or after time `since`, if any."""
-        for marker in sorted(self.logs.glob("chaos-step-*.json"), reverse=True):
+        names = [n for n in self.loc.list("logs") if n.startswith("chaos-step-")]
+        for name in sorted(names, reverse=True):
             try:
-                rec = json.loads(marker.read_text())
+                rec = json.loads(self.loc.read_text(f"logs/{name}") or "")
             except (OSError, ValueError):
                 continue
             if rec.get("rank") == rank and rec.get("time", 0) >= since:
@@ -243,7 +236,10 @@ class RunRecords:
 
     def reserve_room(self, size: int = RESERVE_BYTES) -> bool:
         """Hold `size` bytes of the run's disk (logs/.reserve) for the records of its
-        end; False when there is not even that much room (nothing held)."""
+        end; False when there is not even that much room (nothing held). A run in
+        object storage has no disk of its own to fill: nothing to hold."""
+        if self.loc.remote:
+            return True
         path = self.logs / RESERVE
         try:
             if path.exists() and path.stat().st_size >= size:
@@ -267,14 +263,14 @@ class RunRecords:
 
     # ------------------------------------------------------------------ summary
 
-    def write_summary(self, summary: dict[str, Any]) -> Path:
-        path = self.run_dir / SUMMARY
-        write_text_atomic(path, json.dumps(summary, indent=2, default=str) + "\n")
-        return path
+    def write_summary(self, summary: dict[str, Any]) -> str:
+        """Write run_summary.json; returns where (a path, or the store URI)."""
+        self.loc.write_text(SUMMARY, json.dumps(summary, indent=2, default=str) + "\n")
+        return self.loc.uri_of(SUMMARY)
 
     def read_summary(self) -> dict[str, Any] | None:
         try:
-            return json.loads((self.run_dir / SUMMARY).read_text())
+            return json.loads(self.loc.read_text(SUMMARY) or "")
         except (OSError, ValueError):
             return None
 
@@ -298,7 +294,7 @@ def run_summary(
 ) -> dict[str, Any]:
     """The run summary of `job` (a trainlab.train.job.TrainJob), built in one place
     for every outcome. Checkpoints are `CheckpointInfo`s (or None)."""
-    failures = RunRecords(job.run_dir).failures(job.session)
+    failures = RunRecords(job.location).failures(job.session)
     val_losses = dict(val_losses or {})
     val_loss = val_losses.get("all")
     if stop_reason == INTERRUPT_REASON:  # a stop the user asked for with Ctrl-C
@@ -317,8 +313,8 @@ def run_summary(
         "tokens_seen": step * job.cfg.tokens_per_step,
         "restarts": restarts,
         "weights_sha256": weights_sha256,
-        "last_checkpoint": str(last_checkpoint.path) if last_checkpoint else None,
-        "best_checkpoint": str(best_checkpoint.path) if best_checkpoint else None,
+        "last_checkpoint": last_checkpoint.where if last_checkpoint else None,
+        "best_checkpoint": best_checkpoint.where if best_checkpoint else None,
         "wall_seconds": round(time.time() - job.started_at, 3),
         "tokens_per_s": throughput[0],
         "tokens_per_s_median": throughput[1],
@@ -341,7 +337,7 @@ def run_summary(
     summary["environment"] = run_environment(job.run_dir)
     if summary_group():  # one seed of a `--repeats` group (trainlab.groups)
         summary["group"] = summary_group()
-    extensions = RunRecords(job.run_dir).extensions()
+    extensions = RunRecords(job.location).extensions()
     if extensions:
         summary["extensions"] = extensions
     return summary
@@ -369,13 +365,14 @@ def _summary_at_newest_checkpoint(job: Any, status: str, **extra: Any) -> dict[s
     """A summary written from the driver, at the run's newest valid checkpoint."""
     from trainlab.train import checkpoint as ck
 
-    newest = ck.find_resume(job.checkpoint_root, require_valid=job.cfg.train.checkpoint.validate)
+    catalog = ck.catalog(job.location)
+    newest = catalog.find_resume(require_valid=job.cfg.train.checkpoint.validate)
     return run_summary(
         job,
         status,
         step=newest.step if newest else 0,
-        restarts=RunRecords(job.run_dir).restarts(),
+        restarts=RunRecords(job.location).restarts(),
         last_checkpoint=newest,
-        best_checkpoint=ck.best(ck.committed(job.checkpoint_root)),
+        best_checkpoint=ck.best(catalog.committed()),
         **extra,
     )

@@ -166,9 +166,15 @@ def _payload_files(directory: Path) -> list[Path]:
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    path: Path
+    path: Path  # on this node (for a run in object storage: its cached copy)
     step: int
     meta: dict[str, Any]
+    uri: str | None = None  # where it lives, for a run in object storage
+
+    @property
+    def where(self) -> str:
+        """Its location for people and records: the store URI, else the path."""
+        return self.uri or str(self.path)
 
     @property
     def valid(self) -> bool:
@@ -354,6 +360,29 @@ def commit(
         str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
         for p in _payload_files(staging)
     }
+    meta = committed_meta(staging, meta, files, validator)
+    tmp_meta = staging / (META_FILE + ".tmp")
+    tmp_meta.write_text(json.dumps(meta, indent=1, sort_keys=True))
+    with open(tmp_meta, "rb+") as f:
+        os.fsync(f.fileno())
+    tmp_meta.rename(staging / META_FILE)
+    for marker in staging.glob(DONE_PREFIX + "*"):
+        marker.unlink()
+    if final.exists():  # an earlier attempt's checkpoint of this step, skipped on resume
+        shutil.rmtree(final)
+    staging.rename(final)
+    _fsync_dir(final.parent)
+    return CheckpointInfo(final, meta["step"], meta)
+
+
+def committed_meta(
+    staging: Path,
+    meta: dict[str, Any],
+    files: dict[str, dict[str, Any]],
+    validator: Validator | None,
+) -> dict[str, Any]:
+    """checkpoint.json of a checkpoint whose complete files are in `staging`:
+    `meta` with the files' list and the outcome of `validator` run on it."""
     result = Validation(ok=True)
     if validator is not None:
         try:
@@ -372,18 +401,12 @@ def commit(
     }
     if "val_loss" not in meta:  # a writer that names no held-out loss: validation's
         meta["val_loss"] = result.loss
-    tmp_meta = staging / (META_FILE + ".tmp")
-    tmp_meta.write_text(json.dumps(meta, indent=1, sort_keys=True))
-    with open(tmp_meta, "rb+") as f:
-        os.fsync(f.fileno())
-    tmp_meta.rename(staging / META_FILE)
-    for marker in staging.glob(DONE_PREFIX + "*"):
-        marker.unlink()
-    if final.exists():  # an earlier attempt's checkpoint of this step, skipped on resume
-        shutil.rmtree(final)
-    staging.rename(final)
-    _fsync_dir(final.parent)
-    return CheckpointInfo(final, meta["step"], meta)
+    return meta
+
+
+def first_line_of(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def write_done_marker(staging: Path, rank: int) -> None:
@@ -419,23 +442,33 @@ class CheckpointWriter:
         keep_best: int,
         async_save: bool,
         after_commit: Callable[[], None] | None = None,
+        store: Any = None,
     ):
-        """`after_commit`: called on rank 0 after each commit and pruning (e.g. the
-        copy to resource.storage, trainlab.train.checkpoint.mirror)."""
+        """`after_commit`: called on rank 0 after each commit and pruning.
+        `store`: a `trainlab.train.checkpoint.store.CheckpointStore` when the run
+        lives in object storage: every rank uploads its part there and rank 0
+        commits there (`root` is then this node's scratch for staging)."""
         self.root, self.rank, self.world_size = root, rank, world_size
         self.after_commit = after_commit
+        self.store = store
         self.keep_last, self.keep_best = keep_last, keep_best
         self._executor = ThreadPoolExecutor(1, "checkpoint") if async_save else None
         self._future: Future[CheckpointInfo | None] | None = None
         self._done: list[CheckpointInfo] = []
 
     def staging_dir(self, step: int) -> Path:
-        path = self.root / f"{STAGING_PREFIX}{dir_name(step)}"
+        if self.store is not None:  # this rank's own folder on its node's scratch
+            path = self.store.staging_dir(step, self.rank)
+        else:
+            path = self.root / f"{STAGING_PREFIX}{dir_name(step)}"
         path.mkdir(parents=True, exist_ok=True)
         return path
 
     def discard(self, step: int) -> None:
         """Remove the partial checkpoint of `step` (its staging directory)."""
+        if self.store is not None:
+            shutil.rmtree(self.store.staging_dir(step, self.rank), ignore_errors=True)
+            return
         shutil.rmtree(self.root / f"{STAGING_PREFIX}{dir_name(step)}", ignore_errors=True)
 
     def fault(self, step: int, error: BaseException) -> BaseException:
@@ -463,6 +496,8 @@ class CheckpointWriter:
 
         def write() -> CheckpointInfo | None:
             write_files(staging)
+            if self.store is not None:
+                return self._to_store(step, staging, meta, validator)
             write_done_marker(staging, self.rank)
             if self.rank != 0:
                 return None
@@ -487,6 +522,55 @@ class CheckpointWriter:
         else:
             self._future = self._executor.submit(work)
 
+    def _to_store(
+        self, step: int, staging: Path, meta: dict[str, Any], validator: Validator | None
+    ) -> CheckpointInfo | None:
+        """Upload this rank's part; on rank 0, wait for every part, validate a
+        complete local copy and commit in the store (trainlab.train.checkpoint.store).
+        A failure of the store gives up this save only (logged, never committed)."""
+        from trainlab.train.checkpoint.store import SaveAbandoned, abandoned_text
+
+        store = self.store
+        try:
+            try:
+                own = store.upload_part(staging, step, self.rank)
+            except Exception as e:
+                store.mark_part_failed(step, self.rank, first_line_of(e))
+                raise SaveAbandoned(f"rank {self.rank}: {first_line_of(e)}") from e
+            if self.rank != 0:
+                shutil.rmtree(staging, ignore_errors=True)
+                return None
+            files = store.wait_parts(step, self.world_size)
+            if validator is not None:  # validation reads the whole checkpoint
+                store.download(step, files, staging, skip=set(own))
+            full = committed_meta(staging, meta, files, validator)
+            store.commit(step, full)
+        except (SaveAbandoned, OSError, ValueError) as e:
+            log.warning("%s", abandoned_text(step, store, e))
+            shutil.rmtree(staging, ignore_errors=True)
+            if self.rank == 0:
+                store.delete(step)
+            return None
+        final = store.local_root / dir_name(step)  # this node's cache of the newest
+        shutil.rmtree(final, ignore_errors=True)
+        if validator is not None:  # a complete, checked copy: what a resume here reads
+            from trainlab.train.checkpoint.store import VERIFIED
+
+            full = json.loads(json.dumps(full))  # as a reader of the store sees it
+            (staging / META_FILE).write_text(json.dumps(full, indent=1, sort_keys=True))
+            (staging / VERIFIED).write_text(json.dumps(full, sort_keys=True))
+            staging.rename(final)
+        else:
+            shutil.rmtree(staging, ignore_errors=True)
+        store.keep_cache(step)
+        try:
+            store.prune(self.keep_last, self.keep_best)
+        except OSError as e:
+            log.warning("retention in %s failed (tried again next save): %s", store.uri(), e)
+        if self.after_commit is not None:
+            self.after_commit()
+        return CheckpointInfo(final, step, full, uri=store.uri(step))
+
     def _collect(self, info: CheckpointInfo | None) -> None:
         if info is not None:
             self._done.append(info)
@@ -510,3 +594,36 @@ class CheckpointWriter:
             self.wait()
         out, self._done = self._done, []
         return out
+
+
+# --------------------------------------------------------------------------- catalogs
+
+
+class LocalCatalog:
+    """The checkpoints of a run in a directory (local or shared), with the same
+    methods as a run's in object storage (`store.CheckpointStore`)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def committed(self) -> list[CheckpointInfo]:
+        return committed(self.root)
+
+    def find_resume(self, require_valid: bool = True) -> CheckpointInfo | None:
+        return find_resume(self.root, require_valid)
+
+    def refusals(self, require_valid: bool = True) -> list[tuple[str, str]]:
+        return [(str(p), why) for p, why in refusals(self.root, require_valid)]
+
+    def prune(self, keep_last: int, keep_best: int) -> list[int]:
+        return [parse_step(p.name) or 0 for p in prune(self.root, keep_last, keep_best)]
+
+
+def catalog(loc: Any) -> Any:
+    """The checkpoints of the run at `loc` (a `trainlab.runloc.RunLocation`): a
+    `LocalCatalog`, or a `store.CheckpointStore` for a run in object storage."""
+    if loc.remote:
+        from trainlab.train.checkpoint.store import CheckpointStore
+
+        return CheckpointStore(loc)
+    return LocalCatalog(loc.local / "checkpoints")

@@ -35,8 +35,9 @@ from typing import Any
 from trainlab.config import ExperimentConfig
 from trainlab.errors import UserError
 from trainlab.plan import plan, require_fit, resolve_layout
+from trainlab.runloc import LogShipper, RunLocation
 from trainlab.runstatus import RunStatus
-from trainlab.storage import check_disk_room
+from trainlab.storage import SCRATCH_ENV_VAR, UnsafePath, check_disk_room
 from trainlab.train import checkpoint as ck
 from trainlab.train.driver import rundir
 from trainlab.train.driver.interrupt import Interrupts, call_in_thread
@@ -119,23 +120,36 @@ def prepare_data(cfg: ExperimentConfig) -> DataInfo:
     return DataInfo(spec, spec.fingerprint, manifest, list(spec.sources))
 
 
-def check_resumable(run_dir: Path, cfg: ExperimentConfig, chash: str, data: DataInfo) -> None:
-    """A checkpoint in run_dir must be of this experiment (`chash`: the run's, see
-    rundir.check_same_experiment) and (unless allowed) dataset. A run directory
-    whose checkpoints are all refused (invalid, corrupted) is not restarted from
-    step 0 over them: the error names each and why."""
+def check_resumable(
+    run_dir: Path | RunLocation, cfg: ExperimentConfig, chash: str, data: DataInfo
+) -> None:
+    """A checkpoint of the run must be of this experiment (`chash`: the run's, see
+    rundir.check_same_experiment) and (unless allowed) dataset. A run whose
+    checkpoints are all refused (invalid, corrupted, not committed) is not
+    restarted from step 0 over them: the error names each and why."""
     from trainlab.data import check_resume
 
-    root, require_valid = run_dir / "checkpoints", cfg.train.checkpoint.validate
-    info = ck.find_resume(root, require_valid=require_valid)
+    loc = run_dir if isinstance(run_dir, RunLocation) else RunLocation.of(run_dir)
+    require_valid = cfg.train.checkpoint.validate
+    catalog = ck.catalog(loc)
+    try:
+        info = catalog.find_resume(require_valid=require_valid)
+        refused = catalog.refusals(require_valid=require_valid) if info is None else []
+    except OSError as e:
+        raise UserError(f"{loc.uri}: cannot list the run's checkpoints: {e}") from None
+    except UnsafePath as e:
+        raise UserError(
+            f"{loc.uri}: refusing its checkpoints: {e}; nothing was restored. Whoever can "
+            "write to the store wrote it: check who can, and delete that checkpoint.json"
+        ) from None
     if info is None:
-        refused = ck.refusals(root, require_valid=require_valid)
+        refused = [(w, why) for w, why in refused if "not committed" not in why]
         if refused:  # never a silent restart from step 0 over them
-            why = "; ".join(f"{path.name} ({reason})" for path, reason in refused)
+            why = "; ".join(f"{w.rsplit('/', 1)[-1]} ({reason})" for w, reason in refused)
             raise UserError(
-                f"{run_dir}: no checkpoint to resume from, every one is refused: {why}; "
+                f"{loc.uri}: no checkpoint to resume from, every one is refused: {why}; "
                 "to start over from step 0 deliberately, start a new run (trainlab train "
-                f"{run_dir / 'config.yaml'} without --resume/--run-dir: a new run "
+                f"{loc.uri_of('config.yaml')} without --resume/--run-dir: a new run "
                 "directory, these checkpoints stay as they are)"
             )
         return
@@ -143,21 +157,6 @@ def check_resumable(run_dir: Path, cfg: ExperimentConfig, chash: str, data: Data
     if problem:
         raise UserError(problem)
     check_resume(data.spec, ck.data_state(info))
-
-
-def restore_from_storage(cfg: ExperimentConfig, run_dir: Path) -> list[int]:
-    """Resuming a named run whose run directory lacks the newest checkpoint copied
-    to `resource.storage` (a new cluster, a lost disk): download it first."""
-    from trainlab.train.checkpoint.mirror import CheckpointMirror
-
-    mirror = CheckpointMirror.for_run(cfg.resource.storage, run_dir)
-    try:
-        return mirror.pull(run_dir / "checkpoints", require_valid=cfg.train.checkpoint.validate)
-    except OSError as e:
-        raise UserError(
-            f"resource.storage = {cfg.resource.storage!r}: cannot read the "
-            f"checkpoint copies at {mirror.uri()}: {e}"
-        ) from None
 
 
 def forwarded_env(cfg: ExperimentConfig | None = None) -> dict[str, str]:
@@ -168,6 +167,7 @@ def forwarded_env(cfg: ExperimentConfig | None = None) -> dict[str, str]:
 
     hooks = cfg.tracking.alerts.secret_env_names() if cfg is not None else []
     env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    env.pop(SCRATCH_ENV_VAR, None)  # each node's own (trainlab.storage.scratch_root)
     return shareable_env(env, also_secret=hooks)
 
 
@@ -180,6 +180,22 @@ def ray_job_id() -> str | None:
     except ValueError:
         meta = {}
     return meta.get("job_submission_id")
+
+
+def _check_store(loc: RunLocation) -> None:
+    """The runs root in object storage answers (write, read back, delete a probe),
+    before anything of the run is written; else UserError naming it."""
+    from trainlab.storage import check_writable, resolve_storage
+
+    check_writable(resolve_storage(loc.uri.rsplit("/", 2)[0]))
+
+
+def _ray_storage(loc: RunLocation) -> dict[str, Any]:
+    """Ray Train's own bookkeeping (`storage_path`): next to the run, in the store
+    for a run in object storage, so no node needs a shared disk."""
+    if loc.storage is None:
+        return {"storage_path": str(loc.local / "ray")}
+    return {"storage_path": loc.key("ray"), "storage_filesystem": loc.storage.filesystem}
 
 
 def _driver_log(run_dir: Path) -> None:
@@ -237,38 +253,41 @@ def _run(
         cfg = smoke_config(cfg)
     cfg, plan_json = prepare_layout(cfg)
     data = _checked_together(cfg)
-    path = rundir.choose_run_dir(cfg, run_dir, resume and not smoke, base_dir)
-    identity = rundir.check_same_experiment(path, cfg, extend=extend)  # reads only
-    done = rundir.completed_summary(path, cfg)
+    loc = rundir.choose_run_dir(cfg, run_dir, resume and not smoke, base_dir)
+    path = loc.local  # the run directory, or this node's working copy of a run in a store
+    if loc.remote:
+        _check_store(loc)
+    identity = rundir.check_same_experiment(loc, cfg, extend=extend)  # reads only
+    done = rundir.completed_summary(loc, cfg)
     if done is not None:  # nothing to do: not one file of the run is touched
         return {**done, "already_complete": True}
     chash = identity.config_hash
-    restoring = bool(cfg.resource.storage) and (resume or run_dir is not None) and not smoke
     # Locked before the first write into it; a new run's directory is made only
     # after the checks below pass, so a refused start leaves nothing behind.
-    locked = path.exists() or restoring
+    locked = not loc.is_empty() if loc.remote else path.exists()
     if locked:
-        lock.enter_context(RunLock.acquire(path))
-    if restoring:
-        restore_from_storage(cfg, path)
-    check_resumable(path, cfg, chash, data)
-    check_disk_room(  # else UserError
-        path,
-        cfg.train.checkpoint,
-        plan_json["num_params"],
-        plan_json.get("checkpoint_bytes_per_param", 12),
-    )
+        lock.enter_context(RunLock.acquire(loc))
+    check_resumable(loc, cfg, chash, data)
+    if not loc.remote:  # a store has no disk to fill; scratch holds a cache only
+        check_disk_room(  # else UserError
+            path,
+            cfg.train.checkpoint,
+            plan_json["num_params"],
+            plan_json.get("checkpoint_bytes_per_param", 12),
+        )
     if not locked:
-        lock.enter_context(RunLock.acquire(path))
+        lock.enter_context(RunLock.acquire(loc))
     if identity.extension is not None:
-        RunRecords(path).add_extension(identity.extension)
-    rundir.write_run_files(path, cfg, plan_json)
-    RunRecords(path).clear_interrupt()  # a Ctrl-C of an earlier start is done with
+        RunRecords(loc).add_extension(identity.extension)
+    rundir.write_run_files(loc, cfg, plan_json)
+    RunRecords(loc).clear_interrupt()  # a Ctrl-C of an earlier start is done with
     _driver_log(path)
+    if loc.remote:  # the driver's logs (driver.log, ray.log, the MLflow journal)
+        lock.enter_context(LogShipper(loc))
     job = TrainJob(
         cfg=cfg,
         plan=plan_json,
-        run_dir=str(path),
+        run_dir=loc.uri,
         config_hash=chash,
         dataset_fingerprint=data.fingerprint,
         manifest_path=data.manifest_path,
@@ -287,15 +306,15 @@ def _run(
         plan_json["strategy"],
         cfg.resource.num_workers,
         cfg.train.precision,
-        path,
+        loc.uri,
     )
-    interrupts.attach(path)
+    interrupts.attach(loc)
     try:
         summary = _fit(cfg, job)
     except KeyboardInterrupt:  # a second Ctrl-C: stop at once
         return _interrupted(job, shutdown=True)
     if smoke and summary.get("status") != RunStatus.INTERRUPTED:
-        summary = _check_smoke(path, summary)
+        summary = _check_smoke(loc, summary)
     return summary
 
 
@@ -344,7 +363,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
         run_config=ray.train.RunConfig(
             # Ray's own bookkeeping; checkpoints are trainlab's (see train.checkpoint).
             name=f"ray-{job.session}",
-            storage_path=str(job.run_path / "ray"),
+            **_ray_storage(job.location),
             failure_config=ray.train.FailureConfig(max_failures=cfg.train.max_failures),
             callbacks=[FailureRecorder(job.run_dir, job.session)],
             # Ray's per-report INFO lines would drown the progress lines.
@@ -452,15 +471,15 @@ def _check_cluster(cfg: ExperimentConfig) -> None:
         )
 
 
-def _check_smoke(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+def _check_smoke(loc: RunLocation, summary: dict[str, Any]) -> dict[str, Any]:
     """The rehearsal passed when a worker was killed, the group resumed from the
     validated checkpoint before the kill, and the run completed."""
-    records = RunRecords(run_dir)
+    records = RunRecords(loc)
     resumed_from = [a["start_step"] for a in records.attempts()][1:]
+    committed = ck.catalog(loc).committed()
     checks = {
         "completed": summary.get("status") == RunStatus.COMPLETED,
-        "checkpoint_saved_and_validated": bool(ck.committed(run_dir / "checkpoints"))
-        and all(i.valid for i in ck.committed(run_dir / "checkpoints")),
+        "checkpoint_saved_and_validated": bool(committed) and all(i.valid for i in committed),
         "worker_killed_and_restarted": summary.get("restarts", 0) >= 1,
         "resumed_from_checkpoint": SMOKE_CHECKPOINT_EVERY in resumed_from,
     }

@@ -42,7 +42,9 @@ import yaml
 from trainlab.config import ExperimentConfig, config_hash, to_yaml
 from trainlab.config.loader import identity_diff
 from trainlab.errors import UserError
+from trainlab.runloc import RunLocation
 from trainlab.runstatus import RunStatus
+from trainlab.storage import is_uri, resolve_storage
 from trainlab.train.records import RunRecords
 
 EXTEND_KEY = "train.total_steps"
@@ -72,33 +74,76 @@ def _checkout() -> Path | None:
     return root if (root / "pyproject.toml").is_file() else None
 
 
+def root_location(cfg: ExperimentConfig, base_dir: Path | None = None) -> str:
+    """The runs root as a location: a store URI as written, else `runs_root`."""
+    if is_uri(cfg.train.runs_root) and not cfg.train.runs_root.startswith("file://"):
+        return resolve_storage(cfg.train.runs_root).uri
+    return str(runs_root(cfg, base_dir))
+
+
+def _join(root: str, *parts: str) -> str:
+    return "/".join([root.rstrip("/"), *parts])
+
+
+def _taken(where: str) -> bool:
+    """A run directory (or store prefix) that already holds something."""
+    loc = RunLocation.of(where)
+    return not loc.is_empty() if loc.remote else Path(where).exists()
+
+
 def new_run_dir(
     cfg: ExperimentConfig, base_dir: Path | None = None, today: dt.date | None = None
-) -> Path:
-    day = runs_root(cfg, base_dir) / (today or dt.date.today()).isoformat()
-    candidate, n = day / cfg.name, 1
-    while candidate.exists():
+) -> str:
+    """A new run's location for today: `{name}`, else `{name}-2`, `{name}-3`, ..."""
+    day = _join(root_location(cfg, base_dir), (today or dt.date.today()).isoformat())
+    candidate, n = _join(day, cfg.name), 1
+    while _taken(candidate):
         n += 1
-        candidate = day / f"{cfg.name}-{n}"
+        candidate = _join(day, f"{cfg.name}-{n}")
     return candidate
 
 
-def latest_run_dir(cfg: ExperimentConfig, base_dir: Path | None = None) -> Path:
-    """The most recently modified run directory named `{name}` or `{name}-N`."""
-    root = runs_root(cfg, base_dir)
+def latest_run_dir(cfg: ExperimentConfig, base_dir: Path | None = None) -> str:
+    """The most recent run named `{name}` or `{name}-N` (by its config.yaml's time)."""
+    root = root_location(cfg, base_dir)
+    if RunLocation.of(root).remote:
+        return _latest_in_store(cfg, root)
+    root_path = Path(root)
     candidates = [
-        p for p in root.glob(f"*/{cfg.name}*") if p.is_dir() and _is_run_of(p.name, cfg.name)
+        p for p in root_path.glob(f"*/{cfg.name}*") if p.is_dir() and _is_run_of(p.name, cfg.name)
     ]
     if not candidates:
         raise UserError(f"--resume: no earlier run named {cfg.name!r} under {root}")
-    return max(
-        candidates,
-        key=lambda p: (
-            (p / "config.yaml").stat().st_mtime
-            if (p / "config.yaml").exists()
-            else p.stat().st_mtime
-        ),
+    return str(
+        max(
+            candidates,
+            key=lambda p: (
+                (p / "config.yaml").stat().st_mtime
+                if (p / "config.yaml").exists()
+                else p.stat().st_mtime
+            ),
+        )
     )
+
+
+def _latest_in_store(cfg: ExperimentConfig, root: str) -> str:
+    from pyarrow import fs
+
+    store = RunLocation.of(root)
+    assert store.storage is not None
+    found = []
+    for day in store.list(""):
+        for name in store.list(day):
+            if _is_run_of(name, cfg.name):
+                info = store.storage.filesystem.get_file_info(
+                    store.key(f"{day}/{name}/config.yaml")
+                )
+                if info.type == fs.FileType.File:
+                    found.append((info.mtime_ns or 0, day, name))
+    if not found:
+        raise UserError(f"--resume: no earlier run named {cfg.name!r} under {root}")
+    _, day, name = max(found)
+    return _join(root, day, name)
 
 
 def _is_run_of(dirname: str, name: str) -> bool:
@@ -113,13 +158,21 @@ def choose_run_dir(
     run_dir: str | Path | None = None,
     resume: bool = False,
     base_dir: Path | None = None,
-) -> Path:
+) -> RunLocation:
+    """Where the run goes (see the module docstring): a `RunLocation`, whose `uri`
+    is the run directory or, for a run in object storage, its URI."""
+    scratch = cfg.resource.scratch_dir
     if run_dir is not None:
-        path = Path(run_dir).expanduser()
-        return (path if path.is_absolute() else (base_dir or Path.cwd()) / path).resolve()
+        text = str(run_dir)
+        if is_uri(text) and not text.startswith("file://"):
+            return RunLocation.of(resolve_storage(text).uri, scratch)
+        path = Path(text.removeprefix("file://")).expanduser()
+        return RunLocation.of(
+            (path if path.is_absolute() else (base_dir or Path.cwd()) / path).resolve(), scratch
+        )
     if resume:
-        return latest_run_dir(cfg, base_dir)
-    return new_run_dir(cfg, base_dir)
+        return RunLocation.of(latest_run_dir(cfg, base_dir), scratch)
+    return RunLocation.of(new_run_dir(cfg, base_dir), scratch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,29 +184,36 @@ class RunIdentity:
     extension: dict[str, Any] | None = None
 
 
-def read_run_config(run_dir: Path) -> ExperimentConfig | None:
+def _as_location(run_dir: Path | str | RunLocation) -> RunLocation:
+    return run_dir if isinstance(run_dir, RunLocation) else RunLocation.of(run_dir)
+
+
+def read_run_config(run_dir: Path | str | RunLocation) -> ExperimentConfig | None:
     """The config.yaml of a run directory (None when it has none yet)."""
-    existing = run_dir / "config.yaml"
-    if not existing.exists():
+    loc = _as_location(run_dir)
+    text = loc.read_text("config.yaml")
+    if text is None:
         return None
     try:
-        return ExperimentConfig.model_validate(yaml.safe_load(existing.read_text()))
+        return ExperimentConfig.model_validate(yaml.safe_load(text))
     except Exception as e:  # noqa: BLE001 - an unreadable record is the user's to fix
         raise UserError(
-            f"{existing}: cannot read the run's config ({e}); choose another --run-dir"
+            f"{loc.uri_of('config.yaml')}: cannot read the run's config ({e}); "
+            "choose another --run-dir"
         ) from None
 
 
 def check_same_experiment(
-    run_dir: Path, cfg: ExperimentConfig, extend: bool = False
+    run_dir: Path | RunLocation, cfg: ExperimentConfig, extend: bool = False
 ) -> RunIdentity:
     """Refuse to continue a run directory that holds a different experiment; with
     `extend`, allow (and describe) a larger train.total_steps and nothing else.
     Reads only."""
+    run_dir = _as_location(run_dir)
     old = read_run_config(run_dir)
     if old is None:
         if extend:
-            raise UserError(f"--extend: {run_dir} holds no run to extend")
+            raise UserError(f"--extend: {run_dir.uri} holds no run to extend")
         return RunIdentity(config_hash(cfg))
     run_hash = _run_hash(run_dir, config_hash(old))
     diff = identity_diff(old, cfg)
@@ -162,7 +222,7 @@ def check_same_experiment(
             longer = EXTEND_KEY in diff and diff[EXTEND_KEY][1] > diff[EXTEND_KEY][0]
             hint = "; to train the run longer add --extend" if longer else ""
             raise UserError(
-                f"{run_dir}: holds a different experiment (config hash {config_hash(old)} "
+                f"{run_dir.uri}: holds a different experiment (config hash {config_hash(old)} "
                 f"!= {config_hash(cfg)}; {_describe(diff)}); choose another --run-dir, or "
                 f"run without --run-dir/--resume to start a new run{hint}"
             )
@@ -173,7 +233,7 @@ def check_same_experiment(
     others = {k: v for k, v in diff.items() if k != EXTEND_KEY}
     if others:
         raise UserError(
-            f"--extend: only {EXTEND_KEY} may change, {run_dir} holds a run that also "
+            f"--extend: only {EXTEND_KEY} may change, {run_dir.uri} holds a run that also "
             f"differs in {_describe(others)}"
         )
     if after <= before:
@@ -191,7 +251,7 @@ def check_same_experiment(
     return RunIdentity(run_hash, extension)
 
 
-def _run_hash(run_dir: Path, current: str) -> str:
+def _run_hash(run_dir: RunLocation, current: str) -> str:
     """The config hash the run started with when config.yaml (hash `current`) is
     the result of its latest --extend, else `current`."""
     extensions = RunRecords(run_dir).extensions()
@@ -204,10 +264,10 @@ def _describe(diff: dict[str, tuple[Any, Any]]) -> str:
     return ", ".join(f"{k}: {a!r} in the run, {b!r} now" for k, (a, b) in diff.items())
 
 
-def completed_summary(run_dir: Path, cfg: ExperimentConfig) -> dict[str, Any] | None:
+def completed_summary(run_dir: Path | RunLocation, cfg: ExperimentConfig) -> dict[str, Any] | None:
     """run_summary.json of `run_dir` when it says the run completed cfg's
     train.total_steps (nothing is left to do), else None. Reads only."""
-    summary = RunRecords(run_dir).read_summary()
+    summary = RunRecords(_as_location(run_dir)).read_summary()
     if (
         summary
         and summary.get("status") == RunStatus.COMPLETED
@@ -217,9 +277,13 @@ def completed_summary(run_dir: Path, cfg: ExperimentConfig) -> dict[str, Any] | 
     return None
 
 
-def write_run_files(run_dir: Path, cfg: ExperimentConfig, plan_json: dict[str, Any]) -> None:
-    """config.yaml (resolved), plan.json, logs/ and checkpoints/."""
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "checkpoints").mkdir(exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    (run_dir / "plan.json").write_text(json.dumps(plan_json, indent=2) + "\n")
+def write_run_files(
+    run_dir: Path | RunLocation, cfg: ExperimentConfig, plan_json: dict[str, Any]
+) -> None:
+    """config.yaml (resolved) and plan.json where the run lives; logs/ and
+    checkpoints/ in this node's directory of it."""
+    loc = _as_location(run_dir)
+    (loc.local / "logs").mkdir(parents=True, exist_ok=True)
+    (loc.local / "checkpoints").mkdir(exist_ok=True)
+    loc.write_text("config.yaml", to_yaml(cfg))
+    loc.write_text("plan.json", json.dumps(plan_json, indent=2) + "\n")

@@ -42,6 +42,7 @@ from typing import Any
 
 from trainlab.errors import UserError
 from trainlab.fileutil import write_text_atomic
+from trainlab.runloc import RunLocation
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class Holder:
 class RunLockHeld(UserError):
     """Another live process holds the run directory's lock."""
 
-    def __init__(self, run_dir: Path, holder: Holder | None):
+    def __init__(self, run_dir: Path | str, holder: Holder | None):
         who = holder.describe() if holder else UNKNOWN_HOLDER
         super().__init__(
             f"{run_dir}: in use by another trainlab process ({who}); a run has one "
@@ -132,9 +133,14 @@ class RunLock:
         )
 
     @classmethod
-    def acquire(cls, run_dir: str | Path) -> RunLock:
+    def acquire(cls, run_dir: str | Path | RunLocation) -> RunLock | StoreRunLock:
         """Take `run_dir`'s lock (creating the directory), or raise RunLockHeld
-        naming its live holder. A stale lock is taken over and recorded."""
+        naming its live holder. A stale lock is taken over and recorded. A run in
+        object storage gets a `StoreRunLock`."""
+        if isinstance(run_dir, RunLocation):
+            if run_dir.remote:
+                return StoreRunLock.acquire(run_dir)
+            run_dir = run_dir.local
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
@@ -203,6 +209,99 @@ class RunLock:
                 f.write(json.dumps(record) + "\n")
         except OSError as e:
             log.warning("could not record the lock takeover in %s: %s", self.run_dir, e)
+
+
+class StoreRunLock:
+    """The lock of a run in object storage: a lease, `.lock.json` in the run's
+    prefix, naming its holder and renewed every beat. A store has no file locks,
+    so a holder counts as alive while its beat is fresh (TRAINLAB_LOST_AFTER_S),
+    or, on this host, while its process runs. Taking it writes this process's
+    record and reads it back after a pause: of two drivers starting within that
+    pause, the one whose record is read back wins and the other is refused. (A
+    store without conditional writes allows no stronger guarantee; the pause is
+    TRAINLAB_LOCK_SETTLE_S, default 1 s.)"""
+
+    def __init__(self, loc: RunLocation, holder: Holder):
+        self.loc, self.holder = loc, holder
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat_loop, name="trainlab-runlock", daemon=True
+        )
+
+    @classmethod
+    def acquire(cls, loc: RunLocation) -> StoreRunLock:
+        previous = _parse_holder(loc.read_text(HOLDER))
+        if previous is not None and _alive(previous):
+            raise RunLockHeld(loc.uri, previous)
+        now = time.time()
+        lock = cls(loc, Holder(socket.gethostname(), os.getpid(), now, now))
+        lock._write()
+        time.sleep(float(os.environ.get("TRAINLAB_LOCK_SETTLE_S") or 1.0))
+        back = _parse_holder(loc.read_text(HOLDER))
+        if back != lock.holder:
+            raise RunLockHeld(loc.uri, back)
+        if previous is not None:
+            log.warning(
+                "%s: took over the lock of %s, which ended without releasing it",
+                loc.uri,
+                previous.describe(),
+            )
+            loc.append_jsonl(
+                TAKEOVERS,
+                [{"time": now, "host": lock.holder.host, "pid": lock.holder.pid,
+                  "took_over_from": asdict(previous)}],
+            )  # fmt: skip
+        lock._thread.start()
+        return lock
+
+    def _write(self) -> None:
+        self.loc.write_text(HOLDER, json.dumps(asdict(self.holder)) + "\n")
+
+    def _beat_loop(self) -> None:
+        while not self._stop.wait(beat_s()):
+            self.holder = Holder(**{**asdict(self.holder), "beat": time.time()})
+            try:
+                self._write()
+            except OSError as e:
+                log.warning("could not renew the lock record of %s: %s", self.loc.uri, e)
+
+    def release(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        with contextlib.suppress(OSError):
+            if _parse_holder(self.loc.read_text(HOLDER)) == self.holder:
+                self.loc.delete(HOLDER)
+
+    def __enter__(self) -> StoreRunLock:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _parse_holder(text: str | None) -> Holder | None:
+    try:
+        d = json.loads(text or "")
+        return Holder(str(d["host"]), int(d["pid"]), float(d["since"]), float(d["beat"]))
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _alive(holder: Holder) -> bool:
+    """A holder of a store lease is alive: its process runs (on this host), or
+    its beat is fresh (on another)."""
+    if holder.on_this_host():
+        try:
+            os.kill(holder.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return holder.fresh()
+    return holder.fresh()
 
 
 def live_holder(run_dir: str | Path) -> str | None:

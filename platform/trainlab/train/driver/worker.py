@@ -9,6 +9,7 @@ import uuid
 from typing import Any
 
 from trainlab.raycluster import normal_priority
+from trainlab.runloc import LogShipper
 from trainlab.train.job import TrainJob
 from trainlab.train.loop.callbacks import build_callbacks
 from trainlab.train.supervision.agent import Agent, free_port, start_fork_server
@@ -74,7 +75,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
 
         apply_in_worker(config.get("hook_secrets"))
         callbacks = build_callbacks(job.callbacks, job.cfg)
-    Agent(
+    agent = Agent(
         job,
         rank,
         world,
@@ -84,4 +85,12 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         callbacks,
         rendezvous=RayRendezvous(rank),
         mp_context=mp_context,
-    ).run()
+    )
+    loc = job.location
+    if not loc.remote:
+        agent.run()
+        return
+    # A run in object storage: this rank's log (rank 0: its node's logs, the
+    # MLflow journal and the alert log with them) goes to the store as it grows.
+    with LogShipper(loc, None if rank == 0 else [f"rank{rank}.log"]):
+        agent.run()

@@ -66,12 +66,8 @@ class Checkpointer:
         self.job, self.env, self.state = job, env, state
         self.cfg: ExperimentConfig = job.cfg
         c = self.cfg.train.checkpoint
-        after_commit = None
-        if self.cfg.resource.storage and env.is_main:
-            from trainlab.train.checkpoint.mirror import CheckpointMirror
-
-            mirror = CheckpointMirror.for_run(self.cfg.resource.storage, job.run_path)
-            after_commit = partial(mirror.safe_sync, job.checkpoint_root, c.keep_last, c.keep_best)
+        loc = job.location
+        self.store = ck.catalog(loc) if loc.remote else None  # a run in object storage
         self.writer = ck.CheckpointWriter(
             job.checkpoint_root,
             env.rank,
@@ -79,7 +75,7 @@ class Checkpointer:
             c.keep_last,
             c.keep_best,
             c.async_save,
-            after_commit=after_commit,
+            store=self.store,
         )
         self.validation_batch: Batch | None = None  # rank 0, set before the first save
         # P0 rollbacks so far ({from_step, to_step, skipped, rule}): saved in every
@@ -188,6 +184,8 @@ class Checkpointer:
         """Load the newest valid checkpoint into the state (rank 0 chooses, every
         rank loads); None when there is none."""
         t0 = time.perf_counter()
+        if self.store is not None:
+            return self._restore_from_store(t0)
         choice = None
         if self.env.is_main:
             ck.clean_staging(self.job.checkpoint_root)
@@ -207,6 +205,44 @@ class Checkpointer:
             time.perf_counter() - t0,
         )
         return ck.read_info(path)
+
+    def _restore_from_store(self, t0: float) -> ck.CheckpointInfo | None:
+        """A run in object storage: rank 0 picks the newest checkpoint whose files
+        all arrive intact (fetched into its node's cache and checked), every other
+        rank fetches the same one into its node's cache (a copy already there and
+        verified is reused), and every rank loads from its cache."""
+        store = self.store
+        ck.clean_staging(store.local_root)  # this node's leftovers of a crashed attempt
+        chosen: dict[str, Any] | None = None
+        if self.env.is_main:
+            store.clean_uncommitted()
+            info = store.fetch_newest(require_valid=self.cfg.train.checkpoint.validate)
+            chosen = {"step": info.step, "meta": info.meta} if info else None
+        chosen = self.env.broadcast_object(chosen)
+        if chosen is None:
+            return None
+        step = int(chosen["step"])
+        info = store.fetch(
+            ck.CheckpointInfo(store.local_root, step, chosen["meta"], store.uri(step))
+        )
+        fetched = time.perf_counter() - t0
+        self.load(info.path)
+        log.info(
+            "resumed from %s (step %d): fetched in %.2f s, loaded in %.2f s",
+            info.uri,
+            self.state.progress.step,
+            fetched,
+            time.perf_counter() - t0 - fetched,
+        )
+        return info
+
+    def load_info(self, info: ck.CheckpointInfo) -> None:
+        """Load checkpoint `info` (chosen by rank 0, the same on every rank): from
+        its directory, or for a run in object storage from this node's verified
+        copy (fetched first when the node has none)."""
+        if self.store is not None:
+            info = self.store.fetch(info)
+        self.load(info.path)
 
     def load(self, path: Path) -> None:
         trainer_state = ck.load_file(path / TRAINER_FILE)

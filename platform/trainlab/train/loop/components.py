@@ -31,7 +31,6 @@ import logging
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 from trainlab.runstatus import RunStatus
@@ -139,14 +138,14 @@ class P0Guard(Component):
         loop.saver.deliver(loop)
         choice = None
         if loop.env.is_main:
-            root = loop.job.checkpoint_root
-            before = [c for c in ck.committed(root) if c.valid and c.step < at]
-            choice = str(max(before, key=lambda c: c.step).path) if before else None
+            committed = ck.catalog(loop.job.location).committed()
+            before = [c for c in committed if c.valid and c.step < at]
+            choice = max(before, key=lambda c: c.step) if before else None
         choice = loop.env.broadcast_object(choice)
         if choice is None:
             return False
         rollbacks = list(loop.checkpointer.rollbacks)
-        loop.checkpointer.load(Path(choice))
+        loop.checkpointer.load_info(choice)
         to_step = loop.step
         record = {"from_step": at, "to_step": to_step, "skipped": [to_step + 1, at], "rule": rule}
         loop.checkpointer.rollbacks = [*rollbacks, record]
@@ -184,7 +183,7 @@ class Chaos(Component):
     def on_start(self, loop: Trainer) -> None:
         chaos = loop.cfg.train.chaos
         steps = set(chaos.nan_at_steps) | set(chaos.spike_at_steps)
-        self.fired = {s for s in steps if self._marker(loop, s).exists()}
+        self.fired = {s for s in steps if loop.records.loc.exists(self._marker(s))}
 
     def loss_factor(self, loop: Trainer, step: int) -> float:
         chaos = loop.cfg.train.chaos
@@ -198,9 +197,8 @@ class Chaos(Component):
             return 1.0
         self.fired.add(step)
         if loop.env.is_main:
-            marker = self._marker(loop, step)
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(json.dumps({"step": step, "loss_factor": str(factor)}))
+            record = json.dumps({"step": step, "loss_factor": str(factor)})
+            loop.records.loc.write_text(self._marker(step), record)
         log.warning("chaos: step %d's loss multiplied by %s", step, factor)
         return factor
 
@@ -210,7 +208,7 @@ class Chaos(Component):
         chaos = loop.cfg.train.chaos
         if step not in chaos.kill_at_steps or loop.env.rank != chaos.kill_rank:
             return
-        if loop.records.chaos_marker(step).exists():
+        if loop.records.chaos_killed(step):
             return
         log.warning(loop.records.record_chaos_kill(step, loop.env.rank))
         for handler in logging.getLogger("trainlab").handlers:
@@ -218,8 +216,9 @@ class Chaos(Component):
         os.kill(os.getpid(), signal.SIGKILL)
 
     @staticmethod
-    def _marker(loop: Trainer, step: int) -> Path:
-        return Path(loop.job.run_dir) / "logs" / f"chaos-loss-step-{step:08d}.json"
+    def _marker(step: int) -> str:
+        """Where the run records that the loss of `step` was changed (once per run)."""
+        return f"logs/chaos-loss-step-{step:08d}.json"
 
 
 # --------------------------------------------------------------------------- cadences
@@ -310,11 +309,11 @@ class Checkpointing(Component):
                 self.last_valid_at = time.time()
             log.info(
                 "checkpoint %s: %s%s",
-                info.path,
+                info.where,
                 "valid" if info.valid else "NOT valid",
                 f" (val_loss {info.val_loss:.4f})" if info.val_loss is not None else "",
             )
-            loop.callbacks.on_checkpoint(info.step, str(info.path), info.valid, info.val_loss)
+            loop.callbacks.on_checkpoint(info.step, info.where, info.valid, info.val_loss)
 
     def on_end(self, loop: Trainer, status: str) -> None:
         loop.checkpointer.wait()

@@ -321,7 +321,7 @@ class Trainer:
             # room for the records of the run's end, should the disk fill (`_fault`)
             self.records.reserve_room()
             self.checkpointer.validation_batch = self._validation_batch()
-            self.checkpoints = ck.committed(self.job.checkpoint_root)
+            self.checkpoints = ck.catalog(self.job.location).committed()
         self.last_checkpoint = self.checkpointer.restore()
         self.start_step = self.step
         self._announce_start(self.start_step)
@@ -431,7 +431,7 @@ class Trainer:
         saved = self.last_checkpoint is not None and self.last_checkpoint.step == self.step
         # The state in memory is past the anomaly, or a Ctrl-C stopped without saving.
         if status == RunStatus.STOPPED_BY_ALERT or (status == RunStatus.STOPPED and not saved):
-            resume = ck.find_resume(self.job.checkpoint_root, require_valid=True)
+            resume = ck.catalog(self.job.location).find_resume(require_valid=True)
             summary["resume_step"] = resume.step if resume else 0
         with self.writing(SUMMARY):
             self.records.write_summary(summary)
@@ -451,8 +451,8 @@ class Trainer:
     def fault_cause(self, fault: ck.StorageFault) -> str:
         """`no space left on device while saving step 20; newest valid checkpoint
         step 10`: what failed, and where a resume would start."""
-        newest = ck.find_resume(
-            self.job.checkpoint_root, require_valid=self.cfg.train.checkpoint.validate
+        newest = ck.catalog(self.job.location).find_resume(
+            require_valid=self.cfg.train.checkpoint.validate
         )
         where = "no valid checkpoint yet (a resume starts from step 0)"
         if newest is not None:

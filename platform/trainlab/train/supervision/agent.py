@@ -42,7 +42,6 @@ import uuid
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from pathlib import Path
 from typing import Any, Protocol
 
 from trainlab.train import checkpoint as ck
@@ -101,6 +100,34 @@ def error_kind(message: str) -> str:
 
 # --------------------------------------------------------------------------- rendezvous
 
+
+
+class FailedFlag:
+    """The flag an attempt's agents share: set by the first whose training process
+    failed, seen by the others, which stop theirs. It lives with the run's records
+    (a file, or an object in the store); in a store it is looked at every
+    `REMOTE_CHECK_S` at most, not at every poll of the pipe."""
+
+    REMOTE_CHECK_S = 0.5
+
+    def __init__(self, records: RunRecords, event: str):
+        self.records, self.event = records, event
+        self._remote = records.loc.remote
+        self._checked, self._set = 0.0, False
+
+    def exists(self) -> bool:
+        if self._set:
+            return True
+        now = time.monotonic()
+        if self._remote and now - self._checked < self.REMOTE_CHECK_S:
+            return False
+        self._checked = now
+        self._set = self.records.attempt_failed(self.event)
+        return self._set
+
+    def touch(self) -> None:
+        self.records.mark_attempt_failed(self.event)
+        self._set = True
 
 class Rendezvous(Protocol):
     """How the agents of a run agree on each attempt (collectives between agents)."""
@@ -243,9 +270,9 @@ class Agent:
         self._last_hook: Future | None = None
         self._stop = StopRequest()
 
-    def failed_flag(self, group: str, attempt: int) -> Path:
-        """Exists once any rank's training process of this attempt failed."""
-        return self.job.logs_dir / f".failed-{group}-{attempt}"
+    def failed_flag(self, group: str, attempt: int) -> FailedFlag:
+        """Set once any rank's training process of this attempt failed."""
+        return FailedFlag(self.records, f"{group}-{attempt}")
 
     # ------------------------------------------------------------- the loop
 
@@ -306,7 +333,7 @@ class Agent:
         log.warning("restarting the training processes (failure %d of at most %d)", spent, budget)
 
     def _attempt(
-        self, args: ChildArgs, failed_flag: Path, event: str, started: float
+        self, args: ChildArgs, failed_flag: FailedFlag, event: str, started: float
     ) -> dict[str, Any] | None:
         """One training process, served until it exits (or until another rank's
         failed: then it is killed). Returns the run summary, or None after a failure
@@ -350,7 +377,7 @@ class Agent:
         return self._summary
 
     def _record_death(
-        self, exitcode: int | None, event: str, started: float, failed_flag: Path
+        self, exitcode: int | None, event: str, started: float, failed_flag: FailedFlag
     ) -> None:
         """A training process that died without reporting: a chaos kill, a signal, a
         kill after another rank failed (peer), or a non-zero exit."""

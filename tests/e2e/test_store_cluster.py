@@ -1,0 +1,183 @@
+"""A run that lives in object storage on a cluster whose nodes share no disk.
+
+The local multi-node cluster (`trainlab cluster up --worker-nodes 2
+--scratch-per-node`): three raylets on this machine, each with its own trainlab
+scratch directory (TRAINLAB_SCRATCH_DIR of every process it starts), and an
+S3-compatible server on 127.0.0.1 (moto's) holding the runs root and the
+prepared dataset. A 2-worker run (each worker takes 2 of a node's 3 CPUs, so
+the two sit on different raylets) is cut off with its cluster after its first
+checkpoint; every scratch directory is deleted and the cluster started again;
+`trainlab train s3://.../RUN --resume` then ends bitwise equal to an
+uninterrupted run of the same config, and nothing of the run exists outside
+the store and the scratch directories.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+TIMEOUT_S = 600
+
+
+def _trainlab(*args: str, env: dict, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "trainlab"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, s3_server):
+    """The environment every command runs with (isolated trainlab home, the S3
+    server's endpoint and test credentials), a bucket holding a prepared dataset,
+    and the driver's own scratch directory."""
+    import boto3
+
+    from devtools.datasets import write_stdlib_dataset
+
+    base = tmp_path_factory.mktemp("store-cluster")
+    env = {
+        **os.environ,
+        "TRAINLAB_HOME": str(base / "home"),
+        "TRAINLAB_SCRATCH_DIR": str(base / "driver-scratch"),
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": s3_server,
+        "RAY_AUTH_MODE": "token",
+    }
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "RAY_ADDRESS", "MLFLOW_TRACKING_URI"):
+        env.pop(var, None)
+    s3 = boto3.client("s3", region_name="us-east-1", endpoint_url=s3_server)
+    bucket = f"store-{time.monotonic_ns()}"
+    s3.create_bucket(Bucket=bucket)
+    local = base / "prepared"
+    write_stdlib_dataset(local, code_docs=40, prose_docs=120, vocab_size=2048)
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        s3.upload_file(str(path), bucket, f"data/{path.relative_to(local).as_posix()}")
+    shutil.rmtree(local)  # the store's copy is the only one
+    return {"env": env, "s3": s3, "bucket": bucket, "base": base}
+
+
+def _up(env: dict, ports: tuple[int, int] | None = None) -> dict:
+    args = ["cluster", "up", "--num-cpus=3", "--worker-nodes=2", "--worker-cpus=3"]
+    args += ["--scratch-per-node", "--json"]
+    if ports:
+        args += [f"--port={ports[0]}", f"--dashboard-port={ports[1]}"]
+    up = _trainlab(*args, env=env, timeout=900)
+    assert up.returncode == 0, up.stderr[-3000:]
+    return json.loads(up.stdout.strip().splitlines()[-1])
+
+
+def _down(env: dict) -> None:
+    down = _trainlab("cluster", "down", env=env, timeout=120)
+    assert down.returncode == 0, down.stderr[-2000:]
+
+
+def _sets(bucket: str, runs: str) -> list[str]:
+    items = [
+        f"data.path=s3://{bucket}/data",
+        "data.mix={code: 0.6, docs: 0.4}",
+        "data.micro_batch_size=4",
+        "model.vocab_size=2048",
+        "resource.cpus_per_worker=2",
+        f"train.runs_root=s3://{bucket}/{runs}",
+        "train.total_steps=6",
+        "train.warmup_steps=1",
+        "train.log_interval=1",
+        "train.eval_interval=2",
+        "train.eval_batches=1",
+        "train.checkpoint.every_steps=2",
+        "train.deterministic=true",
+        "tracking.system_metrics=false",
+    ]
+    return [a for item in items for a in ("--set", item)]
+
+
+def _committed(s3, bucket: str, prefix: str) -> list[str]:
+    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+    return sorted(k for k in keys if k.endswith("/checkpoint.json"))
+
+
+def test_a_run_in_the_store_resumes_on_a_fresh_cluster_bitwise(world):
+    env, s3, bucket = world["env"], world["s3"], world["bucket"]
+    state = _up(env)
+    scratches = [Path(n["scratch_dir"]) for n in state["nodes"]] + [
+        Path(env["TRAINLAB_SCRATCH_DIR"])
+    ]
+    assert len({str(s) for s in scratches}) == 4 and all(str(s) for s in scratches)
+    env = {**env, "RAY_ADDRESS": state["gcs_address"]}
+    try:
+        # The uninterrupted reference, in its own prefix.
+        ref = _trainlab(
+            "train", "trainers/recipes/tiny.yaml", *_sets(bucket, "ref"), "--json", env=env
+        )
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        expected = json.loads(ref.stdout.strip().splitlines()[-1])
+        assert expected["run_dir"].startswith(f"s3://{bucket}/ref/")
+        # The run cut off with its whole cluster after its first checkpoint.
+        proc = subprocess.Popen(
+            [str(BIN / "trainlab"), "train", "trainers/recipes/tiny.yaml",
+             *_sets(bucket, "runs"), "--json"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            start_new_session=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + TIMEOUT_S
+        while not _committed(s3, bucket, "runs/"):
+            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+            assert time.monotonic() < deadline, "no checkpoint committed in time"
+            time.sleep(0.5)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        _down(env)
+    (first,) = _committed(s3, bucket, "runs/")
+    run_uri = f"s3://{bucket}/" + first.split("/checkpoints/")[0]
+    # Every node's scratch (and the driver's) is gone; a fresh cluster on the same ports.
+    for scratch in scratches:
+        shutil.rmtree(scratch, ignore_errors=True)
+    gcs, dash = state["gcs_address"].rsplit(":", 1)[1], state["dashboard_url"].rsplit(":", 1)[1]
+    state = _up(world["env"], (int(gcs), int(dash)))
+    try:
+        resumed = _trainlab("train", run_uri, "--resume", "--json", env=env)
+    finally:
+        _down(env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert got["run_dir"] == run_uri and got["status"] == "completed"
+    assert got["start_step"] == 2 and got["final_step"] == 6
+    assert got["weights_sha256"] == expected["weights_sha256"]
+    assert got["final_loss"] == expected["final_loss"]
+    # The records are in the store: two attempts, the summary, each rank's log.
+    key = run_uri.removeprefix(f"s3://{bucket}/")
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]}
+    assert {f"{key}/run_summary.json", f"{key}/config.yaml", f"{key}/logs/rank0.log",
+            f"{key}/logs/rank1.log", f"{key}/logs/driver.log"} <= keys  # fmt: skip
+    attempts = [k for k in keys if "/logs/attempts.jsonl.d/" in k]
+    assert len(attempts) >= 2
+    # Nothing of the run outside the store and the scratch directories.
+    name = run_uri.rsplit("/", 1)[1]
+    outside = [
+        p
+        for root in (REPO / "runs", world["base"], Path.cwd())
+        if root.exists()
+        for p in root.rglob(f"*{name}*")
+        if not any(p.is_relative_to(s) for s in scratches)
+    ]
+    assert not outside, outside

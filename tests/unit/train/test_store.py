@@ -1,0 +1,203 @@
+"""Runs in object storage (trainlab.runloc, trainlab.train.checkpoint.store),
+against a real S3-compatible server (moto's, tests/conftest.py) on 127.0.0.1:
+the per-rank checkpoint protocol and its commit marker, what a resume never
+takes, retention, a store outage during a save, the run's records and its lock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainlab.runloc import RunLocation
+from trainlab.storage import UnsafePath
+from trainlab.train import checkpoint as ck
+from trainlab.train.checkpoint.store import CheckpointStore
+from trainlab.train.driver.runlock import RunLock, RunLockHeld
+from trainlab.train.records import Failure, RunRecords
+
+
+@pytest.fixture
+def run(s3_env, tmp_path, monkeypatch) -> RunLocation:
+    """A run's location in a fresh bucket, its working copy under tmp_path."""
+    _, bucket = s3_env
+    monkeypatch.setenv("TRAINLAB_SCRATCH_DIR", str(tmp_path / "scratch"))
+    return RunLocation.of(f"s3://{bucket}/runs/2026-12-05/r", str(tmp_path / "scratch"))
+
+
+def _writer(loc: RunLocation, rank: int = 0, world: int = 1, **kw) -> ck.CheckpointWriter:
+    store = CheckpointStore(loc)
+    return ck.CheckpointWriter(
+        store.local_root,
+        rank,
+        world,
+        kw.pop("keep_last", 2),
+        kw.pop("keep_best", 0),
+        async_save=False,
+        store=store,
+        **kw,
+    )
+
+
+def _files(rank: int, step: int):
+    """What a rank writes for a checkpoint: a file of its own, and on rank 0 one in
+    a subfolder (as DCP's state/)."""
+
+    def write(staging: Path) -> None:
+        (staging / f"rng-rank{rank}.pt").write_bytes(f"rank {rank} step {step}".encode() * 100)
+        if rank == 0:
+            (staging / "state").mkdir(exist_ok=True)
+            (staging / "state" / ".metadata").write_bytes(b"index of step %d" % step)
+
+    return write
+
+
+def _save(loc: RunLocation, step: int, world: int = 1, validator=None, **kw) -> list:
+    """Checkpoint `step` by every rank, rank 0 last (it waits for the others)."""
+    done = []
+    for rank in reversed(range(world)):
+        w = _writer(loc, rank, world, **kw)
+        w.submit(step, _files(rank, step), {"step": step, "world_size": world}, validator)
+        done += w.completed()
+    return done
+
+
+def _keys(s3, bucket: str) -> set[str]:
+    return {o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])}
+
+
+def test_every_rank_uploads_its_part_and_rank_0_commits_last(run, s3_env):
+    s3, bucket = s3_env
+    seen = []
+    validator = lambda staging: (  # noqa: E731 - the whole checkpoint is there to check
+        seen.append(sorted(p.name for p in staging.rglob("*") if p.is_file()))
+        or ck.Validation(ok=True, loss=1.5)
+    )
+    (info,) = _save(run, 10, world=2, validator=validator)
+    assert info.uri == f"{run.uri}/checkpoints/step-00000010" == info.where
+    # Validation ran on a complete local copy: rank 1's part was read back from the store.
+    assert seen == [[".metadata", "rng-rank0.pt", "rng-rank1.pt"]]
+    meta = json.loads(
+        s3.get_object(Bucket=bucket, Key=f"{_prefix(run)}/step-00000010/checkpoint.json")[
+            "Body"
+        ].read()
+    )
+    assert sorted(meta["files"]) == ["rng-rank0.pt", "rng-rank1.pt", "state/.metadata"]
+    assert meta["valid"] is True and meta["validation_loss"] == 1.5
+    # The done markers are gone once committed; nothing else is left behind.
+    step_keys = {k for k in _keys(s3, bucket) if "/step-00000010/" in k and not k.endswith("/")}
+    assert {k.rsplit("step-00000010/", 1)[1] for k in step_keys} == {
+        "checkpoint.json", "rng-rank0.pt", "rng-rank1.pt", "state/.metadata"
+    }  # fmt: skip
+    # This node's cache holds the verified newest checkpoint; no staging is left.
+    assert [p.name for p in CheckpointStore(run).local_root.iterdir()] == ["step-00000010"]
+
+
+def _prefix(loc: RunLocation) -> str:
+    return loc.key("checkpoints").split("/", 1)[1]
+
+
+@pytest.mark.parametrize("damage", ["part_missing", "commit_missing", "part_corrupted"])
+def test_a_partial_checkpoint_in_the_store_is_never_restored(run, s3_env, damage, tmp_path):
+    s3, bucket = s3_env
+    _save(run, 10, world=2)
+    _save(run, 20, world=2)
+    newest = f"{_prefix(run)}/step-00000020"
+    if damage == "part_missing":
+        s3.delete_object(Bucket=bucket, Key=f"{newest}/rng-rank1.pt")
+    elif damage == "commit_missing":  # a save cut off before rank 0's commit
+        s3.delete_object(Bucket=bucket, Key=f"{newest}/checkpoint.json")
+    else:  # same size, other bytes: only the sha256 can tell
+        body = s3.get_object(Bucket=bucket, Key=f"{newest}/rng-rank1.pt")["Body"].read()
+        s3.put_object(Bucket=bucket, Key=f"{newest}/rng-rank1.pt", Body=body[::-1])
+    fresh = RunLocation.of(run.uri, str(tmp_path / "another-node"))  # nothing cached
+    store = CheckpointStore(fresh)
+    got = store.fetch_newest()
+    assert got is not None and got.step == 10
+    assert (got.path / "rng-rank1.pt").read_bytes().startswith(b"rank 1 step 10")
+    if damage != "part_corrupted":  # what a resume can tell without reading the bytes
+        assert store.find_resume().step == 10
+        assert [u.rsplit("/", 1)[1] for u, _ in store.refusals()] == ["step-00000020"]
+
+
+def test_retention_and_cleanup_in_the_store(run, s3_env):
+    s3, bucket = s3_env
+    for step in (10, 20, 30, 40):
+        _save(run, step, keep_last=2)
+    store = CheckpointStore(run)
+    assert [i.step for i in store.committed()] == [30, 40]
+    # A save that never committed (its marker only) is removed at the next start.
+    s3.put_object(Bucket=bucket, Key=f"{_prefix(run)}/step-00000050/.done-rank0", Body=b"{}")
+    assert store.step_dirs() == [30, 40, 50]
+    assert store.clean_uncommitted() == [50]
+    assert store.step_dirs() == [30, 40]
+
+
+def test_a_store_outage_fails_the_save_not_the_run(run, monkeypatch, caplog):
+    _save(run, 10)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens there
+    dead = RunLocation.of(run.uri + "-x", str(run.local.parent / "dead"))
+    with caplog.at_level(logging.WARNING, logger="trainlab.train.checkpoint"):
+        assert _save(dead, 20) == []  # no exception: training goes on
+    assert "checkpoint step 20 was not saved" in caplog.text
+    assert not list(CheckpointStore(dead).local_root.glob(".tmp-*"))  # no staging left
+
+
+def test_one_rank_failing_to_upload_gives_up_the_save_at_once(run, s3_env):
+    store = CheckpointStore(run)
+    store.mark_part_failed(10, 1, "OSError: the store went away")
+    w = _writer(run, 0, 2)
+    w.submit(10, _files(0, 10), {"step": 10, "world_size": 2}, None)  # does not wait 1 h
+    assert w.completed() == [] and store.step_dirs() == []
+
+
+def test_names_from_the_store_never_lead_outside(run, s3_env, tmp_path):
+    s3, bucket = s3_env
+    (info,) = _save(run, 10)
+    meta = dict(info.meta, files={"../../evil.pt": {"bytes": 1, "sha256": "0"}})
+    s3.put_object(
+        Bucket=bucket, Key=f"{_prefix(run)}/step-00000010/checkpoint.json", Body=json.dumps(meta)
+    )
+    store = CheckpointStore(RunLocation.of(run.uri, str(tmp_path / "node2")))
+    with pytest.raises(UnsafePath):
+        store.fetch(store.info(10))
+    assert not (tmp_path / "evil.pt").exists()
+
+
+def test_records_of_processes_on_different_nodes_meet_in_the_store(run, tmp_path):
+    a = RunRecords(run)
+    b = RunRecords(RunLocation.of(run.uri, str(tmp_path / "node2")))  # another node
+    a.attempt_started("s1", 0, 2)
+    b.add_failures(Failure("s1", "e1", 1, 5, "killed", "killed"))
+    a.add_failures(Failure("s1", "e1", 0, 5, "peer", "peer"))
+    assert [f["rank"] for f in b.failures("s1")] == [1, 0]
+    assert a.restarts() == 0 and len(b.attempts()) == 1
+    assert not b.interrupt_requested()
+    a.request_interrupt()
+    assert b.interrupt_requested()
+    b.clear_interrupt()
+    assert not a.interrupt_requested()
+    assert a.write_summary({"status": "completed"}) == f"{run.uri}/run_summary.json"
+    assert b.read_summary() == {"status": "completed"}
+    assert not (run.local / "run_summary.json").exists()  # nothing of it on a local disk
+
+
+def test_one_writer_per_run_in_the_store(run, monkeypatch):
+    monkeypatch.setenv("TRAINLAB_LOCK_SETTLE_S", "0.05")
+    with RunLock.acquire(run), pytest.raises(RunLockHeld, match=f"pid {os.getpid()}"):
+        RunLock.acquire(run)
+    with RunLock.acquire(run):  # released: free again
+        pass
+    # A holder that died without releasing (its pid is gone) is taken over.
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    record = {"host": os.uname().nodename, "pid": int(dead), "since": 1.0, "beat": 1e12}
+    run.write_text(".lock.json", json.dumps(record))
+    with RunLock.acquire(run):
+        assert run.read_jsonl("logs/lock.jsonl")[-1]["took_over_from"]["pid"] == int(dead)
