@@ -90,7 +90,8 @@ def compare(
 
 def _print_noise(report: dict[str, Any]) -> None:
     """Groups as mean ± sd (n) per metric; each other run or group against the
-    first: the difference with its 95% interval and the verdict (docs/noise.md)."""
+    oldest (the reference): the difference, its 95% interval, the verdict
+    (docs/noise.md)."""
     from trainlab.track.noise import METRICS
 
     console = _console()

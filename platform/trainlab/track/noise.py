@@ -4,7 +4,7 @@ The numbers only; people decide (docs/noise.md states the method):
 
 - a group (K seeds of one experiment, trainlab.groups): per metric the mean, the
   sample standard deviation (n - 1) and n;
-- two groups: the difference of the means (second minus first) with its 95%
+- two groups: the difference of the means (other minus reference) with its 95%
   Welch t interval (unequal variances, Welch-Satterthwaite degrees of freedom);
 - a single run against a group: the run minus the group's mean, with the 95%
   prediction interval of one more seed of the group (s * sqrt(1 + 1/n), n - 1
@@ -168,9 +168,10 @@ def compare_units(
 def noise_report(
     rows: Sequence[dict[str, Any]], recorded: dict[str, dict[str, Any]] | None = None
 ) -> dict[str, Any]:
-    """{"groups": [...], "comparisons": [...]} for compare's rows: every group's
-    bands, and every other unit against the first (the reference)."""
-    us = units(rows)
+    """{"groups": [...], "comparisons": [...]} for compare's rows (newest first):
+    every group's bands, and every other unit against the reference, the oldest
+    (the baseline a change is measured against): difference = other - reference."""
+    us = units(list(rows)[::-1])
     groups = [group_summary(u) for u in us if u["group_id"]]
     comparisons = [compare_units(us[0], u, recorded or {}) for u in us[1:]]
     return {"groups": groups, "comparisons": comparisons}

@@ -326,7 +326,7 @@ def compare_report(
 ) -> dict[str, Any]:
     """`trainlab compare --json`: {"runs": compare_runs' rows, "groups": each
     group's bands per metric (mean, std, n), "comparisons": every other run or
-    group against the first (difference, interval, verdict: trainlab.track.noise)}."""
+    group against the oldest (difference, interval, verdict: trainlab.track.noise)}."""
     from trainlab.track.noise import noise_report, units
 
     rows = compare_runs(uri, names, experiment, since)
