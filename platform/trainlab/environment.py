@@ -398,14 +398,45 @@ def check_nodes(run: Any = None, allow_drift: bool | None = None) -> list[str]:
 # --------------------------------------------------------------------------- the run's record
 
 
+def _git_info() -> dict[str, str]:
+    """The code version as trainlab.track.gitinfo gives it to the MLflow run (the
+    variables a submitted job carries, else git in the current directory, then in
+    trainlab's checkout); read here too, so the environment imports no tracking."""
+    if os.environ.get("TRAINLAB_GIT_COMMIT"):
+        return {
+            "commit": os.environ["TRAINLAB_GIT_COMMIT"],
+            "dirty": os.environ.get("TRAINLAB_GIT_DIRTY", "unknown").lower(),
+        }
+    for where in (Path.cwd(), _LOCAL_PACKAGE_REPO):
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "HEAD"],
+                cwd=where,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout.strip()
+            status = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=where,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            continue
+        return {"commit": commit, "dirty": str(bool(status.strip())).lower()}
+    return {"commit": "unknown", "dirty": "unknown"}
+
+
 def run_fingerprint(
     nodes: list[dict[str, Any]] | None = None, drift_lines: list[str] | None = None
 ) -> dict[str, Any]:
     """This process's fingerprint plus git, the lock, and the nodes' summary."""
-    from trainlab.track.gitinfo import git_info
-
     fp = fingerprint()
-    git = git_info()
+    git = _git_info()
     path = lock_path(fp["lock"])
     fp |= {
         "git_commit": git["commit"],

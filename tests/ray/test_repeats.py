@@ -11,7 +11,7 @@ import mlflow
 import pytest
 
 from tests.train_helpers import dataset_dir, tiny_config
-from trainlab.groups import run_group
+from trainlab.cli.repeats import run_group
 from trainlab.track.noise import LARGER, WITHIN
 from trainlab.track.query import compare_report
 from trainlab.track.store import tracking_uri

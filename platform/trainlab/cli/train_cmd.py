@@ -121,7 +121,7 @@ def train(
     if allow_env_drift:  # trainlab.environment.check_nodes records the drift instead
         os.environ["TRAINLAB_ALLOW_ENV_DRIFT"] = "1"
     if repeats is not None:
-        from trainlab.groups import train_repeats
+        from trainlab.cli.repeats import train_repeats
 
         flags = {"smoke": smoke, "run_dir": run_dir, "resume": resume, "extend": extend}
         return train_repeats(cfg, repeats, as_json, **flags)
