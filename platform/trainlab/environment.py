@@ -477,7 +477,7 @@ class _Dir:
 def _location(run: Any) -> Any:
     """Where the run's files go: a run location (trainlab.runloc) as given, a store
     URI as one, a path as a local directory."""
-    if hasattr(run, "write_text") and hasattr(run, "read_text"):
+    if hasattr(run, "uri") and hasattr(run, "local"):  # a RunLocation (not a Path)
         return run
     text = os.fspath(run)
     if "://" in text and not text.startswith("file://"):
