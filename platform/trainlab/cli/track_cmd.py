@@ -376,11 +376,15 @@ def track_flush(run_dir: str, runs_root: str | None) -> int:
 @_runs_root_option
 def ui(port: int, runs_root: str) -> int:
     """Start the MLflow UI on 127.0.0.1 against the runs store (Ctrl-C stops it)."""
+    from trainlab.track import mlflow_ui
     from trainlab.track.store import ENV_TRACKING_URI, artifact_location, tracking_uri
 
     uri = tracking_uri(runs_root)
     if uri.startswith(("http://", "https://")):
-        click.echo(f"{ENV_TRACKING_URI} points at a tracking server: open {uri} in a browser")
+        click.echo(
+            f"{ENV_TRACKING_URI} points at a tracking server: open {uri} in a browser "
+            "(choose 'Model training' at the top left: experiments then open on their runs)"
+        )
         return 0
     command = [
         sys.executable,
@@ -399,6 +403,15 @@ def ui(port: int, runs_root: str) -> int:
     root = artifact_location(runs_root)
     if root:
         command += ["--default-artifact-root", root]
+    if mlflow_ui.installed():  # experiments open on their runs table (trainlab.track.mlflow_ui)
+        command += ["--app-name", mlflow_ui.APP_NAME]
+    else:
+        click.echo(
+            "note: this install predates trainlab's MLflow app; experiments may open on the "
+            "GenAI overview (choose 'Model training' at the top left, or reinstall: "
+            ".venv/bin/pip install --no-deps -e .)",
+            err=True,
+        )
     click.echo(f"MLflow UI for {uri} at http://127.0.0.1:{port} (Ctrl-C stops it)", err=True)
     sys.stdout.flush()
     sys.stderr.flush()

@@ -154,6 +154,27 @@ def submitted_job_id() -> str | None:
         return None
 
 
+# MLflow's UI shows a run's charts by section, a metric's section being its name up
+# to the last "/": named sections first, in alphabetical order, then the unnamed
+# ("Model metrics": loss, lr, ...) last, so `loss` came after `share/*` and
+# `val_loss/*`. The losses are also logged in a section that sorts first:
+# `loss/train` (= loss) and `loss/val` (= val_loss/all). Readers use loss and val_loss/*.
+CHART_LOSS = {"loss": "loss/train"}
+CHART_VAL_LOSS = {"all": "loss/val"}
+
+
+def step_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """A step's metrics as logged: the loop's, and the loss again for the charts."""
+    return metrics | {chart: metrics[k] for k, chart in CHART_LOSS.items() if k in metrics}
+
+
+def eval_metrics(val_losses: dict[str, float]) -> dict[str, float]:
+    """An evaluation's metrics as logged: val_loss/SOURCE, and val_loss/all again
+    for the charts."""
+    logged = {f"val_loss/{k}": v for k, v in val_losses.items()}
+    return logged | {chart: val_losses[k] for k, chart in CHART_VAL_LOSS.items() if k in val_losses}
+
+
 def metric_name(key: str) -> str:
     """A loop metric key as a valid MLflow metric name."""
     return _METRIC_NAME_BAD.sub("_", key)
@@ -306,10 +327,10 @@ class MlflowCallback(Callback):
             self._flusher.start()
 
     def on_step_end(self, step: int, metrics: dict[str, float]) -> None:
-        self.log_metrics(step, metrics)
+        self.log_metrics(step, step_metrics(metrics))
 
     def on_eval(self, step: int, val_losses: dict[str, float]) -> None:
-        self.log_metrics(step, {f"val_loss/{k}": v for k, v in val_losses.items()})
+        self.log_metrics(step, eval_metrics(val_losses))
 
     def on_checkpoint(self, step: int, path: str, valid: bool, val_loss: float | None) -> None:
         tags = {"checkpoint.latest": path, "checkpoint.latest_valid": str(valid).lower()}

@@ -1,5 +1,6 @@
 """`trainlab ui`: a real MLflow server on 127.0.0.1 against the runs store, showing
-the recorded run's params and artifacts."""
+the recorded run's params and artifacts; in a real browser (headless Chromium),
+an experiment opens on its runs table and a run's charts start with the loss."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
 import pytest
 
+from tests import chromium
 from tests.unit.track.conftest import FakeRank0, only_run, tiny_config
 
 STARTUP_TIMEOUT_S = 180  # the server imports a lot; 2 busy cores can be slow
@@ -32,14 +36,13 @@ def _get(url: str) -> bytes:
         return response.read()
 
 
-@pytest.mark.slow
-def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp_path, monkeypatch):
-    played = rank0()
-    played.full_run()
-    run_id = only_run(client).info.run_id
+@contextmanager
+def served(runs_root: Path, tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`trainlab ui` on a free port, once it answers: (its URL, the process)."""
     port = _free_port()
     trainlab = Path(sys.executable).with_name("trainlab")
-    log = (tmp_path / "ui.log").open("w")
+    log_path = tmp_path / "ui.log"
+    log = log_path.open("w")
     server = subprocess.Popen(
         [str(trainlab), "ui", "--port", str(port), "--runs-root", str(runs_root)],
         stdout=log,
@@ -50,14 +53,31 @@ def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp
     try:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while True:
-            assert server.poll() is None, (tmp_path / "ui.log").read_text()
+            assert server.poll() is None, log_path.read_text()
             try:
                 if _get(f"{base}/health") == b"OK":
                     break
             except OSError:
                 pass
-            assert time.monotonic() < deadline, (tmp_path / "ui.log").read_text()
+            assert time.monotonic() < deadline, log_path.read_text()
             time.sleep(1)
+        yield base, server
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the group we started, nothing else
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+        log.close()
+
+
+@pytest.mark.slow
+def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp_path, monkeypatch):
+    played = rank0()
+    played.full_run()
+    run_id = only_run(client).info.run_id
+    with served(runs_root, tmp_path) as (base, server):
         run = json.loads(_get(f"{base}/ajax-api/2.0/mlflow/runs/get?run_id={run_id}"))["run"]
         params = {p["key"]: p["value"] for p in run["data"]["params"]}
         assert float(params["train.lr"]) == played.cfg.train.lr
@@ -91,11 +111,71 @@ def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp
             if c.status == psutil.CONN_LISTEN
         }
         assert listening and {addr.ip for addr in listening} == {"127.0.0.1"}
-    finally:
-        os.killpg(server.pid, signal.SIGTERM)  # the group we started, nothing else
+
+
+# The chart sections of a run's "Model metrics" tab, in the order shown: each
+# section's title is its name, then its chart count on a line of its own ("loss",
+# "(2)"), read as "loss (2)".
+SECTION_TITLES = r"""(lines => lines.flatMap((line, i) =>
+  i > 0 && /^\(\d+\)$/.test(line) ? [lines[i - 1] + ' ' + line] : []))
+  (document.body.innerText.split('\n').map(l => l.trim()))"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(chromium.CHROMIUM is None, reason=chromium.SKIP_REASON)
+def test_in_a_browser_an_experiment_opens_on_its_runs_and_a_run_on_its_loss(
+    rank0, client, runs_root, tmp_path
+):
+    """A first visit (a fresh browser profile) to `trainlab ui`: the experiment's
+    link opens its runs table (not the GenAI overview), the run's page is under
+    Runs, and its charts start with the loss section (train, then val)."""
+    played = rank0()
+    played.full_run()
+    run = only_run(client)
+    with served(runs_root, tmp_path) as (base, _), chromium.Browser() as browser:
         try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
-        log.close()
+            browser.open(f"{base}/#/experiments")
+            browser.click(played.cfg.name)
+            page = browser.wait_for(
+                "/#\\/experiments\\/\\d+\\/[a-z]/.test(location.href) && location.href",
+                what="the experiment's page",
+            )
+            assert "/runs" in page and "overview" not in page, page
+            browser.wait_for(
+                f"document.body.innerText.includes({run.info.run_name!r})", what="the run's row"
+            )
+            text = browser.evaluate("document.body.innerText")
+            assert "No data available" not in text and "Detect Issues" not in text, text[:600]
+            browser.click(run.info.run_name, href_part=run.info.run_id)
+            browser.wait_for(f"location.href.includes({run.info.run_id!r})", what="the run page")
+            header = browser.wait_for(
+                "(t => t.includes('Model metrics') && t.split('Model metrics')[0])"
+                "(document.body.innerText)",
+                what="the run page's tabs",
+            )
+            assert "Runs" in header and "Evaluations" not in header, header  # its breadcrumb
+            browser.evaluate("location.hash = location.hash.split('?')[0] + '/model-metrics'")
+            sections = browser.wait_for(
+                f"(() => {{ const s = {SECTION_TITLES}; return s.length >= 3 && s; }})()",
+                what="the chart sections",
+            )
+            assert sections[0] == "loss (2)", sections
+            assert {"share (3)", "val_loss (3)"} <= set(sections), sections
+        finally:
+            browser.screenshot(tmp_path / "mlflow-ui.png")  # what the page showed last
+
+
+def test_the_ui_app_is_mlflows_with_model_training_as_the_first_visit_default():
+    """`trainlab ui` runs MLflow's app under its `mlflow.app` entry point; its page
+    is MLflow's, with the "Model training" default set before MLflow's bundle runs
+    (only when the browser has no choice of its own)."""
+    from mlflow.server import app as flask_app
+
+    from trainlab.track import mlflow_ui
+
+    assert mlflow_ui.installed(), "reinstall: .venv/bin/pip install --no-deps -e ."
+    mlflow_ui.create_app()
+    page = flask_app.test_client().get("/").get_data(as_text=True)
+    script = page.index(mlflow_ui.DEFAULT_WORKFLOW_SCRIPT)
+    assert script < page.index("static-files/static/js/main.")
+    assert "localStorage.getItem(\"mlflow.workflowType_v1\")===null" in page
