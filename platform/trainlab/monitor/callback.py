@@ -80,6 +80,8 @@ class MonitorCallback(Callback):
         self._shares: dict[str, float] = {}
         self.rollbacks: list[dict[str, Any]] = []
         self._per_step = False  # the loop feeds every step's signals (on_step_signals)
+        self._say_unusable = True  # name the hooks that cannot post (once per run)
+        self._said_unusable = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -100,7 +102,11 @@ class MonitorCallback(Callback):
             if isinstance(rule, StaleCheckpoint):
                 rule.start(now)
         self._start = (ctx.start_step, now)
+        # Which hooks cannot post is said on the run's first start only (restarts,
+        # in place or of the worker group, and resumes would repeat it).
+        self._say_unusable = ctx.restarts == 0 and not self._said_unusable
         self.sinks, self.routes = self._build_sinks(ctx.run_dir, alerts_cfg)
+        self._said_unusable = True
         self._process = _this_process()
         self._gpu = GpuMetrics()
 
@@ -203,7 +209,9 @@ class MonitorCallback(Callback):
                 env = hook.webhook_url_env
                 if name == "message" and alerts_cfg.webhook_url_env:
                     env = alerts_cfg.webhook_url_env
-                sink = _webhook_sink(env, name, explicit=env != _DEFAULT_HOOK_ENV.get(name))
+                sink = _webhook_sink(
+                    env, name, explicit=env != _DEFAULT_HOOK_ENV.get(name), say=self._say_unusable
+                )
             if sink is not None:
                 named[name] = sink
         routes = {
@@ -275,13 +283,17 @@ def _time_split(metrics: dict[str, float]) -> str:
     )
 
 
-def _webhook_sink(env_name: str, hook: str, explicit: bool = True) -> WebhookSink | None:
+def _webhook_sink(
+    env_name: str, hook: str, explicit: bool = True, say: bool = True
+) -> WebhookSink | None:
     """The webhook sink for the URL in $env_name (read here, on rank 0: secrets
-    come from the environment only); None, with a logged reason, when unusable
-    (a warning when the config named the variable, else a note: the default
-    hooks are unset on most machines)."""
+    come from the environment only); None when unusable, with the reason logged
+    when `say` (a warning when the config named the variable, else a note: the
+    default hooks are unset on most machines)."""
     url = os.environ.get(env_name, "").strip()
     if not url:
+        if not say:
+            return None
         log.log(
             logging.WARNING if explicit else logging.INFO,
             "alert hook %r: $%s is not set in this process's environment: its "

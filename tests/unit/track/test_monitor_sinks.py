@@ -107,3 +107,26 @@ def test_webhook_url_must_be_http(rank0, monkeypatch, caplog):
     assert not any(isinstance(s, WebhookSink) for s in monitor.sinks)
     assert "must start with http:// or https://" in caplog.text
     assert "/etc/passwd" not in caplog.text  # the value may be a secret: never echoed
+
+
+def test_unset_default_hooks_are_noted_once_per_run_not_at_every_restart(
+    rank0, monkeypatch, caplog
+):
+    """The default hooks' variables unset (most machines): one note each on the run's
+    first start; an in-place restart (the same callbacks started again) and a
+    worker-group restart or resume (new callbacks, restarts > 0) say nothing more."""
+    import logging
+
+    monkeypatch.delenv("TRAINLAB_PAGE_WEBHOOK", raising=False)
+    monkeypatch.delenv("TRAINLAB_MESSAGE_WEBHOOK", raising=False)
+    caplog.set_level(logging.INFO, logger="trainlab.monitor")
+    r0 = rank0()
+    r0.start()
+    r0.start(in_place=True)
+    r0.start(restarts=1)
+    notes = [r.getMessage() for r in caplog.records if "is not set in this process" in r.message]
+    assert len(notes) == 2, notes  # TRAINLAB_PAGE_WEBHOOK, TRAINLAB_MESSAGE_WEBHOOK: once each
+    assert {n.split("$")[1].split(" ")[0] for n in notes} == {
+        "TRAINLAB_PAGE_WEBHOOK",
+        "TRAINLAB_MESSAGE_WEBHOOK",
+    }
