@@ -10,7 +10,8 @@ chunks again (softmax minus the one-hot label, times the upstream gradient, in
 fp32) and writes each chunk's gradient, in the logits' dtype, over that chunk
 of the logits themselves: the gradient is the logits' buffer, so the loss keeps
 2 bytes per logit (bf16) from its forward to the output projection's backward,
-plus one chunk's fp32 working set (`chunk_working_bytes`).
+plus one chunk's fp32 working set (its fp32 copy and its exponentials: the
+planner's term, trainlab.plan.memory).
 
 The logits are the model's output and nothing else reads them after the loss;
 the function owns them from then on (do not use `logits` after a backward
@@ -26,14 +27,7 @@ import torch
 
 IGNORE_INDEX = -100
 
-__all__ = ["IGNORE_INDEX", "chunk_working_bytes", "chunked_cross_entropy"]
-
-
-def chunk_working_bytes(chunk: int, vocab: int, logit_bytes: int) -> int:
-    """The fp32 working set of one chunk (the planner's term): the chunk's fp32
-    copy of the logits (none when they are fp32 already) and its exponentials."""
-    copy = 4 if logit_bytes < 4 else 0
-    return (copy + 4) * chunk * vocab
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy"]
 
 
 def _softmax_rows(lf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,16 +36,16 @@ FUSED_DEVICES = ("cuda", "cpu")
 
 def fused_available(params: list) -> bool:
     """Whether torch's fused AdamW runs on all of `params`: floating point, on a
-    device it has the kernel for, and all plain tensors or all DTensors of one
-    mesh (the fused op refuses a mix: a tensor-parallel GPT-2 keeps some
-    parameters plain)."""
+    device it has the kernel for, and all plain tensors or all DTensors (the
+    fused op refuses a mix: a tensor-parallel GPT-2 keeps its position table,
+    a matrix that decays with the sharded ones, plain)."""
     from torch.optim.optimizer import _get_fused_kernels_supported_devices
 
     devices = set(_get_fused_kernels_supported_devices())
-    meshes = {id(getattr(p, "device_mesh", None)) for p in params}
+    kinds = {hasattr(p, "device_mesh") for p in params}  # DTensor or plain
     return (
         bool(params)
-        and len(meshes) == 1
+        and len(kinds) == 1
         and all(p.is_floating_point() and p.device.type in devices for p in params)
     )
 
@@ -63,10 +63,13 @@ class AdamWConfig(OptimizerConfig):
         import torch
 
         kwargs = {"lr": lr, "betas": (self.beta1, self.beta2), "eps": self.eps}
-        params = trainable(model)
-        if fused_available(params):
+        groups = decay_groups(trainable(model), self.weight_decay)
+        # Fused per parameter group (the kernel takes a group at once): every group
+        # where it runs; the default too when all do (what the grad scaler asks).
+        for group in groups:
+            group["fused"] = fused_available(group["params"])
+        if all(group["fused"] for group in groups):
             kwargs["fused"] = True
-        groups = decay_groups(params, self.weight_decay)
         if zero1:
             from torch.distributed.optim import ZeroRedundancyOptimizer
 

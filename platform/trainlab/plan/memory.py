@@ -99,7 +99,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainlab.config.schema import ExperimentConfig
-from trainlab.models.loss import chunk_working_bytes
 from trainlab.models.registry import ParamShape, StepDtypes, get_arch, resolve_attention
 from trainlab.optim import PlanParam, StepMemory
 
@@ -490,7 +489,14 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
     # The chunked loss (trainlab.models.loss; not under tp: loss_parallel's): one
     # chunk's fp32 working set at a time.
     chunk = cfg.train.loss_chunk_tokens or N
-    s.loss_chunk = 0.0 if tp > 1 else float(chunk_working_bytes(min(chunk, N), V, d.compute))
+    s.loss_chunk = 0.0 if tp > 1 else float(_chunk_working_bytes(min(chunk, N), V, d.compute))
+
+
+def _chunk_working_bytes(chunk: int, vocab: int, logit_bytes: int) -> int:
+    """The chunked loss's working set (trainlab.models.loss, which imports torch):
+    one chunk's fp32 copy of the logits (none when they are fp32) and its
+    exponentials."""
+    return ((4 if logit_bytes < 4 else 0) + 4) * chunk * vocab
 
 
 def _forward_marks(s: _Step) -> dict[str, _Parts]:

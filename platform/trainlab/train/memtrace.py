@@ -499,7 +499,8 @@ def _use_foreach(optimizer: Any, foreach: bool) -> None:
         if opt is not None and not opt.defaults.get("fused"):
             opt.defaults["foreach"] = foreach
             for group in opt.param_groups:
-                group["foreach"] = foreach
+                if not group.get("fused"):
+                    group["foreach"] = foreach
 
 
 def _categories(

@@ -153,8 +153,9 @@ def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
     assert env_["process_group"] == "gloo, 1 rank"
     steps = report["steps"]
     assert list(steps) == [
-        "train_bf16_fsdp", "memory", "fp16_grad_scaler", "muon_bf16_fsdp", "kill_resume"
-    ]
+        "train_bf16_fsdp", "memory", "fp16_grad_scaler", "muon_bf16_fsdp",
+        "eager_vs_compiled", "host_syncs", "dense_vs_flex", "kill_resume",
+    ]  # fmt: skip
     assert all(s["ok"] and s["seconds"] >= 0 for s in steps.values())
 
     train = steps["train_bf16_fsdp"]
@@ -187,6 +188,17 @@ def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
 
     muon = steps["muon_bf16_fsdp"]
     assert muon["sharded"] and muon["status"] == "completed" and muon["losses"]
+
+    # The fast path (docs/gpu.md): on CPU nothing compiles (auto) and flex runs forward only.
+    ec = steps["eager_vs_compiled"]
+    assert ec["tokens_per_s_eager"] > 0 and ec["compiled_on"] is False and ec["mfu_eager"] > 0
+    syncs = steps["host_syncs"]
+    assert syncs["local_scalar_dense"] == 0 and syncs["cuda_sync_warnings"] is None
+    flex = steps["dense_vs_flex"]
+    assert flex["backward"] is False and set(flex["by_seq_len"]) == {"64", "128"}
+    for row in flex["by_seq_len"].values():
+        assert row["sdpa"]["step_time_s"] > 0 and row["flex"]["step_time_s"] > 0, row
+    assert flex["sdpa_backends"]["causal"]["runs"]
 
     kr = steps["kill_resume"]
     assert kr["deterministic"] is True
