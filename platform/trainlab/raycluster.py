@@ -262,6 +262,35 @@ def route_worker_output(log_file: str | os.PathLike[str]) -> bool:
     return True
 
 
+def plain_output_when_piped() -> None:
+    """Ray wraps the prefix of each worker line it forwards in colour codes; where
+    the output is not a terminal (a pipe, a file, CI) they are bytes in the text
+    (`\x1b[36m(RayTrainWorker pid=...)\x1b[0m`). RAY_COLOR_PREFIX=0 (read by Ray
+    each time it prints, so also after ray.init) leaves them out; a value the
+    user set is kept."""
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+# Ray 2.60 turns token auth on for a new local cluster when RAY_AUTH_MODE is unset
+# (making ~/.ray/auth_token if needed) and says so with a WARNING at every start.
+# For the embedded cluster that is the intended, secure mode, not news: the notice
+# is dropped. The opposite one ("Token authentication is disabled", the user set
+# RAY_AUTH_MODE=disabled or connects without a token) is kept. Setting
+# RAY_AUTH_MODE=token here instead would not do: Ray caches its config when
+# imported, and a driver whose cache says "disabled" cannot reach a cluster it
+# started with tokens.
+_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+_TOKEN_AUTH_ENABLED = "Token authentication is enabled for this Ray cluster"
+
+
+def quiet_token_auth_notice() -> None:
+    """Drop Ray's notice that it enabled token auth (see _TOKEN_AUTH_ENABLED); once."""
+    logger = logging.getLogger(_TOKEN_AUTH_LOGGER)
+    if not any(isinstance(f, _DropMessages) for f in logger.filters):
+        logger.addFilter(_DropMessages(_TOKEN_AUTH_ENABLED))
+
+
 def ensure_ray(
     num_cpus: int | None = None,
     address: str | None = None,
@@ -275,6 +304,7 @@ def ensure_ray(
     """
     import ray
 
+    plain_output_when_piped()
     if not ray.is_initialized():
         address = address or os.environ.get("RAY_ADDRESS") or None
         kwargs: dict[str, Any] = {
@@ -288,6 +318,7 @@ def ensure_ray(
             log.info("connecting to Ray at %s", address)
             ray.init(address=address, **kwargs)
         else:
+            quiet_token_auth_notice()
             kwargs["runtime_env"] = {
                 "worker_process_setup_hook": "trainlab.raycluster.quiet_embedded_worker_logs",
                 **(runtime_env or {}),

@@ -5,6 +5,8 @@ driver routed to a file (errors still shown)."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import pytest
 
@@ -76,3 +78,46 @@ def _no_routing_left(monkeypatch):
     import trainlab.raycluster as rc
 
     monkeypatch.setattr(rc, "_routed_to", None)
+
+
+def test_piped_output_gets_rays_worker_lines_without_colour_codes(monkeypatch, capsys):
+    """Not a terminal (pytest captures both streams): RAY_COLOR_PREFIX=0, and Ray's
+    own printer of forwarded worker lines then writes no escape codes; a value the
+    user set is kept."""
+    from ray._private.worker import print_worker_logs
+
+    from trainlab.raycluster import plain_output_when_piped
+
+    monkeypatch.delenv("RAY_COLOR_PREFIX", raising=False)
+    line = {"pid": "4321", "actor_name": "RayTrainWorker", "lines": ["[trainlab] step 1/6"]}
+    print_worker_logs(line, sys.stderr)
+    assert "\x1b[" in capsys.readouterr().err  # Ray's default: colour, terminal or not
+    plain_output_when_piped()
+    print_worker_logs(line, sys.stderr)
+    assert capsys.readouterr().err == "(RayTrainWorker pid=4321) [trainlab] step 1/6\n"
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")
+    plain_output_when_piped()
+    assert os.environ["RAY_COLOR_PREFIX"] == "1"
+
+
+def test_rays_notice_that_it_enabled_token_auth_is_dropped_the_opposite_kept(caplog):
+    """Ray warns at every local start that it turned token auth on (the secure mode
+    the embedded cluster means to use): dropped; its warning that auth is off stays."""
+    from ray._private.authentication import authentication_token_setup as ray_auth
+
+    from trainlab.raycluster import quiet_token_auth_notice
+
+    caplog.set_level(logging.WARNING, logger=ray_auth.logger.name)
+    ray_auth.logger.propagate, before = True, ray_auth.logger.propagate
+    try:
+        ray_auth._warn_token_auth_enabled()
+        assert "Token authentication is enabled" in caplog.text
+        caplog.clear()
+        quiet_token_auth_notice()
+        quiet_token_auth_notice()  # once is enough
+        ray_auth._warn_token_auth_enabled()
+        assert "Token authentication is enabled" not in caplog.text
+        ray_auth._warn_token_auth_disabled()
+        assert "Token authentication is disabled" in caplog.text
+    finally:
+        ray_auth.logger.propagate = before

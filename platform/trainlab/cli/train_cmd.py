@@ -204,9 +204,16 @@ def _config_in_store(
     return str(local), loc.uri, False
 
 
+def run_label(s: dict) -> str:
+    """What a summary's lines call the run: its run directory's name (`tiny-2` when
+    `tiny` was taken, as its MLflow run is named), not the config's name."""
+    run_dir = str(s.get("run_dir") or "").rstrip("/")
+    return run_dir.rsplit("/", 1)[-1] if run_dir else str(s.get("name"))
+
+
 def _print_complete(s: dict, total_steps: int) -> None:
     click.echo(
-        f"{s.get('name')}: already completed at step {s.get('final_step')} of {total_steps}; "
+        f"{run_label(s)}: already completed at step {s.get('final_step')} of {total_steps}; "
         "nothing to do, the run is left as it is",
         err=True,
     )
@@ -236,7 +243,9 @@ def clean_up_rehearsal(summary: dict) -> dict:
     day = run_dir.parent
     if day.is_dir() and not any(day.iterdir()):
         day.rmdir()
-    return {**summary, "run_dir_removed": True}
+    # Its checkpoints went with it: no path in the summary points at them.
+    gone = {k: None for k in ("last_checkpoint", "best_checkpoint") if k in summary}
+    return {**summary, **gone, "run_dir_removed": True}
 
 
 def _print_done(s: dict) -> None:
@@ -245,7 +254,7 @@ def _print_done(s: dict) -> None:
     pending = s.get("records_pending") or 0
     status = f"{s['status']}, records not all in the MLflow store" if pending else s["status"]
     click.echo(
-        f"{s['name']}: {status} at step {s['final_step']} (loss {loss}, val_loss "
+        f"{run_label(s)}: {status} at step {s['final_step']} (loss {loss}, val_loss "
         f"{val}, restarts {s['restarts']}, {s['wall_seconds']:.0f} s)",
         err=True,
     )
@@ -255,8 +264,11 @@ def _print_done(s: dict) -> None:
         f"  run dir:         {s.get('run_dir')}{removed if s.get('run_dir_removed') else ''}",
         err=True,
     )
-    click.echo(f"  last checkpoint: {s.get('last_checkpoint')}", err=True)
-    click.echo(f"  best checkpoint: {s.get('best_checkpoint')}", err=True)
+    if s.get("run_dir_removed"):
+        click.echo("  checkpoints:     removed with the run directory", err=True)
+    else:
+        click.echo(f"  last checkpoint: {s.get('last_checkpoint')}", err=True)
+        click.echo(f"  best checkpoint: {s.get('best_checkpoint')}", err=True)
     if "smoke" in s:
         checks = ", ".join(k for k, ok in s["smoke"]["checks"].items() if ok)
         click.echo(f"  smoke checks passed: {checks}", err=True)
@@ -268,17 +280,29 @@ def _print_done(s: dict) -> None:
 
 
 def _print_interrupted(s: dict) -> None:
-    """A Ctrl-C'd run: where it stopped and the exact command that continues it."""
-    checkpoint = s.get("last_checkpoint") or "none yet (a resume starts from step 0)"
-    click.echo(f"{s.get('name')}: interrupted at step {s.get('final_step')}", err=True)
+    """A Ctrl-C'd run: where it stopped, what it keeps and what it drops (an early
+    Ctrl-C: no checkpoint at the stop), and the exact command that continues it."""
+    step, resume = s.get("final_step"), s.get("resume_step")
+    checkpoint = s.get("last_checkpoint")
+    click.echo(f"{run_label(s)}: interrupted at step {step}", err=True)
     click.echo(f"  run dir:         {s.get('run_dir')}", err=True)
-    click.echo(f"  last checkpoint: {checkpoint}", err=True)
+    kept = resume if resume is not None else step
+    if checkpoint and kept:
+        click.echo(f"  kept:            step {kept} ({checkpoint})", err=True)
+    else:
+        click.echo(
+            "  kept:            nothing yet (no checkpoint: a resume starts at step 0)", err=True
+        )
+    dropped = s.get("dropped_steps")
+    if dropped:
+        click.echo(
+            f"  dropped:         steps {dropped[0]}-{dropped[1]} (no checkpoint at the stop: the "
+            "newest was younger than train.checkpoint.on_interrupt_min_age_s); a resume "
+            "redoes them",
+            err=True,
+        )
     click.echo(f"  resume with:     trainlab train {s.get('run_dir')} --resume", err=True)
     _print_pending(s)
-    if s.get("resume_step") is not None:  # no checkpoint at the stop: a recent one sufficed
-        click.echo(
-            f"  (resumes from step {s['resume_step']}, the newest valid checkpoint)", err=True
-        )
 
 
 def _print_pending(s: dict) -> None:
@@ -294,7 +318,7 @@ def _print_pending(s: dict) -> None:
 
 
 def _print_failure(s: dict) -> None:
-    click.echo(f"{s.get('name')}: FAILED: {s.get('error')}", err=True)
+    click.echo(f"{run_label(s)}: FAILED: {s.get('error')}", err=True)
     _print_pending(s)
     for f in s.get("failures", []):
         step = f.get("step") if f.get("step") is not None else "?"

@@ -46,6 +46,32 @@ def test_first_ctrl_c_asks_for_a_stop_the_second_stops_at_once(tmp_path, capsys)
     assert not records.interrupt_requested()
 
 
+def test_during_start_up_the_first_ctrl_c_ends_at_once(tmp_path, capsys):
+    """Attached with this start's session: until its training processes completed
+    a step since their newest (re)start, a first Ctrl-C stops at once (nothing to
+    save; a stop at the next step would wait for the whole start-up)."""
+    (tmp_path / "logs").mkdir()
+    records = RunRecords(tmp_path)
+    with Interrupts() as interrupts:
+        interrupts.attach(tmp_path, "s1")
+        assert not interrupts.training()  # Ray and the workers starting
+        with pytest.raises(KeyboardInterrupt):
+            sigint()
+        assert "still starting" in capsys.readouterr().err
+        assert not records.interrupt_requested()
+        interrupts.count = 0
+        records.attempt_started("s1", 0, 1)
+        assert not interrupts.training()  # processes up, no step yet
+        records.first_step_done("s1", 1)
+        records.attempt_started("s0", 0, 1)  # another start's attempt does not count
+        assert interrupts.training()
+        records.attempt_started("s1", 1, 1)  # restarted in place: starting again
+        assert not interrupts.training()
+        records.first_step_done("s1", 2)
+        sigint()  # training: the first Ctrl-C asks for a stop at the next step
+        assert records.interrupt_requested() and "after the next step" in capsys.readouterr().err
+
+
 def test_a_second_ctrl_c_leaves_the_waiting_main_thread():
     """fit() runs on another thread (Ray Train's own SIGINT handler stays out);
     the main thread, waiting for it, still gets the KeyboardInterrupt."""
@@ -84,7 +110,7 @@ def dataset(tmp_path_factory):
     return dataset_dir(tmp_path_factory)
 
 
-def interrupted_run(dataset, run_dir, min_age_s: float):
+def interrupted_run(dataset, run_dir, min_age_s: float, every_steps: int = 8):
     """16 steps, logged every 10, checkpointed every 8; Ctrl-C seen after step 11."""
     cfg = tiny_config(
         dataset,
@@ -92,7 +118,7 @@ def interrupted_run(dataset, run_dir, min_age_s: float):
             "total_steps": 16,
             "log_interval": 10,
             "eval_interval": 16,
-            "checkpoint": {"every_steps": 8, "on_interrupt_min_age_s": min_age_s},
+            "checkpoint": {"every_steps": every_steps, "on_interrupt_min_age_s": min_age_s},
         },
     )
     job = make_job(cfg, run_dir)
@@ -113,7 +139,7 @@ def test_ctrl_c_stops_at_the_next_step_and_skips_a_checkpoint_when_the_newest_is
     assert summary["status"] == "interrupted" and summary["stop_reason"] == INTERRUPT_REASON
     assert summary["final_step"] == 14 and ctrl_c.logged == [10, 14]  # the stop step is logged
     assert [c.step for c in ck.committed(tmp_path / "checkpoints")] == [8]
-    assert summary["resume_step"] == 8
+    assert summary["resume_step"] == 8 and summary["dropped_steps"] == [9, 14]
     assert summary["last_checkpoint"].endswith("step-00000008")
     info = ck.find_resume(tmp_path / "checkpoints", require_valid=True)
     assert info is not None and info.step == 8  # what `train RUN_DIR --resume` takes
@@ -126,3 +152,12 @@ def test_ctrl_c_saves_at_the_stop_step_when_the_newest_checkpoint_is_old_enough(
     assert summary["last_checkpoint"].endswith("step-00000014")
     assert "resume_step" not in summary
     assert ck.find_resume(tmp_path / "checkpoints", require_valid=True).step == 14
+
+
+def test_an_early_ctrl_c_of_a_run_without_any_checkpoint_saves_one(dataset, tmp_path):
+    """However young the run (min age 1 h), a Ctrl-C before its first checkpoint
+    saves one at the stop: a resume continues from step 14, not from step 0."""
+    _, summary, _ = interrupted_run(dataset, tmp_path, min_age_s=3600, every_steps=100)
+    assert (summary["status"], summary["final_step"]) == ("interrupted", 14)
+    assert summary["last_checkpoint"].endswith("step-00000014")
+    assert "resume_step" not in summary and "dropped_steps" not in summary

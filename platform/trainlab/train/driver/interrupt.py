@@ -13,8 +13,11 @@ block SIGINT, so only the driver sees it, and the driver decides:
   is the resume point), write the summary with status "interrupted" and close
   the MLflow run, and `trainlab train` prints the command that resumes it and
   exits 130 (trainlab.exitcodes.INTERRUPTED);
-- before the run directory exists there is nothing to stop cleanly: the first
-  Ctrl-C ends the command at once;
+- before the run directory exists there is nothing to stop cleanly, and during
+  start-up (Ray starting, the workers placed, the training processes not past
+  their first step since they last started) there is nothing to save: the first
+  Ctrl-C ends the command at once, as a second would (a stop at the next step
+  boundary would first wait for the whole start-up);
 - a second Ctrl-C stops at once (`KeyboardInterrupt` in the driver, which marks
   the run interrupted at its newest valid checkpoint and shuts Ray down).
 
@@ -29,7 +32,6 @@ import signal
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -48,6 +50,7 @@ class Interrupts:
     def __init__(self) -> None:
         self.count = 0
         self.records: RunRecords | None = None
+        self.session: str | None = None
         self._previous: Any = None
         self._installed = False
 
@@ -78,15 +81,36 @@ class Interrupts:
         """A Ctrl-C reached the active handler (False where none is installed)."""
         return cls.active is not None and cls.active.requested
 
-    def attach(self, run_dir: str | Path) -> None:
-        """From now on a first Ctrl-C stops this run at its next step boundary."""
+    def attach(self, run_dir: Any, session: str | None = None) -> None:
+        """From now on a first Ctrl-C stops this run at its next step boundary, once
+        the training processes of `session` (this start) are past a step; before,
+        it ends the command at once (without `session`: always the step boundary)."""
         self.records = RunRecords(run_dir)
+        self.session = session
         if self.count:
             self.records.request_interrupt()
+
+    def training(self) -> bool:
+        """The training processes of this start completed a step since their newest
+        (re)start: a stop at the next step boundary is near and can keep their work."""
+        if self.records is None:
+            return False
+        if self.session is None:
+            return True
+        started = [a for a in self.records.attempts() if a.get("session") == self.session]
+        stepped = [a for a in self.records.first_steps() if a.get("session") == self.session]
+        return bool(started) and len(stepped) >= len(started)
 
     def _handle(self, signum: int, frame: Any) -> None:
         self.count += 1
         if self.records is None or self.count > 1:
+            raise KeyboardInterrupt
+        if not self.training():
+            print(
+                "\ninterrupt: still starting (nothing trained since this start): stopping now",
+                file=sys.stderr,
+                flush=True,
+            )
             raise KeyboardInterrupt
         self.records.request_interrupt()
         print(

@@ -308,10 +308,10 @@ def _run(
         cfg.train.precision,
         loc.uri,
     )
-    interrupts.attach(loc)
+    interrupts.attach(loc, job.session)
     try:
         summary = _fit(cfg, job)
-    except KeyboardInterrupt:  # a second Ctrl-C: stop at once
+    except KeyboardInterrupt:  # a Ctrl-C during start-up, or a second one: stop at once
         return _interrupted(job, shutdown=True)
     if smoke and summary.get("status") != RunStatus.INTERRUPTED:
         summary = _check_smoke(loc, summary)
@@ -326,10 +326,13 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     from trainlab.environment import check_nodes
     from trainlab.raycluster import ensure_ray
     from trainlab.train.driver.placement import excluded_nodes, lost_nodes, node_selector
+    from trainlab.train.driver.startup import StartupNotes
     from trainlab.train.driver.worker import train_loop_per_worker
     from trainlab.train.supervision.failures import FailureRecorder
     from trainlab.train.supervision.logs import route_worker_output
 
+    notes = StartupNotes()  # what it waits for, until the first step (stderr)
+    notes.ray()
     ensure_ray(num_cpus=cfg.resource.local_num_cpus)
     route_worker_output(job.logs_dir / "ray.log")  # the terminal keeps trainlab's lines
     _check_cluster(cfg)
@@ -340,6 +343,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
         return _interrupted(job)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", HEALTH_CHECK_INTERVAL_S)
     r = cfg.resource
+    notes.workers(r.num_workers, r.cpus_per_worker, r.use_gpu)
     per_worker = {"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})}
     if excluded_nodes():  # a job retry after nodes were lost (train.placement)
         log.info(
@@ -371,7 +375,8 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
         ),
     )
     try:
-        call_in_thread(trainer.fit)  # the main thread keeps handling Ctrl-C
+        with notes.waiting(job.run_dir, job.session, r.num_workers):
+            call_in_thread(trainer.fit)  # the main thread keeps handling Ctrl-C
     except ray.train.TrainingFailedError as e:
         from trainlab.train.supervision.failures import one_line
 

@@ -377,12 +377,16 @@ class Trainer:
 
     def stop_request(self) -> int:
         """Rank 0's stop request (NO_STOP on other ranks): a callback's stop saves a
-        checkpoint; a Ctrl-C's (INTERRUPT_REASON) only when the newest state on disk
-        is at least train.checkpoint.on_interrupt_min_age_s old, else the run
-        resumes from its newest valid checkpoint."""
+        checkpoint; a Ctrl-C's (INTERRUPT_REASON) when the run has none yet (else a
+        resume would start over from step 0), or when the newest state on disk is
+        at least train.checkpoint.on_interrupt_min_age_s old; else the run resumes
+        from its newest valid checkpoint, and the steps after it are said to be
+        dropped."""
         if not (self.env.is_main and self.callbacks.stop_requested):
             return NO_STOP
         if self.callbacks.stop_reason != INTERRUPT_REASON:
+            return STOP_AND_SAVE
+        if self.last_checkpoint is None and self.step > self.start_step:
             return STOP_AND_SAVE
         age = time.time() - self.saver.saved_at
         return STOP_AND_SAVE if age >= self.cfg.train.checkpoint.on_interrupt_min_age_s else STOP
@@ -433,6 +437,18 @@ class Trainer:
         if status == RunStatus.STOPPED_BY_ALERT or (status == RunStatus.STOPPED and not saved):
             resume = ck.catalog(self.job.location).find_resume(require_valid=True)
             summary["resume_step"] = resume.step if resume else 0
+            if self.stop_reason == INTERRUPT_REASON and self.step > summary["resume_step"]:
+                # An early Ctrl-C: what the run keeps and what a resume redoes.
+                summary["dropped_steps"] = [summary["resume_step"] + 1, self.step]
+                log.warning(
+                    "interrupt at step %d: no checkpoint there (the newest state on disk was "
+                    "younger than train.checkpoint.on_interrupt_min_age_s = %g s); kept: "
+                    "step %d, dropped: steps %d-%d (a resume redoes them)",
+                    self.step,
+                    self.cfg.train.checkpoint.on_interrupt_min_age_s,
+                    summary["resume_step"],
+                    *summary["dropped_steps"],
+                )
         with self.writing(SUMMARY):
             self.records.write_summary(summary)
         self.callbacks.on_run_end(summary)

@@ -1,0 +1,83 @@
+"""What `trainlab train` prints at the end names what it used and points at
+nothing deleted: the run directory's own name (`tiny-2` when `tiny` was taken),
+no checkpoint path of a removed rehearsal, and for an early Ctrl-C what the run
+keeps and what it drops."""
+
+from __future__ import annotations
+
+import json
+
+from trainlab.cli import train_cmd
+
+
+def printed(capsys, fn, *args) -> str:
+    capsys.readouterr()
+    fn(*args)
+    return capsys.readouterr().err
+
+
+def summary(run_dir, **kw):
+    return {
+        "name": "tiny_total_steps-20",
+        "status": "completed",
+        "final_step": 20,
+        "final_loss": 7.1,
+        "val_loss": 7.0,
+        "restarts": 0,
+        "wall_seconds": 87.0,
+        "run_dir": str(run_dir),
+        "last_checkpoint": f"{run_dir}/checkpoints/step-00000020",
+        "best_checkpoint": f"{run_dir}/checkpoints/step-00000020",
+        **kw,
+    }
+
+
+def test_the_summary_names_the_directory_it_used(tmp_path, capsys):
+    second = tmp_path / "2026-12-05" / "tiny_total_steps-20-2"
+    text = printed(capsys, train_cmd._print_done, summary(second))
+    assert text.startswith("tiny_total_steps-20-2: completed at step 20"), text
+    assert train_cmd.run_label({"name": "x", "run_dir": "s3://b/runs/2026-12-05/x-3"}) == "x-3"
+
+
+def test_a_removed_rehearsal_prints_no_path_inside_it(tmp_path, capsys):
+    run_dir = tmp_path / "2026-12-05" / "tiny-smoke"
+    (run_dir / "checkpoints" / "step-00000006").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("name: tiny-smoke\n")
+    checks = {"completed": True, "resumed_from_checkpoint": True}
+    done = train_cmd.clean_up_rehearsal(
+        summary(run_dir, name="tiny-smoke", final_step=6, smoke={"checks": checks})
+    )
+    assert done["run_dir_removed"] and not run_dir.exists()
+    text = printed(capsys, train_cmd._print_done, done)
+    paths = [w for w in text.split() if w.startswith(str(tmp_path))]
+    assert all(p.rstrip(")") == str(run_dir) for p in paths), text  # the run dir, said removed
+    assert "removed" in text and "checkpoints:     removed with the run directory" in text
+    assert str(run_dir) not in json.dumps(
+        {k: done[k] for k in ("last_checkpoint", "best_checkpoint")}
+    )
+
+
+def test_an_early_ctrl_c_says_what_it_keeps_and_what_it_drops(tmp_path, capsys):
+    run_dir = tmp_path / "2026-12-05" / "tiny"
+    text = printed(
+        capsys,
+        train_cmd._print_interrupted,
+        summary(
+            run_dir,
+            status="interrupted",
+            final_step=14,
+            resume_step=8,
+            dropped_steps=[9, 14],
+            last_checkpoint=f"{run_dir}/checkpoints/step-00000008",
+        ),
+    )
+    assert "tiny: interrupted at step 14" in text
+    assert f"kept:            step 8 ({run_dir}/checkpoints/step-00000008)" in text
+    assert "dropped:         steps 9-14" in text and "on_interrupt_min_age_s" in text
+    assert f"resume with:     trainlab train {run_dir} --resume" in text
+    nothing = printed(
+        capsys,
+        train_cmd._print_interrupted,
+        summary(run_dir, status="interrupted", final_step=0, last_checkpoint=None),
+    )
+    assert "kept:            nothing yet" in nothing and "dropped" not in nothing
