@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -60,11 +59,22 @@ def world(tmp_path_factory, s3_server):
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_ENDPOINT_URL": s3_server,
-        "RAY_AUTH_MODE": "token",
     }
-    for var in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "RAY_ADDRESS", "MLFLOW_TRACKING_URI"):
+    for var in (
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_PROFILE",
+        "RAY_ADDRESS",
+        "MLFLOW_TRACKING_URI",
+        "RAY_AUTH_MODE",
+    ):
         env.pop(var, None)
-    s3 = boto3.client("s3", region_name="us-east-1", endpoint_url=s3_server)
+    s3 = boto3.client(
+        "s3",
+        region_name="us-east-1",
+        endpoint_url=s3_server,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
     bucket = f"store-{time.monotonic_ns()}"
     s3.create_bucket(Bucket=bucket)
     local = base / "prepared"
@@ -75,11 +85,9 @@ def world(tmp_path_factory, s3_server):
     return {"env": env, "s3": s3, "bucket": bucket, "base": base}
 
 
-def _up(env: dict, ports: tuple[int, int] | None = None) -> dict:
+def _up(env: dict) -> dict:
     args = ["cluster", "up", "--num-cpus=3", "--worker-nodes=2", "--worker-cpus=3"]
     args += ["--scratch-per-node", "--json"]
-    if ports:
-        args += [f"--port={ports[0]}", f"--dashboard-port={ports[1]}"]
     up = _trainlab(*args, env=env, timeout=900)
     assert up.returncode == 0, up.stderr[-3000:]
     return json.loads(up.stdout.strip().splitlines()[-1])
@@ -115,62 +123,77 @@ def _committed(s3, bucket: str, prefix: str) -> list[str]:
     return sorted(k for k in keys if k.endswith("/checkpoint.json"))
 
 
+def _submit(env: dict, dashboard: str, bucket: str, runs: str, follow: bool) -> dict:
+    """`trainlab submit` of the tiny recipe with the runs root in the store: the
+    driver runs as a job on the head node (its scratch is the head's)."""
+    args = ["submit", "trainers/recipes/tiny.yaml", *_sets(bucket, runs), "--address", dashboard]
+    proc = _trainlab(*args, *(["--follow"] if follow else []), "--json", env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _summary(s3, bucket: str, run_uri: str) -> dict:
+    key = f"{run_uri.removeprefix(f's3://{bucket}/')}/run_summary.json"
+    return json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+
+
 def test_a_run_in_the_store_resumes_on_a_fresh_cluster_bitwise(world):
     env, s3, bucket = world["env"], world["s3"], world["bucket"]
     state = _up(env)
+    dashboard = state["dashboard_url"]
     scratches = [Path(n["scratch_dir"]) for n in state["nodes"]] + [
         Path(env["TRAINLAB_SCRATCH_DIR"])
     ]
     assert len({str(s) for s in scratches}) == 4 and all(str(s) for s in scratches)
-    env = {**env, "RAY_ADDRESS": state["gcs_address"]}
     try:
         # The uninterrupted reference, in its own prefix.
-        ref = _trainlab(
-            "train", "trainers/recipes/tiny.yaml", *_sets(bucket, "ref"), "--json", env=env
-        )
-        assert ref.returncode == 0, ref.stderr[-3000:]
-        expected = json.loads(ref.stdout.strip().splitlines()[-1])
-        assert expected["run_dir"].startswith(f"s3://{bucket}/ref/")
+        ref = _submit(env, dashboard, bucket, "ref", follow=True)
+        assert ref["status"] == "SUCCEEDED" and ref["run_dir"].startswith(f"s3://{bucket}/ref/")
+        expected = _summary(s3, bucket, ref["run_dir"])
         # The run cut off with its whole cluster after its first checkpoint.
-        proc = subprocess.Popen(
-            [str(BIN / "trainlab"), "train", "trainers/recipes/tiny.yaml",
-             *_sets(bucket, "runs"), "--json"],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            start_new_session=True,
-        )  # fmt: skip
+        job = _submit(env, dashboard, bucket, "runs", follow=False)
+        run_uri = job["run_dir"]
+        assert run_uri.startswith(f"s3://{bucket}/runs/")
         deadline = time.monotonic() + TIMEOUT_S
         while not _committed(s3, bucket, "runs/"):
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
             assert time.monotonic() < deadline, "no checkpoint committed in time"
             time.sleep(0.5)
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
     finally:
         _down(env)
-    (first,) = _committed(s3, bucket, "runs/")
-    run_uri = f"s3://{bucket}/" + first.split("/checkpoints/")[0]
-    # Every node's scratch (and the driver's) is gone; a fresh cluster on the same ports.
+    assert not _summary_exists(s3, bucket, run_uri)  # it never finished
+    # Every node's scratch (and the driver's) is gone; a fresh cluster.
     for scratch in scratches:
         shutil.rmtree(scratch, ignore_errors=True)
-    gcs, dash = state["gcs_address"].rsplit(":", 1)[1], state["dashboard_url"].rsplit(":", 1)[1]
-    state = _up(world["env"], (int(gcs), int(dash)))
+    state = _up(env)
+    scratches += [Path(n["scratch_dir"]) for n in state["nodes"]]
     try:
-        resumed = _trainlab("train", run_uri, "--resume", "--json", env=env)
+        from trainlab.jobs.client import connect
+
+        client = connect(state["dashboard_url"])
+        job_id = client.submit_job(entrypoint=f"trainlab train {run_uri} --resume --json")
+        deadline = time.monotonic() + TIMEOUT_S
+        while (status := str(client.get_job_status(job_id))) not in (
+            "SUCCEEDED",
+            "FAILED",
+            "STOPPED",
+        ):
+            assert time.monotonic() < deadline, "the resume did not end in time"
+            time.sleep(1)
+        logs = client.get_job_logs(job_id)
     finally:
         _down(env)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    got = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert status == "SUCCEEDED", logs[-3000:]
+    got = _summary(s3, bucket, run_uri)
     assert got["run_dir"] == run_uri and got["status"] == "completed"
     assert got["start_step"] == 2 and got["final_step"] == 6
     assert got["weights_sha256"] == expected["weights_sha256"]
     assert got["final_loss"] == expected["final_loss"]
-    # The records are in the store: two attempts, the summary, each rank's log.
+    # The records are in the store: the attempts, the summary, each rank's log.
     key = run_uri.removeprefix(f"s3://{bucket}/")
     keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]}
     assert {f"{key}/run_summary.json", f"{key}/config.yaml", f"{key}/logs/rank0.log",
             f"{key}/logs/rank1.log", f"{key}/logs/driver.log"} <= keys  # fmt: skip
-    attempts = [k for k in keys if "/logs/attempts.jsonl.d/" in k]
-    assert len(attempts) >= 2
+    assert len([k for k in keys if "/logs/attempts.jsonl.d/" in k]) >= 2
     # Nothing of the run outside the store and the scratch directories.
     name = run_uri.rsplit("/", 1)[1]
     outside = [
@@ -181,3 +204,8 @@ def test_a_run_in_the_store_resumes_on_a_fresh_cluster_bitwise(world):
         if not any(p.is_relative_to(s) for s in scratches)
     ]
     assert not outside, outside
+
+
+def _summary_exists(s3, bucket: str, run_uri: str) -> bool:
+    key = f"{run_uri.removeprefix(f's3://{bucket}/')}/run_summary.json"
+    return bool(s3.list_objects_v2(Bucket=bucket, Prefix=key).get("Contents"))

@@ -219,9 +219,7 @@ def plan_gc(
     """What to delete from which runs, and the live runs left alone."""
     skipped = [Skipped(r, live_reason(r.live)) for r in runs if r.live is not None]
     chosen = [
-        r
-        for r in runs
-        if r.live is None and r.age_s >= older_than_s and r.statuses & statuses
+        r for r in runs if r.live is None and r.age_s >= older_than_s and r.statuses & statuses
     ]
     actions = [a for a in (decide(r, force) for r in chosen) if a.whole or a.remove]
     return actions, skipped
@@ -311,9 +309,14 @@ def gc(
     as_json: bool,
 ) -> int:
     """Delete old run directories and smoke rehearsals, keeping each run's last
-    valid and best checkpoint (and its records) unless --force."""
-    root = Path(runs_root).expanduser().resolve()
+    valid and best checkpoint (and its records) unless --force. The runs root may
+    be in object storage (s3://bucket/prefix)."""
+    from trainlab.storage import is_uri
+
     age, wanted = parse_age(older_than), parse_statuses(statuses)
+    if is_uri(runs_root) and not runs_root.startswith("file://"):
+        return _gc_in_store(runs_root, age, wanted, dry_run, force, as_json)
+    root = Path(runs_root).expanduser().resolve()
     if not root.is_dir():
         raise UserError(f"--runs-root {runs_root}: no such directory")
     actions, skipped = plan_gc(find_runs(root), age, wanted, force)
@@ -341,4 +344,33 @@ def gc(
         click.echo(f"skip {_rel(s.run.path, root)}: {s.reason}")
     verb = "would free" if dry_run else "freed"
     click.echo(f"{len(actions)} run(s); {verb} {_size(freed)}" + (" (dry run)" if dry_run else ""))
+    return 0
+
+
+def _gc_in_store(
+    root: str, age: float, wanted: set[str], dry_run: bool, force: bool, as_json: bool
+) -> int:
+    from trainlab.cli.gc_store import gc_store
+
+    try:
+        result = gc_store(root, age, wanted, dry_run, force)
+    except OSError as e:
+        raise UserError(f"--runs-root {root}: cannot read the store: {e}") from None
+    if as_json:
+        echo_json(result)
+        return 0
+    base = result["runs_root"].rstrip("/") + "/"
+    for a in result["runs"]:
+        rel = a["run_dir"].removeprefix(base)
+        what = f"{'delete' if a['action'] == 'delete' else 'trim'} {rel} ({a['status']}, "
+        what += f"{a['age_days']:.1f} days): {_size(a['freed_bytes'])}"
+        if a["kept_checkpoints"]:
+            kept = ", ".join(f"{k} ({v})" for k, v in sorted(a["kept_checkpoints"].items()))
+            what += f"; keeps {kept} and the records"
+        click.echo(what)
+    for s in result["skipped"]:
+        click.echo(f"skip {s['run'].removeprefix(base)}: {s['reason']}")
+    verb = "would free" if dry_run else "freed"
+    n, freed = len(result["runs"]), _size(result["freed_bytes"])
+    click.echo(f"{n} run(s); {verb} {freed}" + (" (dry run)" if dry_run else ""))
     return 0

@@ -25,16 +25,29 @@ from trainlab.data.manifest import Manifest, load_manifest
 from trainlab.errors import UserError
 
 
-def config_of(config_or_run_dir: str) -> tuple[str, Path | None]:
-    """(config file, run directory or None) for the command's first argument: a
-    local path (a URI is never taken for one: `s3://b/run` would be `s3:/b/run`)."""
+def config_of(config_or_run_dir: str) -> tuple[str, Any]:
+    """(config file, run or None) for the command's first argument: a local config
+    file or run directory, or a run in object storage (`s3://.../DATE/NAME`: its
+    config.yaml is read into this machine's working copy of it). The run is a
+    path or a `trainlab.runloc.RunLocation`."""
+    from trainlab.runloc import RunLocation
     from trainlab.storage import is_uri
 
-    if is_uri(config_or_run_dir):
-        raise UserError(
-            f"CONFIG_OR_RUN_DIR = {config_or_run_dir!r}: give a local config file or run "
-            "directory (the dataset itself may be in object storage: data.path s3://...)"
-        )
+    if is_uri(config_or_run_dir) and not config_or_run_dir.startswith("file://"):
+        loc = RunLocation.of(config_or_run_dir)
+        try:
+            text = loc.read_text("config.yaml")
+        except OSError as e:
+            raise UserError(
+                f"CONFIG_OR_RUN_DIR = {config_or_run_dir!r}: cannot read it: {e}"
+            ) from None
+        if text is None:
+            raise UserError(
+                f"CONFIG_OR_RUN_DIR = {config_or_run_dir!r}: no run there (no config.yaml)"
+            )
+        loc.local.mkdir(parents=True, exist_ok=True)
+        (loc.local / "config.yaml").write_text(text)
+        return str(loc.local / "config.yaml"), loc
     p = Path(config_or_run_dir)
     if not p.exists():
         raise UserError(f"CONFIG_OR_RUN_DIR = {config_or_run_dir!r}: no such file or directory")
@@ -45,20 +58,26 @@ def config_of(config_or_run_dir: str) -> tuple[str, Path | None]:
     return str(p), None
 
 
-def skipped_windows(cfg: Any, run_dir: Path | None) -> list[tuple[int, int]]:
+def skipped_windows(cfg: Any, run_dir: Any) -> list[tuple[int, int]]:
     """[first, last] step windows not trained on: the config's and, for a run
-    directory, its rollbacks' (run_summary.json, else the newest checkpoint)."""
+    (a directory or a run in object storage), its rollbacks' (run_summary.json,
+    else the newest committed checkpoint's record)."""
+    from trainlab.runloc import RunLocation
+
     windows = [(int(a), int(b)) for a, b in cfg.train.skip_steps]
     if run_dir is None:
         return windows
-    summary = run_dir / "run_summary.json"
+    loc = run_dir if isinstance(run_dir, RunLocation) else RunLocation.of(run_dir)
     rollbacks: list[dict[str, Any]] = []
-    if summary.is_file():
-        rollbacks = json.loads(summary.read_text()).get("rollbacks") or []
+    summary = loc.read_text("run_summary.json")
+    if summary is not None:
+        rollbacks = json.loads(summary).get("rollbacks") or []
     else:  # a run still going (or killed): its newest committed checkpoint's record
-        metas = sorted((run_dir / "checkpoints").glob("step-*/checkpoint.json"))
+        steps = sorted(n for n in loc.list("checkpoints") if n.startswith("step-"))
+        metas = [loc.read_text(f"checkpoints/{n}/checkpoint.json") for n in steps]
+        metas = [m for m in metas if m is not None]
         if metas:
-            rollbacks = json.loads(metas[-1].read_text()).get("rollbacks") or []
+            rollbacks = json.loads(metas[-1]).get("rollbacks") or []
     return windows + [(int(r["skipped"][0]), int(r["skipped"][1])) for r in rollbacks]
 
 

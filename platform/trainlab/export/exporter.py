@@ -136,8 +136,8 @@ def export_model(
         checksums = _checksums(staging, files)
         record = {
             "format_version": 1,
-            "run_dir": str(found.run_dir),
-            "checkpoint": str(found.checkpoint.path),
+            "run_dir": found.run,
+            "checkpoint": found.checkpoint.where,
             "step": found.checkpoint.step,
             "checkpoint_format": source.format,
             "arch": m.arch,
@@ -160,7 +160,7 @@ def export_model(
     if track:
         from trainlab.export.record import log_export
 
-        run_id = log_export(found.cfg, found.run_dir, out_dir, record)
+        run_id = log_export(found.cfg, found.run, out_dir, record)
     return {
         **record,
         "out": str(out_dir),

@@ -16,10 +16,11 @@ from trainlab.track.store import embedded_db_path, tracking_uri
 LOGGED_FILES = ("export.json", "config.json", "generation_config.json", "tokenizer_config.json")
 
 
-def log_export(cfg: Any, run_dir: Path, out: Path, record: dict[str, Any]) -> str | None:
-    """Attach the export in `out` to the MLflow run of `run_dir`; returns the run id,
-    or None when the run has no record (e.g. the store was never created)."""
-    uri = tracking_uri(run_dir.parents[1])
+def log_export(cfg: Any, run_dir: Path | str, out: Path, record: dict[str, Any]) -> str | None:
+    """Attach the export in `out` to the MLflow run of `run_dir` (a path, or the URI
+    of a run in object storage) in the store of the run's runs root; returns the run
+    id, or None when the run has no record (e.g. the store was never created)."""
+    uri = tracking_uri(cfg.train.runs_root)
     db = embedded_db_path(uri)
     if db is not None and not db.exists():
         return None

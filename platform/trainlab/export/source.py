@@ -37,9 +37,15 @@ MODEL_PREFIX = "model."
 
 @dataclass(frozen=True)
 class Located:
-    run_dir: Path
+    run_dir: Path  # on this machine (a run in object storage: its working copy)
     checkpoint: ck.CheckpointInfo
     cfg: ExperimentConfig
+    where: str = ""  # the run's URI, for a run in object storage
+
+    @property
+    def run(self) -> str:
+        """The run as records name it: its URI, else its directory."""
+        return self.where or str(self.run_dir)
 
 
 def _run_config(run_dir: Path) -> ExperimentConfig:
@@ -57,7 +63,12 @@ def _run_config(run_dir: Path) -> ExperimentConfig:
 
 def locate(path: str | Path, step: int | None = None) -> Located:
     """The run directory, checkpoint and config that `path` (a run directory or a
-    checkpoint directory) and `step` name; UserError when there is none."""
+    checkpoint directory, or a run in object storage) and `step` name; UserError
+    when there is none."""
+    from trainlab.storage import is_uri
+
+    if is_uri(str(path)) and not str(path).startswith("file://"):
+        return _locate_in_store(str(path), step)
     p = Path(path).expanduser().resolve()
     if not p.is_dir():
         raise UserError(f"{path}: no such directory (give a run directory or a checkpoint)")
@@ -80,6 +91,38 @@ def locate(path: str | Path, step: int | None = None) -> Located:
         have = ", ".join(str(i.step) for i in ck.committed(root)) or "none"
         raise UserError(f"--step {step}: {root} has no checkpoint of that step (steps: {have})")
     return _located(p, _checked(match[0]))
+
+
+def _locate_in_store(uri: str, step: int | None) -> Located:
+    """A run in object storage: its config.yaml and the checkpoint (newest valid,
+    or of `step`) fetched into this machine's scratch and sha256-checked."""
+    from trainlab.runloc import RunLocation
+    from trainlab.train.checkpoint.store import CheckpointStore
+
+    loc = RunLocation.of(uri)
+    text = loc.read_text("config.yaml")
+    if text is None:
+        raise UserError(f"{uri}: no config.yaml there; give a run in object storage")
+    (loc.local).mkdir(parents=True, exist_ok=True)
+    (loc.local / "config.yaml").write_text(text)
+    cfg = _run_config(loc.local)
+    store = CheckpointStore(loc)
+    if step is None:
+        info = store.fetch_newest(require_valid=cfg.train.checkpoint.validate)
+        if info is None:
+            raise UserError(f"{store.uri()}: no valid checkpoint to export")
+    else:
+        match = [i for i in store.committed() if i.step == step]
+        if not match:
+            have = ", ".join(str(i.step) for i in store.committed()) or "none"
+            raise UserError(f"--step {step}: {store.uri()} has no checkpoint of that step "
+                            f"(steps: {have})")  # fmt: skip
+        try:
+            info = store.fetch(match[0])
+        except ValueError as e:
+            raise UserError(f"{match[0].uri}: {e}") from None
+        info = _checked(info)
+    return Located(loc.local, info, cfg, where=loc.uri)
 
 
 def _located(run_dir: Path, info: ck.CheckpointInfo) -> Located:

@@ -2,7 +2,7 @@
 
 `python -m trainlab.jobs.probe --data DIR --storage URI [--storage URI2]` (a
 short Ray job submitted by `trainlab submit`). The driver writes a marker file
-into each storage location (the runs root, and `resource.storage` when set); a
+into each storage location (the runs root); a
 zero-CPU task pinned to each alive node checks that the prepared dataset's
 manifest is readable there and that every marker is visible there, so a
 node-local path that only *looks* shared is caught before training starts.

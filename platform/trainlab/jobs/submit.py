@@ -98,8 +98,8 @@ def prepare(config: str, overrides: tuple[str, ...] | list[str], repo: Path) -> 
 
     prepare_layout(cfg)  # the trainer's own pre-launch checks, here before any upload
     # Every node must share the runs root (run directories and checkpoints live there)
-    # and resource.storage when set.
-    shared = [cfg.train.runs_root, *([cfg.resource.storage] if cfg.resource.storage else [])]
+    # (in object storage, or a filesystem every node mounts).
+    shared = [cfg.train.runs_root]
     return Prepared(
         cfg=cfg,
         plan=plan(cfg),

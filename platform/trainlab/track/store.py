@@ -2,7 +2,8 @@
 
 Embedded default (no server to run): a SQLite store in the runs root,
 `sqlite:///{abs runs_root}/mlflow.db`, with artifacts under
-`{abs runs_root}/mlartifacts`. When `MLFLOW_TRACKING_URI` is set, that store
+`{abs runs_root}/mlartifacts` (for a runs root in object storage: in its
+working copy on this machine's scratch, trainlab.runloc.local_runs_root). When `MLFLOW_TRACKING_URI` is set, that store
 (usually a tracking server) is used instead and decides where artifacts go.
 Everything here imports mlflow lazily: config commands never pay for it.
 """
@@ -33,7 +34,18 @@ def tracking_uri(runs_root: str | os.PathLike[str]) -> str:
     env = os.environ.get(ENV_TRACKING_URI, "").strip()
     if env:
         return env
-    return f"sqlite:///{Path(runs_root).resolve() / DB_FILE}"
+    return f"sqlite:///{_local_root(runs_root) / DB_FILE}"
+
+
+def _local_root(runs_root: str | os.PathLike[str]) -> Path:
+    """The directory of the embedded store: the runs root, or for a runs root in
+    object storage its working copy on this machine (SQLite cannot live in a
+    store; docs/storage.md)."""
+    from trainlab.runloc import local_runs_root
+    from trainlab.storage import is_uri
+
+    text = os.fspath(runs_root)
+    return local_runs_root(text) if is_uri(text) else Path(text).resolve()
 
 
 def artifact_location(runs_root: str | os.PathLike[str]) -> str | None:
@@ -41,7 +53,7 @@ def artifact_location(runs_root: str | os.PathLike[str]) -> str | None:
     embedded store; None (the server decides) when `MLFLOW_TRACKING_URI` is set."""
     if os.environ.get(ENV_TRACKING_URI, "").strip():
         return None
-    return (Path(runs_root).resolve() / ARTIFACTS_DIR).as_uri()
+    return (_local_root(runs_root) / ARTIFACTS_DIR).as_uri()
 
 
 def is_embedded(uri: str) -> bool:

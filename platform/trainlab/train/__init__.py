@@ -23,7 +23,7 @@ imports only those listed after it: tests/unit/test_import_graph.py):
     parallel/      the techniques applied from outside (FSDP/replicate, tensor,
                    pipeline, recomputation), the mesh and the process groups
     checkpoint/    the disk protocol (atomic commits, checksums, retention) and
-                   the durable-storage mirror
+                   its object-storage form (store: per-rank parts, commit marker)
     memtrace       the planner's check: one real step on fake tensors
 """
 

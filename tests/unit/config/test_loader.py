@@ -316,7 +316,7 @@ def test_set_on_a_string_field_takes_the_text_as_written():
         [
             "expectation=loss goes down: below 8.5",
             "purpose=[not, a, list]",
-            "resource.storage=/tmp/x: y",
+            "train.runs_root=/tmp/x: y",
             "owner=null",
             "train.lr=1e-3",
             "data.mix={code: 1, docs: 2}",
@@ -324,6 +324,6 @@ def test_set_on_a_string_field_takes_the_text_as_written():
     )
     assert cfg.expectation == "loss goes down: below 8.5"
     assert cfg.purpose == "[not, a, list]"
-    assert cfg.resource.storage == "/tmp/x: y"
+    assert cfg.train.runs_root == "/tmp/x: y"
     assert cfg.owner == ""  # null: back to its default, as for any field
     assert cfg.train.lr == 1e-3 and cfg.data.mix == {"code": 1.0, "docs": 2.0}

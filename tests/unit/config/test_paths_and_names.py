@@ -21,7 +21,6 @@ CONFIG = """\
 name: exp
 data: {path: data/prepared}
 train: {runs_root: out/runs}
-resource: {storage: ckpt}
 """
 
 
@@ -44,12 +43,22 @@ def test_relative_paths_resolve_against_the_repo_root_not_the_cwd(repo, tmp_path
     cfg = cfgs[0]
     assert cfg.data.path == str(repo / "data/prepared")
     assert cfg.train.runs_root == str(repo / "out/runs")
-    assert cfg.resource.storage == str(repo / "ckpt")
     # a default is anchored too, an absolute path or a URL is kept, --set anchors alike
     cfg = load_config(repo / "configs/exp/a.yaml", ["train.runs_root=null", "data.path=/abs/d"])
     assert cfg.train.runs_root == str(repo / "runs") and cfg.data.path == "/abs/d"
-    s3 = load_config(repo / "configs/exp/a.yaml", ["resource.storage=s3://b/p"])
-    assert s3.resource.storage == "s3://b/p"
+    s3 = load_config(repo / "configs/exp/a.yaml", ["train.runs_root=s3://b/p"])
+    assert s3.train.runs_root == "s3://b/p"
+
+
+def test_resource_storage_is_read_as_the_runs_root(repo):
+    """resource.storage (a checkpoint copy target before runs could live in object
+    storage) was folded into train.runs_root: alone it becomes the runs root (with a
+    warning); with a different runs_root it is an error saying which to keep."""
+    cfg_file = repo / "configs/exp/b.yaml"
+    cfg_file.write_text("name: b\nresource: {storage: s3://b/p}\n")
+    assert load_config(cfg_file).train.runs_root == "s3://b/p"
+    with pytest.raises(ConfigError, match="folded into train.runs_root.*keep only"):
+        load_config(repo / "configs/exp/a.yaml", ["resource.storage=s3://b/p"])
 
 
 def test_anchor_is_the_nearest_git_or_pyproject_else_the_files_directory(tmp_path, repo):
@@ -72,7 +81,7 @@ def test_run_directory_records_absolute_paths_from_another_cwd(repo, tmp_path, m
     rundir.write_run_files(run, cfg, {})
     recorded = rundir.read_run_config(run)
     assert recorded is not None and recorded.train.runs_root == str(repo / "out/runs")
-    assert Path(recorded.data.path).is_absolute() and Path(recorded.resource.storage).is_absolute()
+    assert Path(recorded.data.path).is_absolute()
 
 
 def test_a_config_built_in_code_is_not_anchored_at_the_cwd(tmp_path, monkeypatch):

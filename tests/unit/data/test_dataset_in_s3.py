@@ -116,10 +116,16 @@ def test_another_scheme_is_refused_by_validate(capsys):
     )
 
 
-def test_at_step_never_takes_a_uri_for_a_local_path(tmp_path, monkeypatch, capsys):
+def test_at_step_never_takes_a_uri_for_a_local_path(s3_env, tmp_path, monkeypatch, capsys):
+    """A URI names a run in object storage (read from the store), never a local
+    path: a URI with no run there is one line, and nothing is made in the cwd."""
+    _, bucket = s3_env
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRAINLAB_SCRATCH_DIR", str(tmp_path.parent / f"{tmp_path.name}-scratch"))
     with pytest.raises(SystemExit) as e:
-        main(["data", "at-step", "s3://bucket/runs/tiny", "3"])
+        main(["data", "at-step", f"s3://{bucket}/runs/tiny", "3"])
     assert e.value.code == 2 and list(tmp_path.iterdir()) == []
     (line,) = capsys.readouterr().err.strip().splitlines()
-    assert line.startswith("error: CONFIG_OR_RUN_DIR = 's3://bucket/runs/tiny': give a local")
+    assert line == (
+        f"error: CONFIG_OR_RUN_DIR = 's3://{bucket}/runs/tiny': no run there (no config.yaml)"
+    )

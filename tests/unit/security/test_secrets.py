@@ -84,11 +84,11 @@ def test_credentials_in_the_storage_url_are_refused_at_validation(tmp_path, url)
     from trainlab.storage import resolve_storage
 
     config = tmp_path / "exp.yaml"
-    config.write_text(f"name: exp\nresource:\n  storage: {url}\n")
+    config.write_text(f"name: exp\ntrain:\n  runs_root: {url}\n")
     with pytest.raises(UserError) as err:
         load_config(config)
     (line,) = err.value.lines
-    assert line.startswith(f"{config}: resource.storage = 's3://***@bucket/runs': ")
+    assert line.startswith(f"{config}: train.runs_root = 's3://***@bucket/runs': ")
     assert "credentials never go in a storage URL" in line and "AWS_ACCESS_KEY_ID" in line
     assert "fake-" not in line and "AKIAFAKE" not in line
     with pytest.raises(UserError) as err:  # the library refuses it too (trainlab.storage)

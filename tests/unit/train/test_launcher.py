@@ -46,7 +46,7 @@ def test_resume_picks_the_latest_run_of_the_name(dataset, tmp_path):
         d.mkdir(parents=True)
         (d / "config.yaml").write_text("x")
         os.utime(d / "config.yaml", (1000 + i, 1000 + i))
-    assert rundir.choose_run_dir(cfg, resume=True, base_dir=tmp_path) == newer
+    assert rundir.choose_run_dir(cfg, resume=True, base_dir=tmp_path).local == newer
 
 
 def test_run_dir_of_another_experiment_is_refused(dataset, tmp_path):

@@ -201,3 +201,40 @@ def test_one_writer_per_run_in_the_store(run, monkeypatch):
     run.write_text(".lock.json", json.dumps(record))
     with RunLock.acquire(run):
         assert run.read_jsonl("logs/lock.jsonl")[-1]["took_over_from"]["pid"] == int(dead)
+
+
+def test_gc_in_the_store_keeps_records_and_two_checkpoints_and_never_a_live_run(
+    s3_env, tmp_path, monkeypatch
+):
+    from click.testing import CliRunner
+
+    from trainlab.cli import cli
+
+    monkeypatch.setenv("TRAINLAB_LOCK_SETTLE_S", "0.05")
+    _, bucket = s3_env
+    root = f"s3://{bucket}/runs"
+    old, live = (RunLocation.of(f"{root}/2026-12-01/{n}") for n in ("old", "live"))
+    for loc in (old, live):
+        loc.write_text("config.yaml", "name: x\n")
+        RunRecords(loc).write_summary({"status": "completed"})
+        RunRecords(loc).attempt_started("s", 0, 1)
+    for step, loss in ((10, 2.0), (20, 1.0), (30, 3.0)):  # best 20, last valid 30
+        validator = lambda _, loss=loss: ck.Validation(ok=True, loss=loss)  # noqa: E731
+        _save(old, step, validator=validator, keep_last=5)
+    _save(live, 10, keep_last=5)
+    args = ["gc", "--runs-root", root, "--older-than", "0d", "--json"]
+    with RunLock.acquire(live):
+        result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output.strip().splitlines()[-1])
+    (trimmed,) = out["runs"]
+    assert trimmed["run_dir"] == old.uri and trimmed["action"] == "trim"
+    assert trimmed["kept_checkpoints"] == {"step-00000020": "best", "step-00000030": "last valid"}
+    assert [s["run"] for s in out["skipped"]] == [live.uri]
+    store = CheckpointStore(old)
+    assert [i.step for i in store.committed()] == [20, 30] and store.step_dirs() == [20, 30]
+    assert old.exists("config.yaml") and RunRecords(old).attempts()  # the records stay
+    assert [i.step for i in CheckpointStore(live).committed()] == [10]
+    forced = CliRunner().invoke(cli, [*args, "--force"])
+    assert forced.exit_code == 0, forced.output
+    assert old.is_empty() and live.is_empty()

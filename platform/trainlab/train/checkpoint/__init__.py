@@ -48,7 +48,7 @@ META_FILE = "checkpoint.json"
 FORMAT_VERSION = 1
 PREFIX = "step-"
 STAGING_PREFIX = ".tmp-"
-PULL_PREFIX = ".pull-"  # a checkpoint copy being downloaded (trainlab.train.checkpoint.mirror)
+PULL_PREFIX = ".pull-"  # a checkpoint being fetched from object storage (checkpoint.store)
 DONE_PREFIX = ".done-rank"
 
 log = logging.getLogger(__name__)

@@ -93,17 +93,18 @@ def _taken(where: str) -> bool:
 
 def new_run_dir(
     cfg: ExperimentConfig, base_dir: Path | None = None, today: dt.date | None = None
-) -> str:
-    """A new run's location for today: `{name}`, else `{name}-2`, `{name}-3`, ..."""
+) -> Path | str:
+    """A new run's location for today: `{name}`, else `{name}-2`, `{name}-3`, ...
+    (a path, or a URI for a runs root in object storage)."""
     day = _join(root_location(cfg, base_dir), (today or dt.date.today()).isoformat())
     candidate, n = _join(day, cfg.name), 1
     while _taken(candidate):
         n += 1
         candidate = _join(day, f"{cfg.name}-{n}")
-    return candidate
+    return candidate if is_uri(candidate) else Path(candidate)
 
 
-def latest_run_dir(cfg: ExperimentConfig, base_dir: Path | None = None) -> str:
+def latest_run_dir(cfg: ExperimentConfig, base_dir: Path | None = None) -> Path | str:
     """The most recent run named `{name}` or `{name}-N` (by its config.yaml's time)."""
     root = root_location(cfg, base_dir)
     if RunLocation.of(root).remote:
@@ -114,15 +115,13 @@ def latest_run_dir(cfg: ExperimentConfig, base_dir: Path | None = None) -> str:
     ]
     if not candidates:
         raise UserError(f"--resume: no earlier run named {cfg.name!r} under {root}")
-    return str(
-        max(
-            candidates,
-            key=lambda p: (
-                (p / "config.yaml").stat().st_mtime
-                if (p / "config.yaml").exists()
-                else p.stat().st_mtime
-            ),
-        )
+    return max(
+        candidates,
+        key=lambda p: (
+            (p / "config.yaml").stat().st_mtime
+            if (p / "config.yaml").exists()
+            else p.stat().st_mtime
+        ),
     )
 
 
