@@ -95,9 +95,10 @@ def train(
     (an error that would happen again), 74 failed because the run's disk failed a
     write (full, I/O error: free space, then resume), 75 failed because processes or workers
     were lost more often than train.max_failures allows (a retry may succeed), 130
-    interrupted (Ctrl-C: the first stops at the next step, with a checkpoint when
-    the newest is older than train.checkpoint.on_interrupt_min_age_s, and prints the
-    command that resumes the run; a second stops at once)."""
+    interrupted (Ctrl-C: during start-up it stops at once; once training, the first
+    stops at the next step, with a checkpoint when there is none yet or the newest
+    is older than train.checkpoint.on_interrupt_min_age_s, says what it keeps and
+    drops, and prints the command that resumes the run; a second stops at once)."""
     from trainlab.config import load_config
     from trainlab.config.loader import require_record
     from trainlab.errors import UserError
