@@ -147,3 +147,26 @@ def test_cli_bad_input_exits_2_before_anything_runs(dataset, tmp_path):
     res = runner.invoke(cli, ["train", str(cfg)], standalone_mode=False)
     assert isinstance(res.exception, UserError) and "nowhere" in str(res.exception)
     assert not (tmp_path / "runs").exists()  # nothing half-written
+
+
+def test_a_run_dir_that_is_not_a_run_directory_is_refused_before_anything_is_written(
+    dataset, tmp_path
+):
+    """`--run-dir` on a folder of the user's files (or the repository root) is
+    refused in one line; nothing lands beside the user's file."""
+    from trainlab.train.driver.launcher import run
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    with pytest.raises(UserError, match=r"not a trainlab run directory \(no config.yaml; it "
+                                        r"holds notes.txt\); give a new or empty directory"):  # fmt: skip
+        run(tiny_config(dataset), run_dir=mine)
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"]
+    # A new, an empty, or a run directory are fine (checked without training here).
+    for ok in (tmp_path / "new", tmp_path / "empty"):
+        rundir.check_usable(rundir.choose_run_dir(tiny_config(dataset), ok))
+    (tmp_path / "empty").mkdir()
+    rundir.write_run_files(tmp_path / "run", tiny_config(dataset), {})
+    for ok in (tmp_path / "empty", tmp_path / "run"):
+        rundir.check_usable(rundir.choose_run_dir(tiny_config(dataset), ok))

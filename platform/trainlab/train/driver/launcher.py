@@ -257,6 +257,8 @@ def _run(
     path = loc.local  # the run directory, or this node's working copy of a run in a store
     if loc.remote:
         _check_store(loc)
+    if run_dir is not None:
+        rundir.check_usable(loc)  # never a folder of the user's files
     identity = rundir.check_same_experiment(loc, cfg, extend=extend)  # reads only
     done = rundir.completed_summary(loc, cfg)
     if done is not None:  # nothing to do: not one file of the run is touched

@@ -174,6 +174,33 @@ def choose_run_dir(
     return RunLocation.of(new_run_dir(cfg, base_dir), scratch)
 
 
+# What trainlab itself puts in a run directory before its config.yaml is written
+# (the lock, the logs of a start that was refused): such a directory is a run's.
+OWN_ENTRIES = frozenset({".lock", ".lock.json", "logs", "checkpoints", "ray"})
+
+
+def check_usable(loc: RunLocation) -> None:
+    """A run directory given by the user (`--run-dir`) must be new, empty, or a
+    trainlab run directory; anything else (a folder of the user's files, the
+    repository) is refused before anything is written into it."""
+    if loc.remote:
+        names = loc.list("")
+    elif loc.local.exists():
+        if not loc.local.is_dir():
+            raise UserError(f"--run-dir {loc.uri}: a file, not a directory")
+        names = [p.name for p in loc.local.iterdir()]
+    else:
+        return
+    if not names or "config.yaml" in names or set(names) <= OWN_ENTRIES:
+        return
+    shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")
+    raise UserError(
+        f"--run-dir {loc.uri}: not a trainlab run directory (no config.yaml; it holds "
+        f"{shown}); give a new or empty directory, or a run directory to continue, or "
+        "leave --run-dir out for a new run under train.runs_root"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class RunIdentity:
     """What a run directory continues as: the config hash its checkpoints and
