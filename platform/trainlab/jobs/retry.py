@@ -80,22 +80,25 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def run_dir_of(cmd: list[str]) -> Path | None:
+def run_dir_of(cmd: list[str]) -> str | None:
     """The `--run-dir` a trainer command was given (what a job retry passes)."""
     for i, arg in enumerate(cmd):
         if arg == "--run-dir" and i + 1 < len(cmd):
-            return Path(cmd[i + 1])
+            return cmd[i + 1]
         if arg.startswith("--run-dir="):
-            return Path(arg.split("=", 1)[1])
+            return arg.split("=", 1)[1]
     return None
 
 
-def blamed_in(run_dir: Path | None) -> list[str]:
-    """`lost_nodes` of the run's summary after a failed attempt ([] when none)."""
+def blamed_in(run_dir: Path | str | None) -> list[str]:
+    """`lost_nodes` of the run's summary after a failed attempt ([] when none);
+    the run may live in object storage (`--run-dir s3://...`)."""
+    from trainlab.runloc import RunLocation
+
     if run_dir is None:
         return []
     try:
-        summary = json.loads((run_dir / "run_summary.json").read_text())
+        summary = json.loads(RunLocation.of(run_dir).read_text("run_summary.json") or "")
     except (OSError, ValueError):
         return []
     nodes = summary.get("lost_nodes") if isinstance(summary, dict) else None

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 from ray.core.generated import common_pb2
 
@@ -86,8 +85,9 @@ def test_label_selector_keeps_workers_off_the_excluded_nodes():
 
 
 def test_run_dir_of_a_trainer_command():
-    assert run_dir_of(["python", "t.py", "c.yaml", "--run-dir", "/r/a b"]) == Path("/r/a b")
-    assert run_dir_of(["python", "t.py", "--run-dir=/r/x"]) == Path("/r/x")
+    assert run_dir_of(["python", "t.py", "c.yaml", "--run-dir", "/r/a b"]) == "/r/a b"
+    assert run_dir_of(["python", "t.py", "--run-dir=/r/x"]) == "/r/x"
+    assert run_dir_of(["t.py", "--run-dir", "s3://b/runs/d/n"]) == "s3://b/runs/d/n"
     assert run_dir_of(["python", "t.py", "c.yaml"]) is None
 
 
