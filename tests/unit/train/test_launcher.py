@@ -170,3 +170,17 @@ def test_a_run_dir_that_is_not_a_run_directory_is_refused_before_anything_is_wri
     rundir.write_run_files(tmp_path / "run", tiny_config(dataset), {})
     for ok in (tmp_path / "empty", tmp_path / "run"):
         rundir.check_usable(rundir.choose_run_dir(tiny_config(dataset), ok))
+
+
+def test_two_starts_of_one_config_take_two_names(dataset, tmp_path):
+    """A second start that chose the same new name a moment after the first took
+    it moves on to the next free name instead of being refused."""
+    import contextlib
+
+    from trainlab.train.driver.runlock import RunLock
+
+    cfg = tiny_config(dataset)
+    first = rundir.choose_run_dir(cfg, None, False, tmp_path)
+    with RunLock.acquire(first), contextlib.ExitStack() as stack:
+        second = launcher._lock_new(stack, first, cfg, tmp_path)
+        assert second.local.name == f"{first.local.name}-2"

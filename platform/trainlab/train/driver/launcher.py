@@ -182,6 +182,28 @@ def ray_job_id() -> str | None:
     return meta.get("job_submission_id")
 
 
+def _lock_new(
+    lock: contextlib.ExitStack, loc: RunLocation, cfg: ExperimentConfig, base_dir: Path | None
+) -> RunLocation:
+    """Lock a new run's directory; when another start took the same name a moment
+    before (two `train` of one config started together), the next free name
+    (`{name}-2`, ...) is taken instead of refusing."""
+    from trainlab.train.driver.runlock import RunLockHeld
+
+    for _ in range(20):
+        try:
+            held = RunLock.acquire(loc)
+        except RunLockHeld:
+            loc = rundir.choose_run_dir(cfg, None, False, base_dir)
+            continue
+        if not loc.exists("config.yaml"):
+            lock.enter_context(held)
+            return loc
+        held.release()  # the other start got there first and wrote its config
+        loc = rundir.choose_run_dir(cfg, None, False, base_dir)
+    raise UserError(f"{loc.uri}: no free run directory name after 20 tries")
+
+
 def _check_store(loc: RunLocation) -> None:
     """The runs root in object storage answers (write, read back, delete a probe),
     before anything of the run is written; else UserError naming it."""
@@ -266,8 +288,12 @@ def _run(
     chash = identity.config_hash
     # Locked before the first write into it; a new run's directory is made only
     # after the checks below pass, so a refused start leaves nothing behind.
+    new = run_dir is None and not (resume and not smoke)  # a name chosen just now
     locked = not loc.is_empty() if loc.remote else path.exists()
-    if locked:
+    if locked and new:  # another start took the name meanwhile: the next free one
+        loc = _lock_new(lock, loc, cfg, base_dir)
+        path = loc.local
+    elif locked:
         lock.enter_context(RunLock.acquire(loc))
     check_resumable(loc, cfg, chash, data)
     if not loc.remote:  # a store has no disk to fill; scratch holds a cache only
@@ -277,7 +303,10 @@ def _run(
             plan_json["num_params"],
             plan_json.get("checkpoint_bytes_per_param", 12),
         )
-    if not locked:
+    if not locked and new:
+        loc = _lock_new(lock, loc, cfg, base_dir)
+        path = loc.local
+    elif not locked:
         lock.enter_context(RunLock.acquire(loc))
     if identity.extension is not None:
         RunRecords(loc).add_extension(identity.extension)
