@@ -82,6 +82,7 @@ class Checkpointer:
         # checkpoint's header so a resumed run skips the same windows.
         self.rollbacks: list[dict[str, Any]] = []
         self._async_group: Any = None
+        self._stager: Any = None  # async saves' host buffers, kept from one save to the next
 
     # ------------------------------------------------------------------ saving
 
@@ -155,21 +156,25 @@ class Checkpointer:
         return what finishes writing it. In the background, DCP's async save
         stages the state to host memory first, then writes while training goes on."""
         import torch.distributed as dist
-        import torch.distributed.checkpoint as dcp
 
         state = self.state.model.state_dict()
         target = str(self.writer.staging_dir(step) / DCP_DIR)
-        alone = not self.env.distributed
-        if not background:
-            dcp.save(state, checkpoint_id=target, no_dist=alone)
-            return lambda staging: None
         group = None
-        if not alone:
+        if background and self.env.distributed:
             if self._async_group is None:  # async collectives get their own group
                 self._async_group = dist.new_group(backend="gloo")
             group = self._async_group
-        future = dcp.async_save(state, checkpoint_id=target, process_group=group, no_dist=alone)
-        return lambda staging: future.result()
+        if background and self._stager is None:
+            self._stager = host_stager()
+        return begin_save(
+            state, target, background, not self.env.distributed, group, self._stager
+        )
+
+    def close(self) -> None:
+        """Free the staging buffers of async saves (after the last one)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
 
     def completed(self) -> list[ck.CheckpointInfo]:
         """Checkpoints committed since the last call (rank 0)."""
@@ -283,6 +288,46 @@ class Checkpointer:
             )
             step = self.state.progress.step
             seed_everything(self.cfg.train.seed + 1 + self.env.rank + 7919 * step)
+
+
+def host_stager() -> Any:
+    """DCP's stager for async saves, kept across saves so its host buffers are
+    allocated once: the step then blocks only for the device-to-host copy
+    (pinned memory and non-blocking copies on CUDA; a plain copy on CPU). The
+    write runs in DCP's background thread (`begin_save`)."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    cuda = torch.cuda.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=cuda,
+            use_shared_memory=False,
+            use_async_staging=False,
+            use_non_blocking_copy=cuda,
+        )
+    )
+
+
+def begin_save(
+    state: dict[str, Any],
+    target: str,
+    background: bool,
+    no_dist: bool,
+    group: Any = None,
+    stager: Any = None,
+) -> Callable[[Path], None]:
+    """Start a DCP save of `state` into `target`; returns what finishes it. Inline
+    it writes now; in the background it returns once `stager` holds a host copy
+    (the only time the training loop waits) and writes in DCP's thread."""
+    import torch.distributed.checkpoint as dcp
+
+    if not background:
+        dcp.save(state, checkpoint_id=target, no_dist=no_dist)
+        return lambda staging: None
+    future = dcp.async_save(
+        state, checkpoint_id=target, process_group=group, no_dist=no_dist, async_stager=stager
+    )
+    return lambda staging: future.result()
 
 
 def layout_of(cfg: ExperimentConfig) -> dict[str, Any]:

@@ -317,4 +317,5 @@ class Checkpointing(Component):
 
     def on_end(self, loop: Trainer, status: str) -> None:
         loop.checkpointer.wait()
+        loop.checkpointer.close()
         self.deliver(loop)
