@@ -41,6 +41,16 @@ def default_dp(num_workers: int, tp: int, pp: int) -> int:
     return max(1, num_workers // (tp * pp))
 
 
+def worker_bounds(num_workers: Any) -> tuple[int, int]:
+    """(min, max) of `resource.num_workers` as a plain value (an int: a fixed size;
+    {min, max}, a dict or a WorkerRange: an elastic run), for rules that read dicts."""
+    if isinstance(num_workers, int):
+        return num_workers, num_workers
+    if isinstance(num_workers, dict):
+        return int(num_workers["min"]), int(num_workers["max"])
+    return int(num_workers.min), int(num_workers.max)
+
+
 def layout_executes(tp: int, pp: int, dp: int, zero_stage: int | None) -> str | None:
     """Why the trainer cannot run this layout, or None when it can (the one
     place this is decided: the config rules and the planner ask here)."""
@@ -66,7 +76,7 @@ class ParallelDims:
         the config rules or the planner, else the defaults)."""
         p = cfg.parallel
         tp, pp = p.tp or 1, p.pp or 1
-        dp = p.dp or default_dp(cfg.resource.num_workers, tp, pp)
+        dp = p.dp or default_dp(cfg.resource.world_size, tp, pp)
         return cls(tp=tp, pp=pp, dp=dp, zero_stage=p.zero_stage or 0)
 
     # ----------------------------------------------------------------- degrees

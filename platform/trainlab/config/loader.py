@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from trainlab import boundedyaml
 from trainlab.config.jobcopy import is_relative, relative_in_copy, uploaded_copy
 from trainlab.config.rules import Problem, check_rules, resolve_parallel_defaults
-from trainlab.config.schema import SECTIONS, ExperimentConfig
+from trainlab.config.schema import SECTIONS, UNION_TAGS, ExperimentConfig
 from trainlab.errors import ConfigError, clip, field_errors, quote, read_yaml
 from trainlab.redact import redact
 
@@ -124,6 +124,10 @@ def _text_field(parts: list[str]) -> bool:
     return annotation is str or set(typing.get_args(annotation)) == {str, type(None)}
 
 
+# Fields that take an int or a {min, max} range (trainlab.config.schema.WorkerRange).
+RANGE_FIELDS = {("resource", "num_workers")}
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     out = copy.deepcopy(raw)
     for item in overrides:
@@ -131,6 +135,10 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str] | tuple[str, ...])
         node = out
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
+            if tuple(parts[: i + 1]) in RANGE_FIELDS and isinstance(child, int):
+                # `--set resource.num_workers.min=2` over `num_workers: 3`: the range
+                # {min: 2, max: 3}, the other bound kept at the fixed size.
+                child = node[part] = {"min": child, "max": child}
             if not isinstance(child, dict):
                 where = ".".join(parts[: i + 1])
                 raise ConfigError(f"--set {quote(item)}: {where} is {quote(child)}, not a section")
@@ -171,6 +179,8 @@ def _walk(loc: tuple[Any, ...]) -> tuple[tuple[Any, ...], type[BaseModel] | None
             out += parts
             return tuple(out), None
         ann = field.annotation
+        if parts and parts[0] in UNION_TAGS:  # pydantic's label of a union member
+            parts.pop(0)
         tagged = _tagged_classes(ann)
         if tagged:
             model = tagged[parts.pop(0)] if parts and parts[0] in tagged else None

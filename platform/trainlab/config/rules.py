@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from trainlab.config.dims import default_dp, layout_executes
+from trainlab.config.dims import default_dp, layout_executes, worker_bounds
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,9 @@ def resolve_parallel_defaults(parallel: Any, resource: Any) -> None:
         return
     parallel.tp = parallel.tp or 1
     parallel.pp = parallel.pp or 1
-    if parallel.dp is None:
+    # An elastic run's dp follows its size: left null here, derived per size
+    # (ExperimentConfig.at_world_size).
+    if parallel.dp is None and not resource.elastic:
         parallel.dp = default_dp(resource.num_workers, parallel.tp, parallel.pp)
     if parallel.zero_stage is None:
         parallel.zero_stage = 0 if parallel.strategy == "ddp" else 3
@@ -257,9 +259,80 @@ def _precision_device(cfg: dict[str, Any]) -> Iterator[Problem]:
 
 @rule("train", "resource")
 def _chaos_rank_exists(cfg: dict[str, Any]) -> Iterator[Problem]:
-    rank, n = cfg["train"]["chaos"]["kill_rank"], cfg["resource"]["num_workers"]
+    rank, (n, _) = cfg["train"]["chaos"]["kill_rank"], worker_bounds(cfg["resource"]["num_workers"])
     if rank >= n:
-        yield Problem("train.chaos.kill_rank", rank, f"must be < resource.num_workers ({n})")
+        where = "resource.num_workers.min" if n != _ else "resource.num_workers"
+        yield Problem("train.chaos.kill_rank", rank, f"must be < {where} ({n})")
+
+
+@rule("train")
+def _chaos_node_within_run(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """kill_node_at_steps: within the run. Whether the cluster has a node besides the
+    driver's to lose is known only at launch (trainlab.train.driver.launcher)."""
+    t = cfg["train"]
+    for k in t["chaos"]["kill_node_at_steps"]:
+        if k >= t["total_steps"]:
+            yield Problem(
+                "train.chaos.kill_node_at_steps",
+                k,
+                f"must be < train.total_steps ({t['total_steps']})",
+            )
+
+
+# --------------------------------------------------------------------------- elastic
+
+
+@rule("parallel", "resource", "data")
+def _elastic(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """An elastic run (num_workers {min, max}) keeps the global batch and the data
+    order of a fixed-size run: the global batch is stated, dp and grad accumulation
+    follow the size, and every allowed size (a multiple of tp x pp, so tensor and
+    pipeline groups stay whole) splits the global batch into whole micro batches."""
+    lo, hi = worker_bounds(cfg["resource"]["num_workers"])
+    if not isinstance(cfg["resource"]["num_workers"], dict):
+        return
+    p, d = cfg["parallel"], cfg["data"]
+    where = f"an elastic run (resource.num_workers {{min: {lo}, max: {hi}}})"
+    if p["dp"] is not None:
+        yield Problem("parallel.dp", p["dp"], f"leave it out for {where}: dp follows the size")
+    if d["grad_accum_steps"] is not None:
+        yield Problem(
+            "data.grad_accum_steps",
+            d["grad_accum_steps"],
+            f"leave it out for {where}: it follows dp, the global batch stays fixed",
+        )
+    g, mb = d["global_batch_size"], d["micro_batch_size"]
+    if g is None:
+        yield Problem(
+            "data.global_batch_size",
+            None,
+            f"required for {where}: the global batch and data order stay fixed while dp "
+            "changes (grad_accum_steps absorbs it)",
+        )
+    unit = (p["tp"] or 1) * (p["pp"] or 1)
+    sizes = [n for n in range(lo, hi + 1) if n % unit == 0]
+    if not sizes:
+        yield Problem(
+            "resource.num_workers",
+            {"min": lo, "max": hi},
+            f"no multiple of tp x pp ({unit}) between min and max: tensor and pipeline "
+            "groups are never broken",
+        )
+        return
+    if g is None:
+        return
+    step = mb if isinstance(mb, int) else 1
+    for n in sizes:
+        dp = n // unit
+        if g % (step * dp):
+            what = f"data.micro_batch_size ({mb}) x dp" if isinstance(mb, int) else "dp"
+            yield Problem(
+                "data.global_batch_size",
+                g,
+                f"must be a multiple of {what} at every allowed size of {where}: at {n} "
+                f"workers dp = {dp}",
+            )
+            return
 
 
 # --------------------------------------------------------------------------- parallel
@@ -268,6 +341,8 @@ def _chaos_rank_exists(cfg: dict[str, Any]) -> Iterator[Problem]:
 @rule("parallel", "resource")
 def _world_size(cfg: dict[str, Any]) -> Iterator[Problem]:
     p, n = cfg["parallel"], cfg["resource"]["num_workers"]
+    if not isinstance(n, int):
+        return  # an elastic run's sizes: _elastic
     tp, pp, dp = p["tp"], p["pp"], p["dp"]
     if None not in (tp, pp, dp):
         if tp * pp * dp != n:

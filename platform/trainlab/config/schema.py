@@ -14,7 +14,15 @@ from __future__ import annotations
 import warnings
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from trainlab.optim import OptimizerConfig
 
@@ -160,6 +168,10 @@ class ChaosConfig(Section):
     # Hard-kill one worker process the first time each of these steps is reached.
     kill_at_steps: list[PosInt] = Field(default_factory=list)
     kill_rank: int = Field(0, ge=0)
+    # Rehearse a lost node: at each of these steps (once per run) the raylet of a node
+    # other than the driver's that hosts a training worker is killed (SIGKILL), with
+    # every process on it. Needs a multi-node cluster (checked at launch).
+    kill_node_at_steps: list[PosInt] = Field(default_factory=list)
     # Rehearse P0 handling: step k's loss becomes NaN (every rank), or is multiplied by
     # spike_factor (a gradient-norm spike); each fires once per run directory.
     nan_at_steps: list[PosInt] = Field(default_factory=list)
@@ -314,9 +326,44 @@ class ParallelConfig(Section):
 # --------------------------------------------------------------------------- resource
 
 
+class WorkerRange(Section):
+    """An elastic run's bounds (`resource.num_workers: {min: M, max: N}`): it starts
+    with as many workers as Ray can place, at most N, continues smaller after a lost
+    node (never below M) and grows back when capacity returns (docs/elastic.md)."""
+
+    min: int = Field(..., ge=1, le=100_000)
+    max: int = Field(..., ge=1, le=100_000)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> WorkerRange:
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+
+def _worker_count_kind(value: object) -> str:
+    return "range" if isinstance(value, (dict, WorkerRange)) else "fixed"
+
+
+# `resource.num_workers`: an int, or a mapping read as a WorkerRange (one error
+# for a wrong range, not one per member of the union).
+WorkerCount = Annotated[
+    Union[  # noqa: UP007
+        Annotated[Annotated[int, Field(ge=1, le=100_000)], Tag("fixed")],
+        Annotated[WorkerRange, Tag("range")],
+    ],
+    Discriminator(_worker_count_kind),
+]
+# Union member labels pydantic puts in an error's path; not what the user writes.
+UNION_TAGS = frozenset({"fixed", "range"})
+
+
 class ResourceConfig(Section):
-    # Ray Train workers = devices (one GPU each when use_gpu).
-    num_workers: int = Field(1, ge=1, le=100_000)
+    # Ray Train workers = devices (one GPU each when use_gpu). An int is a fixed size;
+    # {min: M, max: N} an elastic run (docs/elastic.md): read the size as `world_size`.
+    num_workers: WorkerCount = 1
+    # Elastic runs: how often (seconds) Ray Train looks for capacity to grow the run by.
+    resize_check_s: float = Field(60.0, ge=0.0, le=86_400.0)
     use_gpu: bool = False
     gpu_memory_gb: float = Field(80.0, gt=0, le=4096)
     # GPUs (= workers) per node: tensor parallelism stays within one; the plan's `nodes`.
@@ -338,6 +385,34 @@ class ResourceConfig(Section):
     scratch_dir: str | None = Field(
         None, min_length=1, max_length=1024, json_schema_extra=NOT_IDENTITY
     )
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the run's size is a range (`num_workers: {min, max}`)."""
+        return isinstance(self.num_workers, WorkerRange)
+
+    @property
+    def min_workers(self) -> int:
+        n = self.num_workers
+        return n.min if isinstance(n, WorkerRange) else n
+
+    @property
+    def max_workers(self) -> int:
+        n = self.num_workers
+        return n.max if isinstance(n, WorkerRange) else n
+
+    @property
+    def world_size(self) -> int:
+        """The number of workers the run asks for: the fixed size, or an elastic run's
+        max (what it starts with when Ray can place them). The one place the size is
+        read as a number; a training worker's config is pinned to its actual size
+        (`ExperimentConfig.at_world_size`)."""
+        return self.max_workers
+
+    def allowed_world_sizes(self, unit: int = 1) -> list[int]:
+        """The sizes the run may have: the multiples of `unit` (tp x pp: tensor and
+        pipeline groups are never broken) between min and max."""
+        return [n for n in range(self.min_workers, self.max_workers + 1) if n % unit == 0]
 
     @field_validator("scratch_dir")
     @classmethod
@@ -554,6 +629,22 @@ class ExperimentConfig(Section):
     @property
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.data.seq_len
+
+    def at_world_size(self, n: int) -> ExperimentConfig:
+        """This config at the fixed size `n`: what a training worker of an elastic run
+        trains with once Ray placed `n` workers (dp and grad_accum_steps re-derived,
+        the global batch unchanged). A fixed-size config at its own size is itself;
+        trainlab.errors.ConfigError when the config does not hold at `n`."""
+        from trainlab.config.loader import validate_raw
+
+        if not self.resource.elastic and self.resource.num_workers == n:
+            return self
+        d = self.model_dump()
+        d["resource"]["num_workers"] = n
+        if self.resource.elastic:  # dp and grad accumulation follow the size
+            d["parallel"]["dp"] = None
+            d["data"]["grad_accum_steps"] = None
+        return validate_raw(d, source=f"at {n} workers")
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -72,7 +72,7 @@ def budget(cfg: ExperimentConfig) -> Budget:
 
 def trial_cpus(cfg: ExperimentConfig) -> float:
     """Logical CPUs one trial holds: its Ray Train workers and its Ray Data loader."""
-    return cfg.resource.num_workers * cfg.resource.cpus_per_worker + cfg.data.loader_cpus
+    return cfg.resource.world_size * cfg.resource.cpus_per_worker + cfg.data.loader_cpus
 
 
 def concurrency(cfg: ExperimentConfig, max_concurrent: int | None) -> int:

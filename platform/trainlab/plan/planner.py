@@ -112,6 +112,8 @@ class Plan:
     # train.optimizer.name, and what one checkpoint takes per parameter with it.
     optimizer: str = "adamw"
     checkpoint_bytes_per_param: float = 12.0
+    # An elastic run: {"min": ..., "max": ...}, the layout and memory at each end.
+    elastic: dict[str, dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         mem = {k: int(round(v)) for k, v in self.memory_per_device_bytes.items()}
@@ -137,6 +139,7 @@ class Plan:
             "optimizer": self.optimizer,
             "checkpoint_bytes_per_param": round(self.checkpoint_bytes_per_param, 4),
             "notes": self.notes,
+            **({"elastic": self.elastic} if self.elastic is not None else {}),
         }
 
 
@@ -160,9 +163,9 @@ def device_memory_bytes(cfg: ExperimentConfig) -> tuple[float, str]:
     if r.cpu_memory_gb is not None:
         return r.cpu_memory_gb * GiB, f"CPU memory {r.cpu_memory_gb:g} GiB per worker"
     total = host_memory_bytes()
-    return total / r.num_workers, (
+    return total / r.world_size, (
         f"CPU workers share this host's {total / GiB:.1f} GiB: "
-        f"{total / r.num_workers / GiB:.1f} GiB each (set resource.cpu_memory_gb to override)"
+        f"{total / r.world_size / GiB:.1f} GiB each (set resource.cpu_memory_gb to override)"
     )
 
 
@@ -170,7 +173,7 @@ def nodes_needed(cfg: ExperimentConfig) -> int:
     """Nodes the run spans: GPU workers fill nodes of resource.gpus_per_node; CPU
     runs are planned on one node."""
     r = cfg.resource
-    return math.ceil(r.num_workers / r.gpus_per_node) if r.use_gpu else 1
+    return math.ceil(r.world_size / r.gpus_per_node) if r.use_gpu else 1
 
 
 def _divisors(n: int) -> list[int]:
@@ -188,7 +191,7 @@ def candidate_layouts(cfg: ExperimentConfig) -> list[Layout]:
     Includes the few layouts the trainer does not execute (`Layout.executes`).
     """
     m, p, r = cfg.model, cfg.parallel, cfg.resource
-    world = r.num_workers
+    world = r.world_size
     per_node = r.gpus_per_node if r.use_gpu else world
     kv = m.num_kv_heads or m.num_heads
     out = []
@@ -417,7 +420,7 @@ def _what_to_change(cfg: ExperimentConfig) -> list[str]:
     """Changes that make an executable layout fit: each tried on its own."""
     d, p, r = cfg.data, cfg.parallel, cfg.resource
     fixes = []
-    world = r.num_workers
+    world = r.world_size
     # With a stated global batch, grad_accum_steps follows the other sizes.
     accum = {"grad_accum_steps": None} if d.global_batch_size is not None else {}
     for k in range(1, MAX_DOUBLINGS + 1):
@@ -540,7 +543,15 @@ def _fallback(cfg: ExperimentConfig, search: _Search, lay: Layout) -> Setting:
 
 def plan(cfg: ExperimentConfig) -> Plan:
     """Plan the run. With `parallel.strategy: auto` pick the layout; otherwise check it.
-    Either way pick the recomputation mode and micro batch where the config says auto."""
+    Either way pick the recomputation mode and micro batch where the config says auto.
+    An elastic run (`resource.num_workers: {min, max}`) is planned at both ends
+    (`plan_elastic`)."""
+    if cfg.resource.elastic:
+        return plan_elastic(cfg)
+    return _plan_fixed(cfg)
+
+
+def _plan_fixed(cfg: ExperimentConfig) -> Plan:
     m, r = cfg.model, cfg.resource
     pc = count_params(m)
     dev_mem, mem_note = device_memory_bytes(cfg)
@@ -570,7 +581,7 @@ def plan(cfg: ExperimentConfig) -> Plan:
     else:
         shown = search.smallest(groups)
         if shown is None:
-            lay = groups[0][0] if groups else Layout(1, 1, r.num_workers, 0)
+            lay = groups[0][0] if groups else Layout(1, 1, r.world_size, 0)
             if not groups:
                 notes.append("no legal layout for the given constraints")
             shown = _fallback(cfg, search, lay)
@@ -611,7 +622,7 @@ def plan(cfg: ExperimentConfig) -> Plan:
     nodes = nodes_needed(cfg)
     if nodes > 1:
         notes.append(
-            f"needs {nodes} nodes for {r.num_workers} workers "
+            f"needs {nodes} nodes for {r.world_size} workers "
             f"({r.gpus_per_node} per node, resource.gpus_per_node)"
         )
     return Plan(
@@ -619,7 +630,7 @@ def plan(cfg: ExperimentConfig) -> Plan:
         params_breakdown=pc.as_dict(),
         optimizer=cfg.train.optimizer.name,
         checkpoint_bytes_per_param=_checkpoint_bytes_per_param(cfg),
-        world_size=r.num_workers,
+        world_size=r.world_size,
         strategy=lay.strategy,
         parallel={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero_stage": lay.zero_stage},
         memory_per_device_bytes=chosen.memory,
@@ -666,4 +677,69 @@ def resolve_layout(cfg: ExperimentConfig, p: Plan | None = None) -> ExperimentCo
     data["parallel"]["activation_checkpointing"] = p.activation_checkpointing
     data["data"]["micro_batch_size"] = p.micro_batch_size
     data["data"]["grad_accum_steps"] = p.grad_accum_steps
+    if cfg.resource.elastic:  # dp and grad accumulation follow the size (at_world_size)
+        data["parallel"]["dp"] = None
+        data["data"]["grad_accum_steps"] = None
     return ExperimentConfig.model_validate(data)
+
+
+# --------------------------------------------------------------------------- elastic runs
+
+
+def _end_summary(p: Plan) -> dict[str, Any]:
+    """What `plan --json` shows of one end of an elastic run's range."""
+    return {
+        "world_size": p.world_size,
+        "nodes": p.nodes,
+        "strategy": p.strategy,
+        "parallel": p.parallel,
+        "activation_checkpointing": p.activation_checkpointing,
+        "micro_batch_size": p.micro_batch_size,
+        "grad_accum_steps": p.grad_accum_steps,
+        "global_batch_size": p.global_batch_size,
+        "memory_per_device_bytes": {k: int(round(v)) for k, v in p.memory_per_device_bytes.items()},
+        "fits": p.fits,
+    }
+
+
+def plan_elastic(cfg: ExperimentConfig) -> Plan:
+    """An elastic run's plan: the layout is chosen at its largest size (what it
+    starts with when Ray can place every worker); the smallest size keeps that
+    tp x pp, ZeRO stage, recomputation and micro batch with a smaller dp and more
+    gradient accumulation, and must fit too: with FSDP a smaller dp means larger
+    shards per device, so the minimum is the end that may not fit. The plan is
+    the largest size's, with `elastic: {min, max}` and fits only if both do."""
+    from trainlab.errors import ConfigError
+
+    r = cfg.resource
+    top = _plan_fixed(cfg)
+    ends = {"max": _end_summary(top)}
+    if r.min_workers == r.max_workers:
+        ends["min"] = ends["max"]
+        top.elastic = {"min": ends["min"], "max": ends["max"]}
+        return top
+    smallest = min(r.allowed_world_sizes((top.parallel["tp"]) * top.parallel["pp"]))
+    try:
+        low_cfg = resolve_layout(cfg, top).at_world_size(smallest)
+    except ConfigError as e:  # the chosen split does not divide at the smallest size
+        top.fits = False
+        top.notes.append(f"does not fit at the elastic minimum ({smallest} workers): {e}")
+        top.elastic = {"min": {"world_size": smallest, "fits": False}, "max": ends["max"]}
+        return top
+    low = _plan_fixed(low_cfg)
+    ends["min"] = _end_summary(low)
+    top.elastic = {"min": ends["min"], "max": ends["max"]}
+    top.notes.append(
+        f"elastic: {smallest} to {r.max_workers} workers (multiples of tp x pp = "
+        f"{top.parallel['tp'] * top.parallel['pp']}); at {smallest}: "
+        f"dp={low.parallel['dp']}, grad_accum_steps {low.grad_accum_steps}, "
+        f"{low.memory_per_device_bytes['total'] / GiB:.2f} GiB per device"
+    )
+    if not low.fits:
+        top.fits = False
+        why = next((n for n in low.notes if n.startswith("does not fit")), "does not fit")
+        top.notes.append(
+            f"does not fit at the elastic minimum (resource.num_workers.min = "
+            f"{r.min_workers}, {smallest} workers): {why.removeprefix('does not fit: ')}"
+        )
+    return top

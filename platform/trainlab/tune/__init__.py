@@ -133,9 +133,9 @@ def default_concurrency(cfg: ExperimentConfig) -> int:
     r = cfg.resource
     total = ray.cluster_resources()
     cpus = total.get("CPU", 0) if os.environ.get("RAY_ADDRESS") else (os.cpu_count() or 1)
-    fit = int(cpus // max(r.num_workers * r.cpus_per_worker, 1e-9))
+    fit = int(cpus // max(r.world_size * r.cpus_per_worker, 1e-9))
     if r.use_gpu:
-        fit = min(fit, int(total.get("GPU", 0) // r.num_workers))
+        fit = min(fit, int(total.get("GPU", 0) // r.world_size))
     return max(1, fit)
 
 
