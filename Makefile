@@ -30,9 +30,11 @@ $(STAMP): $(LOCK)
 	@echo "setup 1/4: creating $(VENV) (Python: $(PYTHON))"
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@echo "setup 2/4: pip $(PIP_VERSION)"
-	@$(PIP) install --quiet "pip==$(PIP_VERSION)"
+	@$(PIP) install -qq "pip==$(PIP_VERSION)"
 	@echo "setup 3/4: installing the lock $(LOCK) (torch, ray, mlflow, ...: the largest step)"
-	@$(PIP) install --quiet --require-hashes -r $(LOCK)
+	@# -qq: errors only. A machine whose pip config names extra indexes lacking some
+	@# packages would otherwise print a "Location ... is ignored" WARNING per package.
+	@$(PIP) install -qq --require-hashes -r $(LOCK)
 	@echo "setup 4/4: installing trainlab (editable, its dependencies from the lock)"
 	@$(PIP) install --quiet --no-deps -e .
 	@touch $(STAMP)
