@@ -458,6 +458,11 @@ def _not_identity() -> dict[str, set[str] | None]:
 _NOT_IDENTITY = _not_identity()
 
 
+# model.attention names that compute the same causal, document-masked attention
+# with different kernels (a registered attention of another name may not).
+SAME_MATH_ATTENTION = frozenset({"auto", "sdpa", "flex", "eager"})
+
+
 def identity_dict(cfg: ExperimentConfig) -> dict[str, Any]:
     d = cfg.model_dump(mode="json")
     for key, sub in _NOT_IDENTITY.items():
@@ -467,6 +472,11 @@ def identity_dict(cfg: ExperimentConfig) -> dict[str, Any]:
             for k in sub:
                 d[key].pop(k, None)
     d["data"]["global_batch_size"] = cfg.global_batch_size  # however it is split
+    if d["model"].get("attention") in SAME_MATH_ATTENTION:
+        # Kernels of the same attention (docs/gpu.md): how it runs, not what is
+        # trained; recorded as sdpa, the default before `auto`, so runs started
+        # before it keep their hash and resume.
+        d["model"]["attention"] = "sdpa"
     if not d["train"].get("components"):
         d["train"].pop("components", None)  # none: the hash of before they existed
     optimizer = d["train"].pop("optimizer")

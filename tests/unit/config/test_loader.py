@@ -327,3 +327,21 @@ def test_set_on_a_string_field_takes_the_text_as_written():
     assert cfg.train.runs_root == "/tmp/x: y"
     assert cfg.owner == ""  # null: back to its default, as for any field
     assert cfg.train.lr == 1e-3 and cfg.data.mix == {"code": 1.0, "docs": 2.0}
+
+
+def test_attention_kernels_are_not_the_experiment():
+    """`model.attention: auto | sdpa | flex | eager` run the same attention with
+    different kernels: one config hash (sdpa's, the default before `auto`), so a
+    run started before `auto` existed resumes; a change of the model is not."""
+    from tests.conftest import RECIPES
+    from trainlab.config import config_hash, load_config
+
+    gpu = ["resource.use_gpu=true", "model.dropout=0"]  # flex trains on CUDA only
+    hashes = {
+        name: config_hash(load_config(RECIPES / "tiny.yaml", [f"model.attention={name}", *gpu]))
+        for name in ("auto", "sdpa", "flex", "eager")
+    }
+    assert config_hash(load_config(RECIPES / "tiny.yaml")) == hashes["auto"]
+    assert len(set(hashes.values())) == 1, hashes
+    other = load_config(RECIPES / "tiny.yaml", ["model.num_heads=8"])
+    assert config_hash(other) != hashes["sdpa"]
