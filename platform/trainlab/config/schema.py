@@ -635,7 +635,9 @@ class ExperimentConfig(Section):
         trains with once Ray placed `n` workers (dp and grad_accum_steps re-derived,
         the global batch unchanged). A fixed-size config at its own size is itself;
         trainlab.errors.ConfigError when the config does not hold at `n`."""
-        from trainlab.config.loader import validate_raw
+        from pydantic import ValidationError
+
+        from trainlab.errors import ConfigError
 
         if not self.resource.elastic and self.resource.num_workers == n:
             return self
@@ -644,7 +646,11 @@ class ExperimentConfig(Section):
         if self.resource.elastic:  # dp and grad accumulation follow the size
             d["parallel"]["dp"] = None
             d["data"]["grad_accum_steps"] = None
-        return validate_raw(d, source=f"at {n} workers")
+        try:
+            return ExperimentConfig.model_validate(d)
+        except ValidationError as e:
+            why = [str(err["msg"]).removeprefix("Value error, ") for err in e.errors()]
+            raise ConfigError([f"at {n} workers: {w}" for w in why]) from None
 
 
 SECTIONS: dict[str, type[Section]] = {

@@ -332,6 +332,13 @@ class MlflowCallback(Callback):
     def on_eval(self, step: int, val_losses: dict[str, float]) -> None:
         self.log_metrics(step, eval_metrics(val_losses))
 
+    def on_resize(self, record: dict[str, Any]) -> None:
+        """An elastic run's resize: its numbers as metrics at its step (the list is in
+        run_summary.json's `resizes`)."""
+        keys = ("to_world_size", "to_dp", "steps_redone", "seconds")
+        values = {f"resize/{k}": float(record[k]) for k in keys if record.get(k) is not None}
+        self.log_metrics(int(record["step"]), values)
+
     def on_checkpoint(self, step: int, path: str, valid: bool, val_loss: float | None) -> None:
         tags = {"checkpoint.latest": path, "checkpoint.latest_valid": str(valid).lower()}
         if valid and val_loss is not None and val_loss < self._best_val_loss:

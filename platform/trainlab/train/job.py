@@ -13,6 +13,10 @@ from typing import Any
 from trainlab.config import ExperimentConfig
 from trainlab.runloc import RunLocation
 
+# The Ray node id of a training worker's node, in its environment (set by
+# trainlab.train.driver.worker; train.chaos.kill_node_at_steps reads it).
+NODE_ID_ENV = "TRAINLAB_NODE_ID"
+
 
 @dataclass(frozen=True)
 class TrainJob:
@@ -35,6 +39,17 @@ class TrainJob:
     p0_rules: tuple[str, ...] = ("trainlab.monitor.rules:p0_step_rules",)
     torch_threads: int = 1
     ray_job_id: str | None = None
+    # Ray's id of the driver's node: train.chaos.kill_node_at_steps never loses it.
+    driver_node_id: str | None = None
+
+    def at_world_size(self, n: int) -> TrainJob:
+        """This job for a worker group of `n` workers: an elastic run's config pinned
+        to the size Ray placed (ExperimentConfig.at_world_size), else itself."""
+        if not self.cfg.resource.elastic:
+            return self
+        from dataclasses import replace
+
+        return replace(self, cfg=self.cfg.at_world_size(n))
 
     @property
     def location(self) -> RunLocation:

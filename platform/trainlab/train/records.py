@@ -2,8 +2,9 @@
 
     {run_dir}/run_summary.json      the run's outcome (`run_summary` builds it)
     {run_dir}/logs/failures.jsonl   one line per failed rank and attempt
-    {run_dir}/logs/attempts.jsonl   each start of the training processes, and when
-                                    each attempt completed its first step
+    {run_dir}/logs/attempts.jsonl   each start of the training processes, when
+                                    each attempt completed its first step, and each
+                                    resize of an elastic run
     {run_dir}/logs/progress.json    rank 0's newest logged step
     {run_dir}/logs/extensions.jsonl each `--extend` of the run past its total_steps
     {run_dir}/logs/lock.jsonl       stale run locks taken over (written by
@@ -171,6 +172,65 @@ class RunRecords:
     def restarts(self) -> int:
         return max(0, len(self.attempts()) - 1)
 
+    # ------------------------------------------------------------------ resizes
+
+    def resize_of_latest_attempt(self, first_step_at: float) -> dict[str, Any] | None:
+        """The resize the newest attempt made, when its world size differs from the
+        attempt before it (an elastic run continued smaller after a loss, or larger
+        once capacity returned): {step, from_world_size, to_world_size, from_dp,
+        to_dp, reason, steps_redone, seconds}; None when the size did not change.
+
+        `steps_redone`: the steps the earlier attempt had reached (the newest step rank 0
+        logged, or a failure's step) past this attempt's start; `seconds`: from the
+        loss (the first failure recorded after the earlier attempt started; for a
+        growth, that attempt's last logged step) to `first_step_at`, when this
+        attempt completed its first step."""
+        starts = self.attempts()
+        if len(starts) < 2:
+            return None
+        before, now = starts[-2], starts[-1]
+        # A resize happens within one `trainlab train` (a later start at another
+        # size, a resume or a job retry, is the user's choice or a new placement).
+        if before.get("session") != now.get("session"):
+            return None
+        if before.get("world_size") == now.get("world_size"):
+            return None
+        grew = int(now["world_size"]) > int(before["world_size"])
+        since = float(before.get("time", 0.0))
+        lost = [f for f in self.failures() if float(f.get("time", 0.0)) >= since]
+        progress = self._progress()
+        reached = [int(f["step"]) for f in lost if f.get("step") is not None]
+        if progress and float(progress.get("time", 0.0)) >= since:
+            reached.append(int(progress["step"]))
+        start = int(now["start_step"])
+        loss_at = min((float(f["time"]) for f in lost), default=None)
+        if loss_at is None and progress:
+            loss_at = float(progress.get("time", 0.0))
+        return {
+            "step": start,
+            "from_world_size": int(before["world_size"]),
+            "to_world_size": int(now["world_size"]),
+            "from_dp": (before.get("layout") or {}).get("dp"),
+            "to_dp": (now.get("layout") or {}).get("dp"),
+            "reason": "capacity returned" if grew else "node lost",
+            "steps_redone": max([0, *(r - start for r in reached)]),
+            "seconds": round(first_step_at - loss_at, 3) if loss_at is not None else None,
+        }
+
+    def add_resize(self, session: str, record: dict[str, Any]) -> None:
+        """Record a resize (`resize_of_latest_attempt`) in logs/attempts.jsonl."""
+        self.loc.append_jsonl(
+            f"logs/{ATTEMPTS}", [{"session": session, "resize": record, "time": time.time()}]
+        )
+
+    def resizes(self) -> list[dict[str, Any]]:
+        """Every resize of the run, oldest first."""
+        return [
+            r["resize"]
+            for r in self.loc.read_jsonl(f"logs/{ATTEMPTS}")
+            if isinstance(r.get("resize"), dict)
+        ]
+
     # ------------------------------------------------------------------ progress
 
     def write_progress(self, step: int) -> None:
@@ -178,8 +238,15 @@ class RunRecords:
         self.loc.write_text(f"logs/{PROGRESS}", json.dumps({"step": step, "time": time.time()}))
 
     def last_logged_step(self) -> int | None:
+        progress = self._progress()
+        return int(progress["step"]) if progress else None
+
+    def _progress(self) -> dict[str, Any] | None:
+        """{"step", "time"} of progress.json, or None when there is none to read."""
         try:
-            return int(json.loads(self.loc.read_text(f"logs/{PROGRESS}") or "")["step"])
+            record = json.loads(self.loc.read_text(f"logs/{PROGRESS}") or "")
+            int(record["step"])
+            return record
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
@@ -340,6 +407,11 @@ def run_summary(
     extensions = RunRecords(job.location).extensions()
     if extensions:
         summary["extensions"] = extensions
+    if job.cfg.resource.elastic or RunRecords(job.location).resizes():
+        keys = ("step", "from_world_size", "to_world_size", "reason", "steps_redone", "seconds")
+        summary["resizes"] = [
+            {k: r.get(k) for k in keys} for r in RunRecords(job.location).resizes()
+        ]
     return summary
 
 

@@ -92,7 +92,7 @@ def smoke_config(cfg: ExperimentConfig) -> ExperimentConfig:
     t["eval_batches"] = 1
     t["max_failures"] = max(1, t["max_failures"])
     t["checkpoint"].update(every_steps=SMOKE_CHECKPOINT_EVERY, validate=True)
-    t["chaos"] = {"kill_at_steps": [SMOKE_KILL_AT], "kill_rank": d["resource"]["num_workers"] - 1}
+    t["chaos"] = {"kill_at_steps": [SMOKE_KILL_AT], "kill_rank": cfg.resource.min_workers - 1}
     d["name"] = f"{cfg.name}-smoke"
     return ExperimentConfig.model_validate(d)
 
@@ -332,10 +332,10 @@ def _run(
         ray_job_id=ray_job_id(),
     )
     log.info(
-        "run %s: %s, %d worker(s), %s; run dir %s",
+        "run %s: %s, %s worker(s), %s; run dir %s",
         cfg.name,
         plan_json["strategy"],
-        cfg.resource.num_workers,
+        _workers_text(cfg),
         cfg.train.precision,
         loc.uri,
     )
@@ -351,7 +351,7 @@ def _run(
 
 def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     import ray.train
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
 
     from trainlab import hooksecrets
     from trainlab.environment import check_nodes
@@ -374,7 +374,9 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
         return _interrupted(job)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", HEALTH_CHECK_INTERVAL_S)
     r = cfg.resource
-    notes.workers(r.num_workers, r.cpus_per_worker, r.use_gpu)
+    _check_node_chaos(cfg)
+    job = dataclasses.replace(job, driver_node_id=ray.get_runtime_context().get_node_id())
+    notes.workers(r.world_size, r.cpus_per_worker, r.use_gpu)
     per_worker = {"CPU": r.cpus_per_worker, **({"GPU": 1} if r.use_gpu else {})}
     if excluded_nodes():  # a job retry after nodes were lost (train.placement)
         log.info(
@@ -385,11 +387,11 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     # the workers get them through the object store, never in the loop config.
     hook_names = cfg.tracking.alerts.secret_env_names()
     hooksecrets.load_submitted()
-    trainer = TorchTrainer(
+    trainer = _trainer_class(cfg)(
         train_loop_per_worker,
         train_loop_config={"job": job, "hook_secrets": hooksecrets.for_workers(hook_names)},
         scaling_config=ray.train.ScalingConfig(
-            num_workers=r.num_workers,
+            **_scaling(cfg),
             use_gpu=r.use_gpu,
             resources_per_worker=per_worker,
             label_selector=node_selector(),
@@ -406,7 +408,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
         ),
     )
     try:
-        with notes.waiting(job.run_dir, job.session, r.num_workers):
+        with notes.waiting(job.run_dir, job.session, r.min_workers):
             call_in_thread(trainer.fit)  # the main thread keeps handling Ctrl-C
     except ray.train.TrainingFailedError as e:
         from trainlab.train.supervision.failures import one_line
@@ -481,11 +483,11 @@ def _local_gpu_problems(cfg: ExperimentConfig) -> list[str]:
     import torch
 
     have = torch.cuda.device_count()
-    if have >= r.num_workers:
+    if have >= r.min_workers:
         return []
     return [
         f"resource.use_gpu: this machine has {have} GPU(s), resource.num_workers needs "
-        f"{r.num_workers} (set resource.use_gpu: false to train on CPU)"
+        f"{r.min_workers} (set resource.use_gpu: false to train on CPU)"
     ]
 
 
@@ -494,16 +496,70 @@ def _check_cluster(cfg: ExperimentConfig) -> None:
 
     total = ray.cluster_resources()
     r = cfg.resource
-    if r.use_gpu and total.get("GPU", 0) < r.num_workers:
+    n = r.min_workers  # an elastic run starts with what Ray can place, at least min
+    if r.use_gpu and total.get("GPU", 0) < n:
         raise UserError(
             f"resource.use_gpu: the Ray cluster has {total.get('GPU', 0):g} GPU(s), "
-            f"resource.num_workers needs {r.num_workers}"
+            f"resource.num_workers needs {n}"
         )
-    need = r.cpus_per_worker * r.num_workers
+    need = r.cpus_per_worker * n
     if total.get("CPU", 0) < need:
         raise UserError(
-            f"resource: {r.num_workers} workers x {r.cpus_per_worker:g} CPU need "
+            f"resource: {n} workers x {r.cpus_per_worker:g} CPU need "
             f"{need:g} CPUs; the Ray cluster has {total.get('CPU', 0):g}"
+        )
+
+
+def _workers_text(cfg: ExperimentConfig) -> str:
+    r = cfg.resource
+    return f"{r.min_workers}-{r.max_workers}" if r.elastic else str(r.world_size)
+
+
+def _scaling(cfg: ExperimentConfig) -> dict[str, Any]:
+    """ScalingConfig's size: the fixed count, or an elastic run's (min, max) allowed
+    sizes (multiples of tp x pp) and how often Ray looks for capacity to grow by."""
+    r = cfg.resource
+    if not r.elastic:
+        return {"num_workers": r.world_size}
+    sizes = r.allowed_world_sizes(_group_size(cfg))
+    return {
+        "num_workers": (min(sizes), max(sizes)),
+        "elastic_resize_monitor_interval_s": r.resize_check_s,
+    }
+
+
+def _group_size(cfg: ExperimentConfig) -> int:
+    """tp x pp: the workers that only ever come and go together."""
+    return (cfg.parallel.tp or 1) * (cfg.parallel.pp or 1)
+
+
+def _trainer_class(cfg: ExperimentConfig) -> Any:
+    """TorchTrainer; for an elastic run one whose resizes keep tp x pp groups whole
+    (trainlab.train.driver.elastic)."""
+    if not cfg.resource.elastic:
+        from ray.train.torch import TorchTrainer
+
+        return TorchTrainer
+    import functools
+
+    from trainlab.train.driver.elastic import ElasticTorchTrainer
+
+    return functools.partial(ElasticTorchTrainer, unit=_group_size(cfg))
+
+
+def _check_node_chaos(cfg: ExperimentConfig) -> None:
+    """train.chaos.kill_node_at_steps loses a node other than the driver's: the
+    cluster must have one (known only now, not at validate)."""
+    import ray
+
+    if not cfg.train.chaos.kill_node_at_steps:
+        return
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    if len(alive) < 2:
+        raise UserError(
+            f"train.chaos.kill_node_at_steps = {cfg.train.chaos.kill_node_at_steps}: the "
+            f"Ray cluster has {len(alive)} node(s), none besides the driver's to lose "
+            "(a multi-node cluster: trainlab cluster up --worker-nodes N)"
         )
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from trainlab.raycluster import normal_priority
 from trainlab.runloc import LogShipper
-from trainlab.train.job import TrainJob
+from trainlab.train.job import NODE_ID_ENV, TrainJob
 from trainlab.train.loop.callbacks import build_callbacks
 from trainlab.train.supervision.agent import Agent, free_port, start_fork_server
 from trainlab.train.supervision.logs import setup_logging
@@ -42,17 +42,24 @@ class RayRendezvous:
 def train_loop_per_worker(config: dict[str, Any]) -> None:
     """Ray Train's per-worker entry point (`TorchTrainer(train_loop_per_worker=...,
     train_loop_config={"job": job})`): this worker becomes the agent of its rank."""
+    import ray
     import ray.train
     import torch
 
     job: TrainJob = config["job"]
     os.environ.update(job.env)
+    # Which node this is (the fork server's children inherit it): train.chaos's
+    # kill_node_at_steps loses a node other than the driver's.
+    os.environ[NODE_ID_ENV] = ray.get_runtime_context().get_node_id()
     # The agent answers the training process's requests for data: same priority
     # (Ray starts workers at nice 15), and the fork server's children inherit it.
     normal_priority()
     mp_context = start_fork_server(job.cfg.train.deterministic)  # imports overlap what follows
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    # An elastic run trains at the size Ray placed this time: dp and grad accumulation
+    # follow it, the global batch and the data of each step do not.
+    job = job.at_world_size(world)
     setup_logging(job.logs_dir, rank)
     device = "cpu"
     if torch.cuda.is_available() and job.cfg.resource.use_gpu:

@@ -55,6 +55,11 @@ class Callback:
     def on_rollback(self, record: dict[str, Any]) -> None:
         """A P0 action rolled the run back: {from_step, to_step, skipped, rule}."""
 
+    def on_resize(self, record: dict[str, Any]) -> None:
+        """An elastic run continued at another size (trainlab.train.records.RunRecords.
+        resizes): {step, from_world_size, to_world_size, from_dp, to_dp, reason,
+        steps_redone, seconds}, at the first step after it."""
+
     def on_eval(self, step: int, val_losses: dict[str, float]) -> None:
         """Validation loss per source (keys are source names) and "all"."""
 

@@ -101,6 +101,10 @@ class Meter:
             "lr": lr_at(step - 1, self.cfg.train),
             "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_s,
+            # Per device and the device count: an elastic run's resize is not a
+            # throughput regression on a chart of these (docs/elastic.md).
+            "tokens_per_s_per_device": tokens_per_s / self.world_size,
+            "world_size": float(self.world_size),
             "step_time_s": step_time,
             "data_wait_frac": self.data_wait / elapsed,
             "ckpt_block_frac": self.ckpt_block / elapsed,

@@ -49,6 +49,7 @@ from trainlab.train.loop.metrics import (
     memory_gap,
     peak_memory_bytes,
 )
+from trainlab.train.loop.node_chaos import NodeChaos
 from trainlab.train.loop.state import (
     DataPosition,
     ModelState,
@@ -122,6 +123,7 @@ class Trainer:
         self.components: list[Component] = [
             self.guard,
             self.chaos,
+            NodeChaos(),
             MetricsLog(),
             self.evaluator,
             *build_components(self.cfg.train.components, self.cfg),
@@ -209,6 +211,21 @@ class Trainer:
         if step == self.start_step + 1 and self.env.is_main:
             with self.writing("logs/attempts.jsonl"):
                 self.records.first_step_done(self.job.session, step)
+                resize = self.records.resize_of_latest_attempt(time.time())
+                if resize is not None:  # an elastic run continues at another size
+                    self.records.add_resize(self.job.session, resize)
+            if resize is not None:
+                log.info(
+                    "resized from %d to %d workers (%s) at step %d: %d step(s) redone, "
+                    "%s s from the loss to this step",
+                    resize["from_world_size"],
+                    resize["to_world_size"],
+                    resize["reason"],
+                    resize["step"],
+                    resize["steps_redone"],
+                    resize["seconds"],
+                )
+                self.callbacks.on_resize(dict(resize))
         for component in self.components:
             component.after_step(self, step)
         asked = self.stop_request()  # rank 0's, carried with this step's signals
