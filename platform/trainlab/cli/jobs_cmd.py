@@ -1,4 +1,4 @@
-"""`trainlab submit | jobs | stop | cluster up/down`: orchestration on Ray clusters.
+"""`trainlab submit | jobs | stop | cluster up/down/add-node`: orchestration on Ray clusters.
 
 Progress goes to stderr; stdout carries the result (the job id, a table) or,
 with --json, one JSON object on its last line.
@@ -285,6 +285,34 @@ def down(as_json: bool) -> int:
         click.echo(
             f"stopped the local cluster at {state.dashboard_url} "
             f"({len(state.nodes)} node(s)); Ray's logs stay in {state.temp_dir}"
+        )
+    return 0
+
+
+@cluster.command(name="add-node")
+@click.option(
+    "--num-cpus",
+    type=click.IntRange(1, 4096),
+    default=2,
+    help="Logical CPUs of the new node.",
+)
+@json_option
+def add_node(num_cpus: int, as_json: bool) -> int:
+    """Start one more raylet joining the local cluster: capacity back after a lost
+    node (an elastic run grows back to it: docs/elastic.md)."""
+    from trainlab.errors import UserError
+    from trainlab.jobs.localcluster import add_worker_node, read_state
+
+    state = read_state()
+    if state is None:
+        raise UserError("no local cluster is running (`trainlab cluster up` starts one)")
+    _err(f"starting a worker node with {num_cpus} CPU(s), joining {state.gcs_address} ...")
+    node = add_worker_node(state, num_cpus)
+    if as_json:
+        echo_json({"gcs_address": state.gcs_address, "node": node.__dict__})
+    else:
+        click.echo(
+            f"worker node up ({num_cpus} CPU(s)), joined {state.gcs_address}; log {node.log}"
         )
     return 0
 
