@@ -154,7 +154,7 @@ def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
     steps = report["steps"]
     assert list(steps) == [
         "train_bf16_fsdp", "memory", "fp16_grad_scaler", "muon_bf16_fsdp",
-        "eager_vs_compiled", "host_syncs", "dense_vs_flex", "kill_resume",
+        "eager_vs_compiled", "host_syncs", "dense_vs_flex", "kill_resume", "checkpoint_stall",
     ]  # fmt: skip
     assert all(s["ok"] and s["seconds"] >= 0 for s in steps.values())
 
@@ -208,6 +208,10 @@ def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
         assert v["bitwise_identical"], name
         assert v["reference_weights_sha256"] == v["resumed_weights_sha256"], name
     assert kr["layouts"]["fsdp"]["sharded"] and not kr["layouts"]["plain"]["sharded"]
+
+    stall = steps["checkpoint_stall"]
+    assert stall["params"] == 10_000_000 and not stall["pinned_memory"]
+    assert 0 < stall["stall_ratio"] and len(stall["async_blocked_s"]) == 2
 
 
 def _one_line(stderr: str) -> str:
