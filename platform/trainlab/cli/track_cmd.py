@@ -334,7 +334,7 @@ def _duration(seconds: float) -> str:
 
 
 @click.command("track-flush")
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("run_dir", metavar="RUN_DIR_OR_URI")
 @click.option(
     "--runs-root",
     default=None,
@@ -347,10 +347,28 @@ def track_flush(run_dir: str, runs_root: str | None) -> int:
     when all are in the store, 1 when some still wait (the store is still busy)."""
     from pathlib import Path
 
-    from trainlab.track.journal import Journal, clear_pending_in_summary, flush_journal, store_busy
+    from trainlab.runloc import RunLocation
+    from trainlab.track.journal import (
+        JOURNAL,
+        MARKER,
+        Journal,
+        clear_pending_in_summary,
+        flush_journal,
+        store_busy,
+    )
     from trainlab.track.store import client_for, tracking_uri
 
-    journal = Journal(run_dir)
+    loc = RunLocation.of(run_dir)
+    if not loc.remote and not loc.local.is_dir():
+        raise UserError(f"RUN_DIR {run_dir}: no such directory (a run directory or s3:// URI)")
+    if loc.remote:  # a run in object storage: its shipped journal, on this machine
+        for name in (JOURNAL, MARKER):
+            text = loc.read_text(f"logs/{name}")
+            if text is not None:
+                (loc.local / "logs").mkdir(parents=True, exist_ok=True)
+                (loc.local / "logs" / name).write_text(text)
+        runs_root = runs_root or loc.uri.rsplit("/", 2)[0]  # the store of its runs root
+    journal = Journal(loc.local)
     before = journal.pending_count()
     if not before:
         click.echo(f"{run_dir}: no records wait; the store has them all")
@@ -360,6 +378,8 @@ def track_flush(run_dir: str, runs_root: str | None) -> int:
         click.echo(f"{run_dir}: {before} record(s) wait; the store is locked by another process")
         return 1
     left = flush_journal(journal, client_for(uri, flush_records=False))
+    if loc.remote and (loc.local / "logs" / MARKER).exists():  # what is written, shipped back
+        loc.upload(loc.local / "logs" / MARKER, f"logs/{MARKER}")
     if left:
         click.echo(f"{run_dir}: {before - left} record(s) written, {left} still wait")
         return 1

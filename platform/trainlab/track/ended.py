@@ -17,9 +17,25 @@ from typing import Any
 from trainlab.runstatus import FINAL_STATUSES  # a summary its own processes wrote: kept
 
 
-def summary_is_current(run_dir: Path) -> bool:
+def summary_is_current(run_dir: Path | str) -> bool:
     """run_summary.json is of the run's latest start (not of an earlier one that a
-    resume continued): it is newer than the latest attempt."""
+    resume continued): it is newer than the latest attempt (for a run in object
+    storage: than the latest attempt's record)."""
+    from trainlab.runloc import RunLocation
+
+    loc = RunLocation.of(run_dir)
+    if loc.remote:
+        from pyarrow import fs
+
+        from trainlab.train.records import RunRecords
+
+        assert loc.storage is not None
+        info = loc.storage.filesystem.get_file_info(loc.key("run_summary.json"))
+        if info.type != fs.FileType.File or info.mtime is None:
+            return False
+        started = [float(a.get("time") or 0.0) for a in RunRecords(loc).attempts()]
+        return not started or info.mtime.timestamp() >= max(started)
+    run_dir = Path(run_dir)
     summary = run_dir / "run_summary.json"
     attempts = run_dir / "logs" / "attempts.jsonl"
     if not summary.is_file():

@@ -445,7 +445,7 @@ def clear_pending_in_summary(run_dir: str | os.PathLike[str]) -> None:
 
     records = RunRecords(run_dir)
     summary = records.read_summary()
-    if summary and summary.get("records_pending") and summary_is_current(Path(run_dir)):
+    if summary and summary.get("records_pending") and summary_is_current(run_dir):
         summary["records_pending"] = 0
         records.write_summary(summary)
 

@@ -217,3 +217,37 @@ def test_a_start_cut_short_after_the_run_was_created_is_completed(
     assert run.data.params["train.total_steps"] == "60"
     assert run.data.tags["config_hash"] and run.info.status == "FINISHED"
     assert "model" in artifact_text(client, run.info.run_id, "config.yaml")
+
+
+def test_track_flush_of_a_run_in_object_storage(
+    rank0, runs_root, client, locked_store, monkeypatch, s3_env, tmp_path
+):
+    """A run in object storage ships its journal with its logs; `track-flush URI`
+    on another machine reads it from the store, writes the records into the
+    store of the runs root named, and ships back what was written."""
+    from click.testing import CliRunner
+
+    from trainlab.cli.track_cmd import track_flush
+    from trainlab.runloc import RunLocation
+
+    monkeypatch.setenv("TRAINLAB_STORE_RETRY_S", "0.2")
+    monkeypatch.setenv("TRAINLAB_STORE_END_WAIT_S", "0.5")
+    monkeypatch.setenv("TRAINLAB_SCRATCH_DIR", str(tmp_path / "other-machine"))
+    r0 = rank0()
+    callbacks = r0.start()
+    r0.steps(1, 10)
+    callbacks.on_run_end(_summary(r0, "stopped"))
+    _, bucket = s3_env
+    loc = RunLocation.of(f"s3://{bucket}/runs/2026-12-05/{Path(r0.run_dir).name}")
+    for name in (JOURNAL, MARKER):  # what the run's log shipping put in the store
+        if (Path(r0.run_dir) / "logs" / name).exists():
+            loc.upload(Path(r0.run_dir) / "logs" / name, f"logs/{name}")
+    locked_store()
+    args = [loc.uri, "--runs-root", str(runs_root)]
+    done = CliRunner().invoke(track_flush, args, standalone_mode=False)
+    assert done.return_value == 0, done.output
+    assert only_run(client).data.tags["status"] == "stopped"
+    assert loc.local.is_relative_to(tmp_path / "other-machine")
+    flushed = Journal(loc.local)
+    assert flushed.pending_count() == 0
+    assert loc.read_text(f"logs/{MARKER}") == (loc.local / "logs" / MARKER).read_text()
