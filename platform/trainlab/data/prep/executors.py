@@ -374,17 +374,24 @@ class RayDataExecutor:
     @staticmethod
     def _map(ds: Any, fn: Callable, kwargs: dict[str, Any], workers: int, strategy: Any) -> Any:
         """`fn` (`timed`, `pulled`) over the dataset's batches, `workers` tasks at most."""
+        import warnings
+
         import ray.data
 
-        return ds.map_batches(
-            fn,
-            fn_kwargs=kwargs,
-            batch_size=None,
-            batch_format="pyarrow",
-            num_cpus=1,
-            compute=ray.data.TaskPoolStrategy(size=workers),
-            scheduling_strategy=strategy,
-        )
+        with warnings.catch_warnings():
+            # Ray 2.60 deprecates passing remote args by keyword in favour of named
+            # parameters, but has none for a scheduling strategy (SPREAD over the
+            # nodes, or this node only): the keyword is still the way.
+            warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+            return ds.map_batches(
+                fn,
+                fn_kwargs=kwargs,
+                batch_size=None,
+                batch_format="pyarrow",
+                num_cpus=1,
+                compute=ray.data.TaskPoolStrategy(size=workers),
+                scheduling_strategy=strategy,
+            )
 
 
 def _warm_up() -> int:
