@@ -8,7 +8,8 @@ layouts, and what cannot be represented (refused, never exported wrong).
 | `gpt2`         | GPT2LMHeadModel    | Conv1D weights are transposed; q, k, v fused into c_attn |
 
 Attention implementations (`model.attention`) other than the standard causal
-softmax attention (`sdpa`, `eager`) have no transformers equivalent.
+softmax attention (its kernels `auto`, `sdpa`, `flex`, `eager`) have no
+transformers equivalent.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch
 from trainlab.config.schema import ModelConfig
 from trainlab.errors import UserError
 
-STANDARD_ATTENTION = ("sdpa", "eager")
+# The kernels of standard causal softmax attention (trainlab.config.loader
+# SAME_MATH_ATTENTION): transformers runs the same with its own.
+STANDARD_ATTENTION = ("auto", "sdpa", "flex", "eager")
 HF_CLASS = {"llama": "LlamaForCausalLM", "llama_qknorm": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 MODEL_TYPE = {"llama": "llama", "llama_qknorm": "qwen3", "gpt2": "gpt2"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

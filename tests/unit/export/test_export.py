@@ -191,11 +191,13 @@ def test_what_transformers_cannot_represent_is_refused_by_name(dataset, tmp_path
     assert code == 2 and out == ""
     assert err == (
         "error: model.attention = 'sdpa_tempered': transformers has no equivalent of this "
-        "attention variant; export supports sdpa, eager\n"
+        "attention variant; export supports auto, sdpa, flex, eager\n"
     )
     assert not (tmp_path / "hf").exists()
     cfg = tiny_config(dataset)
     assert refusals(cfg.model) == []
+    for kernel in ("auto", "flex", "eager"):  # the recipes' default is auto: exportable
+        assert refusals(cfg.model.model_copy(update={"attention": kernel})) == []
     other = cfg.model.model_copy(update={"arch": "mamba"})
     assert refusals(other)[0].startswith("model.arch = 'mamba': no transformers class")
 
