@@ -87,7 +87,7 @@ def test_compare_shows_the_run_with_its_results(recorded, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         main(["compare", "tracked", "--json", "--runs-root", str(runs_root)])
     assert exit_info.value.code == 0
-    (row,) = json.loads(capsys.readouterr().out)
+    (row,) = json.loads(capsys.readouterr().out)["runs"]
     assert row["status"] == "completed" and row["final_step"] == TOTAL_STEPS
     assert row["final_loss"] == pytest.approx(summary["final_loss"])
     assert row["tokens_per_second"] > 0 and row["wall_time_s"] > 0

@@ -277,6 +277,10 @@ def _run(
     data = _checked_together(cfg)
     loc = rundir.choose_run_dir(cfg, run_dir, resume and not smoke, base_dir)
     path = loc.local  # the run directory, or this node's working copy of a run in a store
+    # Every process reads the runs root as the driver resolved it (a config built in
+    # code may give it relative to `base_dir`): its MLflow store is that root's.
+    root = rundir.root_location(cfg, base_dir)
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"runs_root": root})})
     if loc.remote:
         _check_store(loc)
     if run_dir is not None:
