@@ -158,8 +158,10 @@ def test_an_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_mo
         assert status not in jobclient.TERMINAL, client.get_job_logs(job_id)[-4000:]
         assert time.monotonic() < deadline, "the run did not continue at 2 workers"
         time.sleep(0.5)
-    added = _trainlab("cluster", "add-node", "--num-cpus=3")  # capacity returns
+    added = _trainlab("cluster", "add-node", "--num-cpus=3", "--json")  # capacity returns
     assert added.returncode == 0, added.stderr[-3000:]
+    node = json.loads(added.stdout.strip().splitlines()[-1])["node"]
+    assert node["role"] == "worker" and node["num_cpus"] == 3
     _wait(client, job_id)
     elastic_seconds = time.monotonic() - t0
 

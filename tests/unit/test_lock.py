@@ -79,7 +79,16 @@ def test_installed_environment_is_the_lock():
         pytest.skip(f"{venv} was not built by `make setup`")
     fp = env.fingerprint()
     pins = env.read_lock(REPO / "requirements" / f"{fp['lock']}.txt")
-    have = env.installed()
+    # What the venv holds (its site-packages), not whatever else the test session's
+    # sys.path shows at this moment (a test's temporary folder of wheels).
+    import importlib.metadata as md
+    import sysconfig
+
+    site = list(dict.fromkeys([sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]))
+    have: dict[str, str] = {}
+    for dist in md.distributions(path=site):
+        if dist.metadata["Name"]:
+            have.setdefault(env.canonical(dist.metadata["Name"]), dist.version)
     wrong = {n: (have.get(n), v) for n, v in pins.items() if have.get(n) != v}
     assert wrong == {}, "installed != lock: `make setup` (the lock changed?)"
     if not (venv / ".notebook-installed").exists():

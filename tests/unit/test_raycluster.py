@@ -109,6 +109,9 @@ def test_rays_notice_that_it_enabled_token_auth_is_dropped_the_opposite_kept(cap
 
     caplog.set_level(logging.WARNING, logger=ray_auth.logger.name)
     ray_auth.logger.propagate, before = True, ray_auth.logger.propagate
+    filters = list(ray_auth.logger.filters)  # an earlier start in this session added one
+    for f in filters:
+        ray_auth.logger.removeFilter(f)
     try:
         ray_auth._warn_token_auth_enabled()
         assert "Token authentication is enabled" in caplog.text
@@ -121,3 +124,7 @@ def test_rays_notice_that_it_enabled_token_auth_is_dropped_the_opposite_kept(cap
         assert "Token authentication is disabled" in caplog.text
     finally:
         ray_auth.logger.propagate = before
+        for f in list(ray_auth.logger.filters):
+            ray_auth.logger.removeFilter(f)
+        for f in filters:
+            ray_auth.logger.addFilter(f)

@@ -111,7 +111,10 @@ def test_registered_names_are_checked_at_validate_without_torch():
         "validate", TINY, "--set", "model.attention=flexx", "--set", "train.optimizer.name=adam"
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    assert "model.attention = 'flexx': unknown attention; available: eager, sdpa" in out.stderr
+    assert (
+        "model.attention = 'flexx': unknown attention; did you mean 'flex'? "
+        "available: auto, eager, flex, sdpa"
+    ) in out.stderr
     assert "train.optimizer.name = 'adam': unknown name; did you mean 'adamw'?" in out.stderr
     out = trainlab(
         "validate", TINY, "--set", "train.optimizer.name=muon", "--set", "train.optimizer.momentum=1.5"

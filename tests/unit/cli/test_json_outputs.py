@@ -39,6 +39,7 @@ LAST_LINE_ELSEWHERE = {
     "stop": "tests/e2e/test_cluster_submit.py",
     "cluster up": "tests/e2e/test_cluster_submit.py",
     "cluster down": "tests/e2e/test_cluster_submit.py",
+    "cluster add-node": "tests/e2e/test_elastic.py",
     "mix swarm": "tests/ray/test_mix.py",
     "mix fit": "tests/unit/mix/test_cli.py",
     "mix propose": "tests/unit/mix/test_cli.py",
