@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import os
 import sys
 
 import click
@@ -96,8 +97,19 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger(RAY_TOKEN_NOTICE).setLevel(logging.ERROR)
     args = sys.argv[1:] if argv is None else argv
     json_only = stdout_for_json_only() if "--json" in args else contextlib.nullcontext()
-    with json_only:  # with --json, stdout is the JSON document's alone
-        _run(args)
+    try:
+        with json_only:  # with --json, stdout is the JSON document's alone
+            _run(args)
+    except SystemExit as e:
+        if e.code == 130 and "ray" in sys.modules:
+            # A Ctrl-C that stopped a run while Ray was starting leaves Ray's threads
+            # mid-start; the interpreter's teardown of them can crash (SIGSEGV seen
+            # after the summary was out). Everything is written by now: leave.
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(130)
+        raise
 
 
 def _run(args: list[str]) -> None:
