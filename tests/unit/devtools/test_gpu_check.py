@@ -211,7 +211,7 @@ def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
 
     stall = steps["checkpoint_stall"]
     assert stall["params"] == 10_000_000 and not stall["pinned_memory"]
-    assert 0 < stall["stall_ratio"] and len(stall["async_blocked_s"]) == 2
+    assert stall["stall_ratio"] > 0 and len(stall["async_blocked_s"]) == 2
 
 
 def _one_line(stderr: str) -> str:
