@@ -523,62 +523,43 @@ def _sequence_parallel(cfg: dict[str, Any]) -> Iterator[Problem]:
         )
 
 
-@rule("data")
-def _data_path_form(cfg: dict[str, Any]) -> Iterator[Problem]:
-    """data.path is a local directory or s3://bucket/prefix (trainlab.data.location);
-    any other scheme (gs://, hdfs://) would be taken for nothing readable later."""
+def _location_form(key: str, value: str, local: str) -> Iterator[Problem]:
+    """A location `key` may hold: a local path (`local` says which), or
+    s3://bucket/prefix (trainlab.storage); any other scheme would be taken for
+    nothing readable later, credentials never go in it."""
     from trainlab.redact import redact
     from trainlab.storage import credentials_problem
 
-    path = cfg["data"]["path"]
-    if "://" not in path:
+    if "://" not in value:
         return
-    scheme, _, rest = path.partition("://")
-    if credentials_problem(path):
-        yield Problem("data.path", redact(path), str(credentials_problem(path)))
+    scheme, _, rest = value.partition("://")
+    if credentials_problem(value):
+        yield Problem(key, redact(value), str(credentials_problem(value)))
     elif scheme.lower() not in ("s3", "s3a", "file"):
         yield Problem(
-            "data.path",
-            path,
-            f"unsupported scheme {scheme!r}; give a local directory or s3://bucket/prefix",
+            key, value, f"unsupported scheme {scheme!r}; give {local} or s3://bucket/prefix"
         )
     elif scheme.lower() != "file" and (not rest.split("/")[0] or "?" in rest):
         yield Problem(
-            "data.path",
-            path,
+            key,
+            value,
             "expected s3://bucket/prefix (endpoint via AWS_ENDPOINT_URL, "
             "credentials via AWS_* variables, never in the URI)",
         )
 
 
-# --------------------------------------------------------------------------- resource
+@rule("data")
+def _data_path_form(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """data.path: a local directory or a dataset in a store (trainlab.data.location)."""
+    yield from _location_form("data.path", cfg["data"]["path"], "a local directory")
 
 
 @rule("train")
 def _runs_root_form(cfg: dict[str, Any]) -> Iterator[Problem]:
-    """train.runs_root is a directory (local, or shared by every node) or
-    s3://bucket/prefix (trainlab.runloc); any other scheme is refused here, before
-    a run directory could be made of it."""
-    from trainlab.redact import redact
-    from trainlab.storage import credentials_problem
-
-    root = cfg["train"]["runs_root"]
-    if "://" not in root:
-        return
-    scheme, _, rest = root.partition("://")
-    if credentials_problem(root):
-        yield Problem("train.runs_root", redact(root), str(credentials_problem(root)))
-    elif scheme.lower() not in ("s3", "s3a", "file"):
-        yield Problem(
-            "train.runs_root",
-            root,
-            f"unsupported scheme {scheme!r}; give a directory (shared by every node for "
-            "multi-node runs) or s3://bucket/prefix",
-        )
-    elif scheme.lower() != "file" and (not rest.split("/")[0] or "?" in rest):
-        yield Problem(
-            "train.runs_root",
-            root,
-            "expected s3://bucket/prefix (endpoint via AWS_ENDPOINT_URL, "
-            "credentials via AWS_* variables, never in the URI)",
-        )
+    """train.runs_root: a directory or a store (trainlab.runloc), checked before a
+    run directory could be made of it."""
+    yield from _location_form(
+        "train.runs_root",
+        cfg["train"]["runs_root"],
+        "a directory (shared by every node for multi-node runs)",
+    )
