@@ -17,7 +17,9 @@ from typing import Any
 from devtools.bench import BenchResult
 
 
-def _counter() -> Any:
+def host_reads_counter() -> Any:
+    """A TorchDispatchMode counting the tensor-to-Python reads (device-to-host syncs
+    on a GPU); `.count` after the `with` block (tests/unit/train/test_host_sync.py too)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -71,11 +73,11 @@ def host_reads(cfg: Any, run_dir: Path) -> tuple[int, int]:
     trainer._advance(stream)  # step 1: set-up
     trainer._advance(stream)  # step 2
     step, batches = next(stream)
-    quiet = _counter()
+    quiet = host_reads_counter()
     with quiet:
         loss, norm = trainer.train_step(batches)
         launch(trainer.env, trainer.step, loss, norm, 0.0, 0.0)
-    logging = _counter()
+    logging = host_reads_counter()
     with logging:
         trainer._advance(stream)  # step 4: logs
     return quiet.count, logging.count

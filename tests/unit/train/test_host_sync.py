@@ -23,8 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from devtools.bench.sync_bench import host_reads_counter
 from tests.train_helpers import dataset_dir, make_job, tiny_config
 from tests.unit.train.layout_runner import _free_port
 
@@ -34,19 +34,6 @@ LAYOUTS = {
     "tp2": {"strategy": "ddp", "tp": 2},
     "pp2": {"strategy": "ddp", "pp": 2},
 }
-
-
-class HostReads(TorchDispatchMode):
-    """Counts the tensor-to-Python reads (the device-to-host syncs on a GPU)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def config(dataset: Path, parallel: dict[str, Any], workers: int):
@@ -76,7 +63,7 @@ def host_reads_of_step_2(job: Any, rank: int, world: int, port: int) -> int:
     stream = trainer.loader.iter_from(0)
     trainer.train_step(next(stream)[1])  # step 1
     batches = next(stream)[1]
-    with HostReads() as reads:
+    with host_reads_counter() as reads:
         loss, norm = trainer.train_step(batches)
         launch(env, trainer.step, loss, norm, 0.0, 0.0)
     return reads.count
