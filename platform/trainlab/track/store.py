@@ -78,7 +78,9 @@ def client_for(uri: str, flush_records: bool = True) -> MlflowClient:
     A new embedded store is created under an exclusive file lock (`mlflow.db.lock`,
     `filelock.FileLock`): runs starting at once on a fresh runs root (Tune trials,
     two `trainlab train`) would otherwise race MLflow's table creation ("table ...
-    already exists")."""
+    already exists"). It is built in a side file and renamed into place
+    (`_create_embedded`), so a process killed during the creation leaves no
+    half-made database behind."""
     from filelock import FileLock
     from mlflow import MlflowClient
 
@@ -90,6 +92,8 @@ def client_for(uri: str, flush_records: bool = True) -> MlflowClient:
     else:
         db.parent.mkdir(parents=True, exist_ok=True)
         with FileLock(db.with_name(db.name + ".lock")):
+            if not db.exists():
+                _create_embedded(db)
             client = MlflowClient(tracking_uri=uri)
             client.search_experiments(max_results=1)  # creates or migrates the tables
     correct_lost(client)
@@ -98,3 +102,24 @@ def client_for(uri: str, flush_records: bool = True) -> MlflowClient:
 
         flush_pending(client, db.parent)
     return client
+
+
+def _create_embedded(db: Path) -> None:
+    """Create the embedded store's tables in `.mlflow.db.new-{pid}` and rename it to
+    `db`. MLflow creates its tables one statement at a time: a process killed in
+    the middle (a worker group torn down by Ray, a Ctrl-C) would leave a database
+    on which every later open fails ("table ... already exists"), and every record
+    of the runs root would wait in journals. The caller holds the store's lock, so
+    side files found here are leftovers of killed creators."""
+    import sqlalchemy
+    from mlflow.store.db.utils import _initialize_tables
+
+    for stale in db.parent.glob(f".{db.name}.new-*"):
+        stale.unlink(missing_ok=True)
+    side = db.with_name(f".{db.name}.new-{os.getpid()}")
+    engine = sqlalchemy.create_engine(f"sqlite:///{side}")
+    try:
+        _initialize_tables(engine)
+    finally:
+        engine.dispose()
+    os.replace(side, db)

@@ -80,3 +80,37 @@ def test_runs_starting_at_once_on_a_fresh_runs_root_share_one_store(tmp_path):
     for p in procs:
         p.join(timeout=60)
     assert outcomes == ["ok"] * 3, outcomes
+
+
+_KILLED_CREATOR = """
+import os, sys
+import mlflow.store.db.utils as db_utils
+from trainlab.track.store import client_for
+
+def killed(engine):  # the first tables exist, the migrations never run
+    os._exit(9)
+
+db_utils._upgrade_db = killed
+client_for(sys.argv[1])
+"""
+
+
+def test_a_process_killed_while_creating_the_store_leaves_it_usable(tmp_path):
+    """A worker group torn down while its rank 0 creates a fresh embedded store
+    (seen in CI): the next process opens the store and records in it."""
+    import subprocess
+    import sys
+
+    from trainlab.track.store import client_for, get_or_create_experiment
+
+    db = tmp_path / "runs" / "mlflow.db"
+    uri = f"sqlite:///{db}"
+    killed = subprocess.run([sys.executable, "-c", _KILLED_CREATOR, uri], timeout=120)
+    assert killed.returncode == 9
+    assert not db.exists()  # nothing half-made under the store's name
+    client = client_for(uri)
+    experiment = get_or_create_experiment(client, "tiny", None)
+    run = client.create_run(experiment)
+    client.log_metric(run.info.run_id, "loss", 1.5, step=1)
+    assert client.get_metric_history(run.info.run_id, "loss")[0].value == 1.5
+    assert [p.name for p in db.parent.iterdir() if p.name.startswith(".")] == []

@@ -361,7 +361,7 @@ class Agent:
                 if not proc.is_alive():
                     break
                 if failed_flag.exists():  # another rank's training process failed
-                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.kill()  # SIGKILL; a no-op when it has just ended by itself
                     break
             proc.join()
         finally:
