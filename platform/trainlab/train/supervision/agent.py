@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
-import os
 import signal
 import socket
 import time
