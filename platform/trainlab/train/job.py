@@ -41,6 +41,9 @@ class TrainJob:
     ray_job_id: str | None = None
     # Ray's id of the driver's node: train.chaos.kill_node_at_steps never loses it.
     driver_node_id: str | None = None
+    # An elastic run's job pinned to one size (`at_world_size`): it grows at a
+    # checkpoint taken for it (trainlab.train.loop.growth).
+    elastic: bool = False
 
     def at_world_size(self, n: int) -> TrainJob:
         """This job for a worker group of `n` workers: an elastic run's config pinned
@@ -49,7 +52,7 @@ class TrainJob:
             return self
         from dataclasses import replace
 
-        return replace(self, cfg=self.cfg.at_world_size(n))
+        return replace(self, cfg=self.cfg.at_world_size(n), elastic=True)
 
     @property
     def location(self) -> RunLocation:

@@ -51,6 +51,8 @@ RESERVE_BYTES = 256 * 1024
 # next step boundary (trainlab.train.supervision.agent, trainer), which ends the run as "interrupted".
 INTERRUPT_FLAG = ".interrupt"
 INTERRUPT_REASON = "interrupted by the user (Ctrl-C)"
+# An elastic run's request for a checkpoint to grow at (RunRecords.request_growth).
+RESIZE_REQUEST = "resize.json"
 
 # Kinds of failure: infrastructure (the process or worker was killed or lost; a
 # retry can succeed), code (an exception that would happen again), peer (a side
@@ -272,6 +274,50 @@ class RunRecords:
     def clear_interrupt(self) -> None:
         """A new start of the run (a resume) is not interrupted by an old Ctrl-C."""
         self.loc.delete(f"logs/{INTERRUPT_FLAG}")
+
+    # ------------------------------------------------------------------ growth
+
+    # An elastic run grows at a checkpoint taken for it (docs/elastic.md): Ray's
+    # resize check (trainlab.train.driver.elastic, in Ray Train's controller) asks
+    # for one, rank 0 takes it at the next step boundary and holds the ranks there,
+    # the controller restarts the group larger from it, so no step is redone. One
+    # small JSON record, `logs/resize.json`: {"to_world_size", "id", "state":
+    # "requested" | "ready" (with "step") | "go"}; deleted to cancel.
+
+    def request_growth(self, to_world_size: int) -> str:
+        request_id = f"{time.time_ns():x}"
+        self._write_growth({"to_world_size": to_world_size, "id": request_id, "state": "requested"})
+        return request_id
+
+    def growth(self) -> dict[str, Any] | None:
+        """The pending growth request, or None."""
+        text = self.loc.read_text(f"logs/{RESIZE_REQUEST}")
+        if not text:
+            return None
+        try:
+            record = json.loads(text)
+        except ValueError:
+            return None
+        return record if isinstance(record, dict) else None
+
+    def growth_ready(self, request_id: str, step: int) -> None:
+        """Rank 0 holds at `step`, whose checkpoint is committed."""
+        record = self.growth()
+        if record is not None and record.get("id") == request_id:
+            self._write_growth({**record, "state": "ready", "step": step})
+
+    def growth_go(self, request_id: str) -> None:
+        """The controller restarts the group now: the ranks keep holding."""
+        record = self.growth()
+        if record is not None and record.get("id") == request_id:
+            self._write_growth({**record, "state": "go"})
+
+    def cancel_growth(self) -> None:
+        """No growth (capacity gone again, a new worker group): the ranks go on."""
+        self.loc.delete(f"logs/{RESIZE_REQUEST}")
+
+    def _write_growth(self, record: dict[str, Any]) -> None:
+        self.loc.write_text(f"logs/{RESIZE_REQUEST}", json.dumps(record))
 
     # ------------------------------------------------------------------ chaos
 

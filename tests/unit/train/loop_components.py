@@ -29,3 +29,19 @@ class StopAfter(Component):
 
 def stop_after_four(cfg: Any) -> list[Component]:
     return [StopAfter(4)]
+
+
+class AskGrowth(Component):
+    """Plays Ray Train's controller of an elastic run (tests/unit/train/test_growth.py):
+    at step `at`, rank 0 writes a request for a checkpoint to grow at."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def at_step_end(self, loop: Any, step: int, last: bool) -> None:
+        if step == self.at and loop.env.is_main:
+            loop.records.request_growth(2)
+
+
+def ask_growth_at_three(cfg: Any) -> list[Component]:
+    return [AskGrowth(3)]

@@ -12,14 +12,40 @@ count between min and max, while a run with tensor or pipeline parallelism may
 only run on whole tp x pp groups. `LayoutScalingPolicy` rounds every count it
 decides on down to a multiple of tp x pp (`unit`), and `ElasticTorchTrainer`
 hands that policy to Ray Train's controller in place of the default one.
+
+Two more things it does that Ray's policy does not:
+
+- **A lost node is not counted.** Right after a node is lost, the cluster's
+  resource view still holds it until the GCS health check marks it dead (about
+  15 s with Ray's defaults); a restart sized on that view waits for workers that
+  cannot start until Ray's worker-group start timeout (60 s), then starts again.
+  So a restart decision waits while a node the view counts does not answer on
+  its raylet's port (at most `LOST_NODE_WAIT_S`), then sizes on the live nodes.
+- **Growth at a checkpoint taken for it.** When Ray's resize check finds room to
+  grow, the policy asks the run for a checkpoint (trainlab.train.loop.growth)
+  and restarts the group larger only once the ranks hold at it: no step is redone.
 """
 
 from __future__ import annotations
 
+import logging
+import socket
+import time
 from typing import Any
 
 from ray.train.torch import TorchTrainer
-from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ray.train.v2._internal.execution.scaling_policy import (
+    ElasticScalingPolicy,
+    NoopDecision,
+    ResizeDecision,
+)
+
+log = logging.getLogger("trainlab.train")
+
+LOST_NODE_WAIT_S = 60.0  # the longest a restart waits for the GCS to drop a lost node
+PROBE_EVERY_S = 1.0
+PROBE_TIMEOUT_S = 1.0
+GROWTH_WAIT_S = 180.0  # the longest the policy waits for the ranks to hold at a checkpoint
 
 
 def whole_groups(count: int, unit: int, lo: int, hi: int) -> int:
@@ -29,18 +55,143 @@ def whole_groups(count: int, unit: int, lo: int, hi: int) -> int:
     return n if n >= lo else 0
 
 
+def raylet_answers(address: str, port: int, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether a node's raylet accepts a TCP connection (a killed raylet refuses
+    at once; a vanished machine times out)."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def live_nodes(nodes: list[dict[str, Any]], answers: Any = raylet_answers) -> tuple[set, set]:
+    """(node ids the GCS reports alive whose raylet answers, those alive whose
+    raylet does not) from `ray.nodes()` entries."""
+    live, silent = set(), set()
+    for n in nodes:
+        if not n.get("Alive"):
+            continue
+        ok = answers(n.get("NodeManagerAddress", ""), int(n.get("NodeManagerPort") or 0))
+        (live if ok else silent).add(n["NodeID"])
+    return live, silent
+
+
 class LayoutScalingPolicy(ElasticScalingPolicy):
     """Ray Train's elastic policy, deciding only sizes that keep tensor and pipeline
-    groups whole (multiples of `unit` = tp x pp)."""
+    groups whole (multiples of `unit` = tp x pp), on nodes whose raylet answers,
+    and growing at a checkpoint taken for it (`run_dir` given)."""
 
-    def __init__(self, scaling_config: Any, unit: int):
+    def __init__(self, scaling_config: Any, unit: int, run_dir: str | None = None):
         super().__init__(scaling_config)
         self.unit = unit
+        self.run_dir = run_dir
+        self._records: Any = None
+        self._probed_at = float("-inf")
+        self._live: set[str] | None = None
+        self._silent: set[str] = set()
+        self._silent_since: float | None = None
+        self._growth: tuple[ResizeDecision, str, float] | None = None
+
+    # ----------------------------------------------------------- lost nodes
+
+    def _probe(self) -> None:
+        import ray
+
+        now = time.monotonic()
+        if now - self._probed_at < PROBE_EVERY_S:
+            return
+        self._probed_at = now
+        try:
+            self._live, self._silent = live_nodes(ray.nodes())
+        except Exception:  # noqa: BLE001 - the GCS busy: size as Ray would
+            self._live, self._silent = None, set()
 
     def _count_possible_workers(self, reserved_resources: Any) -> int:
+        if self._live is not None:
+            reserved_resources = {
+                node: r for node, r in reserved_resources.items() if node in self._live
+            }
         count = super()._count_possible_workers(reserved_resources)
         sc = self.scaling_config
         return whole_groups(count, self.unit, sc.min_workers, sc.max_workers)
+
+    def make_decision_for_non_running_worker_group(self) -> Any:
+        """A (re)start: sized on the nodes that answer, once the GCS has dropped
+        the ones that do not (or LOST_NODE_WAIT_S passed)."""
+        self._growth = None  # a new group: the old one's request is void
+        self._probe()
+        if self._silent:
+            now = time.monotonic()
+            if self._silent_since is None:
+                self._silent_since = now
+                log.info(
+                    "node(s) %s do not answer: restarting once Ray drops them",
+                    ", ".join(sorted(n[:8] for n in self._silent)),
+                )
+            if now - self._silent_since < LOST_NODE_WAIT_S:
+                return NoopDecision()
+        else:
+            self._silent_since = None
+        return super().make_decision_for_non_running_worker_group()
+
+    # ----------------------------------------------------------- growth
+
+    def _run_records(self) -> Any:
+        if self._records is None and self.run_dir is not None:
+            from trainlab.train.records import RunRecords
+
+            self._records = RunRecords(self.run_dir)
+        return self._records
+
+    def make_decision_for_running_worker_group(
+        self, worker_group_state: Any, worker_group_status: Any
+    ) -> Any:
+        """Ray's resize check; a growth it decides waits for the run's checkpoint."""
+        if self._growth is not None:
+            return self._growth_decision()
+        self._probe()
+        decision = super().make_decision_for_running_worker_group(
+            worker_group_state, worker_group_status
+        )
+        records = self._run_records()
+        grows = (
+            isinstance(decision, ResizeDecision)
+            and decision.num_workers > worker_group_state.num_workers
+        )
+        if not grows or records is None:
+            return decision
+        try:
+            request_id = records.request_growth(decision.num_workers)
+        except Exception as e:  # noqa: BLE001 - the store unreachable: grow as Ray would
+            log.warning("could not ask the run for a checkpoint to grow at (%s)", e)
+            return decision
+        log.info(
+            "room for %d workers: asked the run for a checkpoint to grow at",
+            decision.num_workers,
+        )
+        self._growth = (decision, request_id, time.monotonic())
+        return NoopDecision()
+
+    def _growth_decision(self) -> Any:
+        decision, request_id, since = self._growth  # type: ignore[misc]
+        records = self._run_records()
+        record = records.growth()
+        if record is not None and record.get("id") == request_id:
+            if record.get("state") == "ready":
+                records.growth_go(request_id)
+                self._growth = None
+                log.info(
+                    "the run holds at the checkpoint of step %s: restarting at %d workers",
+                    record.get("step"),
+                    decision.num_workers,
+                )
+                return decision
+            if time.monotonic() - since < GROWTH_WAIT_S:
+                return NoopDecision()
+        records.cancel_growth()  # gone, replaced, or not taken in time: no growth now
+        self._growth = None
+        return NoopDecision()
 
 
 class ElasticTorchTrainer(TorchTrainer):
@@ -48,9 +199,10 @@ class ElasticTorchTrainer(TorchTrainer):
     own `fit` builds the default policy from the scaling config; this one differs
     only in the policy it hands the controller."""
 
-    def __init__(self, *args: Any, unit: int = 1, **kwargs: Any):
+    def __init__(self, *args: Any, unit: int = 1, run_dir: str | None = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._unit = unit
+        self._run_dir = run_dir
 
     def fit(self) -> Any:
         from ray.train.v2._internal.execution.failure_handling import create_failure_policy
@@ -58,7 +210,7 @@ class ElasticTorchTrainer(TorchTrainer):
 
         result = self._initialize_and_run_controller(
             train_fn_ref=ObjectRefWrapper(self._get_train_func()),
-            scaling_policy=LayoutScalingPolicy(self.scaling_config, self._unit),
+            scaling_policy=LayoutScalingPolicy(self.scaling_config, self._unit, self._run_dir),
             failure_policy=create_failure_policy(self.run_config.failure_config),
             train_run_context=self.train_run_context,
             callbacks=self._create_default_callbacks(),

@@ -348,6 +348,11 @@ def _run(
         summary = _fit(cfg, job)
     except KeyboardInterrupt:  # a Ctrl-C during start-up, or a second one: stop at once
         return _interrupted(job, shutdown=True)
+    except UserError:  # the cluster or a node refused before any worker started
+        if new and not RunRecords(loc).attempts():  # this start's directory, nothing ran
+            lock.close()  # the lock and the log shipper end before their directory goes
+            _remove_refused(loc)
+        raise
     if smoke and summary.get("status") != RunStatus.INTERRUPTED:
         summary = _check_smoke(loc, summary)
     return summary
@@ -369,11 +374,12 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     notes = StartupNotes()  # what it waits for, until the first step (stderr)
     notes.ray()
     ensure_ray(num_cpus=cfg.resource.local_num_cpus)
-    route_worker_output(job.logs_dir / "ray.log")  # the terminal keeps trainlab's lines
     _check_cluster(cfg)
     # Every node on its lock before any worker starts (else UserError, or recorded
     # drift with --allow-env-drift); writes the run's environment.json.
     check_nodes(job.run_dir)
+    # After the checks: a refused new run's directory is removed (_remove_refused).
+    route_worker_output(job.logs_dir / "ray.log")  # the terminal keeps trainlab's lines
     if Interrupts.requested_now():  # Ctrl-C while Ray started: nothing was trained
         return _interrupted(job)
     os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", HEALTH_CHECK_INTERVAL_S)
@@ -391,7 +397,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     # the workers get them through the object store, never in the loop config.
     hook_names = cfg.tracking.alerts.secret_env_names()
     hooksecrets.load_submitted()
-    trainer = _trainer_class(cfg)(
+    trainer = _trainer_class(cfg, job.run_dir)(
         train_loop_per_worker,
         train_loop_config={"job": job, "hook_secrets": hooksecrets.for_workers(hook_names)},
         scaling_config=ray.train.ScalingConfig(
@@ -450,6 +456,21 @@ def _interrupted(job: TrainJob, shutdown: bool = False) -> dict[str, Any]:
     if shutdown and getattr(ray, "is_initialized", lambda: False)():
         ray.shutdown()
     return summary
+
+
+def _remove_refused(loc: RunLocation) -> None:
+    """A new run refused before any worker started (a node off its lock, too few
+    CPUs) leaves nothing behind: its directory (and, in a store, its objects) goes,
+    and the day's folder when it is left empty."""
+    import shutil
+
+    shutil.rmtree(loc.local, ignore_errors=True)  # the run, or this node's copy of it
+    if loc.storage is not None:
+        with contextlib.suppress(FileNotFoundError):
+            loc.storage.filesystem.delete_dir(loc.key(""))
+        return
+    with contextlib.suppress(OSError):  # another run is there: it stays
+        loc.local.parent.rmdir()
 
 
 def _abandon(job: TrainJob, summary: dict[str, Any]) -> None:
@@ -537,9 +558,9 @@ def _group_size(cfg: ExperimentConfig) -> int:
     return (cfg.parallel.tp or 1) * (cfg.parallel.pp or 1)
 
 
-def _trainer_class(cfg: ExperimentConfig) -> Any:
-    """TorchTrainer; for an elastic run one whose resizes keep tp x pp groups whole
-    (trainlab.train.driver.elastic)."""
+def _trainer_class(cfg: ExperimentConfig, run_dir: str) -> Any:
+    """TorchTrainer; for an elastic run one whose resizes keep tp x pp groups whole,
+    skip lost nodes and grow at a checkpoint of the run (trainlab.train.driver.elastic)."""
     if not cfg.resource.elastic:
         from ray.train.torch import TorchTrainer
 
@@ -548,7 +569,7 @@ def _trainer_class(cfg: ExperimentConfig) -> Any:
 
     from trainlab.train.driver.elastic import ElasticTorchTrainer
 
-    return functools.partial(ElasticTorchTrainer, unit=_group_size(cfg))
+    return functools.partial(ElasticTorchTrainer, unit=_group_size(cfg), run_dir=run_dir)
 
 
 def _check_node_chaos(cfg: ExperimentConfig) -> None:

@@ -36,7 +36,13 @@ from typing import Any
 from trainlab.runstatus import RunStatus
 from trainlab.train import checkpoint as ck
 from trainlab.train.loop.callbacks import load_factory
-from trainlab.train.loop.metrics import NO_STOP, STOP_AND_SAVE, PendingSignals, progress_line
+from trainlab.train.loop.metrics import (
+    HOLD,
+    NO_STOP,
+    STOP_AND_SAVE,
+    PendingSignals,
+    progress_line,
+)
 
 # The loop the hooks get: a trainlab.train.loop.trainer.Trainer (not imported here: it
 # imports this module).
@@ -277,8 +283,8 @@ class Evaluator(Component):
 
 
 class Checkpointing(Component):
-    """Every train.checkpoint.every_steps, the last step, and a stop that asks for
-    one: a checkpoint of the step; then finished checkpoints are delivered (kept
+    """Every train.checkpoint.every_steps, the last step, a stop that asks for one,
+    and a hold for an elastic run's growth: a checkpoint of the step; then finished checkpoints are delivered (kept
     in the loop's list, logged, rank 0's callbacks told)."""
 
     def __init__(self) -> None:
@@ -289,7 +295,7 @@ class Checkpointing(Component):
         return step % loop.cfg.train.checkpoint.every_steps == 0 or last
 
     def at_step_end(self, loop: Trainer, step: int, last: bool) -> None:
-        if self.due(loop, step, last) or loop.stop == STOP_AND_SAVE:
+        if self.due(loop, step, last) or loop.stop in (STOP_AND_SAVE, HOLD):
             self.save(loop)
         self.deliver(loop)
 

@@ -162,9 +162,11 @@ def duration(seconds: float) -> str:
 # (`P0Rules`) is the same on every rank at the same step, never rank 0's alone.
 
 
-# Rank 0's stop request, carried with every step's signals (launch): none, stop at
-# the step it is read, or stop there with a checkpoint.
-NO_STOP, STOP, STOP_AND_SAVE = 0, 1, 2
+# Rank 0's request, carried with every step's signals (launch): none; hold at the
+# step it is read, after a checkpoint, for an elastic run to grow
+# (trainlab.train.loop.growth); stop there; or stop there with a checkpoint. A
+# larger value wins over a smaller one: a stop over a hold.
+NO_STOP, HOLD, STOP, STOP_AND_SAVE = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
@@ -177,8 +179,8 @@ class StepSignals:
     non_finite: int  # ranks whose loss or grad norm was NaN/inf
     step_time_s: float  # this rank's host time for the step (queueing time on a GPU)
     data_wait_s: float  # this rank's wait for the step's batch
-    # Rank 0's stop request at this step (a Ctrl-C, a callback): NO_STOP, STOP or
-    # STOP_AND_SAVE; every rank stops alike when it reads one.
+    # Rank 0's request at this step (a Ctrl-C, a callback, a growth): NO_STOP, HOLD,
+    # STOP or STOP_AND_SAVE; every rank acts alike when it reads one.
     stop: int = 0
 
     @property

@@ -38,7 +38,9 @@ from trainlab.train.loop.components import (
     P0Guard,
     build_components,
 )
+from trainlab.train.loop.growth import GrowthHold
 from trainlab.train.loop.metrics import (
+    HOLD,
     NO_STOP,
     STOP,
     STOP_AND_SAVE,
@@ -116,6 +118,7 @@ class Trainer:
         self.stop = NO_STOP  # this step's stop decision (MetricsLog, request_stop)
         self.last_signals = StepSignals(0, float("nan"), float("nan"), 0, 0.0, 0.0)
         self.p0_rules = P0Rules(self.cfg.tracking.alerts, job.p0_rules)
+        self.growth = GrowthHold(job.elastic)
         # The loop's components (trainlab.train.loop.components), in the order they act
         # at a step's end; more from train.components, before checkpointing.
         self.guard, self.chaos = P0Guard(), Chaos()
@@ -240,6 +243,10 @@ class Trainer:
         self.stop = self.stop_signal
         for component in self.components:
             component.at_step_end(self, step, last)
+        if self.stop == HOLD:  # checkpointed for an elastic run's growth: wait for it
+            if not last:
+                self.growth.hold(self, step)
+            self.stop = self.stop_signal = NO_STOP
         if self.stop == NO_STOP:
             return None
         if self.env.is_main and not self.stop_reason:
@@ -339,6 +346,8 @@ class Trainer:
             self.records.reserve_room()
             self.checkpointer.validation_batch = self._validation_batch()
             self.checkpoints = ck.catalog(self.job.location).committed()
+            if self.job.elastic:  # a new worker group: no growth asked of the old one holds
+                self.records.cancel_growth()
         self.last_checkpoint = self.checkpointer.restore()
         self.start_step = self.step
         self._announce_start(self.start_step)
@@ -393,14 +402,15 @@ class Trainer:
         )
 
     def stop_request(self) -> int:
-        """Rank 0's stop request (NO_STOP on other ranks): a callback's stop saves a
+        """Rank 0's request (NO_STOP on other ranks): HOLD when an elastic run asks
+        for a checkpoint to grow at (trainlab.train.loop.growth); a callback's stop saves a
         checkpoint; a Ctrl-C's (INTERRUPT_REASON) when the run has none yet (else a
         resume would start over from step 0), or when the newest state on disk is
         at least train.checkpoint.on_interrupt_min_age_s old; else the run resumes
         from its newest valid checkpoint, and the steps after it are said to be
         dropped."""
         if not (self.env.is_main and self.callbacks.stop_requested):
-            return NO_STOP
+            return HOLD if self.growth.ask(self) else NO_STOP
         if self.callbacks.stop_reason != INTERRUPT_REASON:
             return STOP_AND_SAVE
         if self.last_checkpoint is None and self.step > self.start_step:

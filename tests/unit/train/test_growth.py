@@ -1,0 +1,119 @@
+"""An elastic run grows at a checkpoint taken for it (trainlab.train.loop.growth,
+trainlab.train.driver.elastic): the controller asks, rank 0 has every rank take
+a checkpoint and hold there, the controller restarts the group larger from it,
+or cancels and the ranks go on; nothing of the training changes."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import threading
+import time
+
+import pytest
+
+from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
+from trainlab.train.records import RunRecords
+
+ASK = "tests.unit.train.loop_components:ask_growth_at_three"
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return dataset_dir(tmp_path_factory)
+
+
+def _fit(cfg, run_dir, elastic: bool):
+    from trainlab.train.loop.trainer import Trainer
+    from trainlab.train.parallel.distributed import DistEnv
+
+    job = dataclasses.replace(make_job(cfg, run_dir), elastic=elastic)
+    return Trainer(job, local_loader(job), DistEnv()).fit()
+
+
+def test_the_ranks_hold_at_a_committed_checkpoint_then_go_on_unchanged(
+    dataset, tmp_path, monkeypatch
+):
+    from trainlab.train import checkpoint as ck
+    from trainlab.train.loop import growth
+
+    monkeypatch.setattr(growth, "CHECK_EVERY_S", 0.0)
+    cfg = tiny_config(
+        dataset,
+        train={
+            "total_steps": 8,
+            "eval_interval": 100,
+            "components": [ASK],
+            "checkpoint": {"every_steps": 100, "keep_last": 10},
+        },
+    )
+    run = tmp_path / "elastic"
+    seen: dict = {}
+
+    def controller() -> None:  # what LayoutScalingPolicy does with the request
+        records = RunRecords(run)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            record = records.growth()
+            if record and record.get("state") == "ready":
+                seen["step"] = record["step"]
+                seen["committed"] = [c.step for c in ck.catalog(records.loc).committed()]
+                time.sleep(1.5)  # the ranks hold meanwhile: step 8 is not reached
+                seen["later"] = [c.step for c in ck.catalog(records.loc).committed()]
+                records.cancel_growth()  # no room after all: the ranks go on
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=controller)
+    thread.start()
+    held = _fit(cfg, run, elastic=True)
+    thread.join()
+    plain = _fit(cfg, tmp_path / "plain", elastic=False)  # the request is not heard
+    # Asked at step 3's end, heard with step 4's signals (read at once: the tiny
+    # recipe logs every step): held at step 4, its checkpoint committed first.
+    assert seen["step"] == 4 and seen["committed"] == seen["later"] == [4]
+    assert held["status"] == plain["status"] == "completed" and held["final_step"] == 8
+    assert held["weights_sha256"] == plain["weights_sha256"]
+    assert held["final_loss"] == plain["final_loss"]
+    assert {c.step for c in ck.catalog(RunRecords(tmp_path / "plain").loc).committed()} == {8}
+    assert {c.step for c in ck.catalog(RunRecords(run).loc).committed()} == {4, 8}
+    assert RunRecords(run).growth() is None
+
+
+def test_the_policy_restarts_larger_only_once_the_ranks_hold(tmp_path):
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
+
+    from trainlab.train.driver.elastic import LayoutScalingPolicy
+
+    policy = LayoutScalingPolicy(ScalingConfig(num_workers=(2, 3)), 1, str(tmp_path))
+    records = RunRecords(tmp_path)
+    grow = ResizeDecision(num_workers=3, resources_per_worker={"CPU": 1})
+    request = records.request_growth(3)
+    policy._growth = (grow, request, time.monotonic())
+    assert isinstance(policy._growth_decision(), NoopDecision)  # not taken yet
+    records.growth_ready(request, 12)
+    assert policy._growth_decision() is grow
+    assert records.growth() == {"to_world_size": 3, "id": request, "state": "go", "step": 12}
+    # A request the run no longer has (a new worker group cleared it): no growth.
+    policy._growth = (grow, records.request_growth(3), time.monotonic())
+    records.cancel_growth()
+    assert isinstance(policy._growth_decision(), NoopDecision) and policy._growth is None
+
+
+def test_a_node_whose_raylet_does_not_answer_is_not_counted():
+    from trainlab.train.driver.elastic import live_nodes
+
+    with socket.socket() as listening, socket.socket() as closed:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        closed.bind(("127.0.0.1", 0))  # bound, never listening: refuses
+        nodes = [
+            {"NodeID": "a", "Alive": True, "NodeManagerAddress": "127.0.0.1",
+             "NodeManagerPort": listening.getsockname()[1]},
+            {"NodeID": "b", "Alive": True, "NodeManagerAddress": "127.0.0.1",
+             "NodeManagerPort": closed.getsockname()[1]},
+            {"NodeID": "c", "Alive": False, "NodeManagerAddress": "127.0.0.1",
+             "NodeManagerPort": listening.getsockname()[1]},
+        ]  # fmt: skip
+        assert live_nodes(nodes) == ({"a"}, {"b"})
