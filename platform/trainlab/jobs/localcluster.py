@@ -265,7 +265,11 @@ def start_worker(
     timeout_s: float,
     resources: dict[str, float] | None = None,
     scratch_dir: str = "",
+    env: dict[str, str] | None = None,
 ) -> NodeProc:
+    """One more raylet joining `gcs_address`. `env`: variables of this node only, which
+    every process it starts inherits (e.g. a PYTHONPATH that shadows a package: a
+    machine whose environment drifted from the lock, for the node check's test)."""
     # Its own temp dir: sharing the head's would make both nodes' log monitors
     # forward every worker log line, so a job's logs would show each line twice.
     cmd = [
@@ -280,7 +284,7 @@ def start_worker(
     ]
     if resources:
         cmd.append(f"--resources={json.dumps(resources)}")
-    pgid = _launch(cmd, log, _node_env(gcs_address, scratch_dir))
+    pgid = _launch(cmd, log, {**_node_env(gcs_address, scratch_dir), **(env or {})})
     _wait_ready(pgid, log, "a Ray worker node", timeout_s)
     return NodeProc("worker", pgid, str(log), num_cpus, str(temp_dir), scratch_dir)
 
