@@ -45,4 +45,5 @@ BENCHMARKS: list[str] = [
     "devtools.bench.train_bench:bench_recovery_seconds",
     "devtools.bench.sync_bench:bench_host_syncs_per_step",
     "devtools.bench.ckpt_bench:bench_checkpoint_stall",
+    "devtools.bench.elastic_bench:bench_elastic_resume_seconds",
 ]

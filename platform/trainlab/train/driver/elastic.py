@@ -40,7 +40,8 @@ from ray.train.v2._internal.execution.scaling_policy import (
     ResizeDecision,
 )
 
-log = logging.getLogger("trainlab.train")
+# In Ray Train's controller: beside its own lines (its console and log file).
+log = logging.getLogger("ray.train.trainlab")
 
 LOST_NODE_WAIT_S = 60.0  # the longest a restart waits for the GCS to drop a lost node
 PROBE_EVERY_S = 1.0
