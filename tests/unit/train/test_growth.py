@@ -117,3 +117,37 @@ def test_a_node_whose_raylet_does_not_answer_is_not_counted():
              "NodeManagerPort": listening.getsockname()[1]},
         ]  # fmt: skip
         assert live_nodes(nodes) == ({"a"}, {"b"})
+
+
+def _policy_on(reserved: dict, unit: int = 1, lo: int = 2, hi: int = 3):
+    """The policy deciding on a fixed view of the cluster (the reserved resources
+    Ray's autoscaling coordinator would return; no coordinator here)."""
+    from ray.train import ScalingConfig
+
+    from trainlab.train.driver.elastic import LayoutScalingPolicy
+
+    policy = LayoutScalingPolicy(
+        ScalingConfig(num_workers=(lo, hi), resources_per_worker={"CPU": 2}), unit
+    )
+    policy._maybe_send_resource_request = lambda: None
+    policy._get_reserved_resources = lambda: reserved
+    policy._probe = lambda: None  # every node answers
+    return policy
+
+
+def test_restarts_keep_tensor_groups_whole_and_below_min_fail_as_fixed_size_runs_do():
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision
+
+    from trainlab.train.driver import elastic
+
+    three = {f"n{i}": {"CPU": 2.0} for i in range(3)}
+    assert _policy_on(three).make_decision_for_non_running_worker_group().num_workers == 3
+    # tp x pp = 2: room for 3 workers (max 4) makes workers for one tp group of 2, not 3.
+    tp = _policy_on(three, unit=2, lo=2, hi=4)
+    assert tp.make_decision_for_non_running_worker_group().num_workers == 2
+    # Room for one worker, min 2: wait; after BELOW_MIN_WAIT_S try min, which then
+    # fails at Ray's start timeout like a fixed-size restart (not wait for ever).
+    short = _policy_on({"n0": {"CPU": 2.0}})
+    assert isinstance(short.make_decision_for_non_running_worker_group(), NoopDecision)
+    short._short_since -= elastic.BELOW_MIN_WAIT_S + 1
+    assert short.make_decision_for_non_running_worker_group().num_workers == 2

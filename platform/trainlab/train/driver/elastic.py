@@ -24,6 +24,10 @@ Two more things it does that Ray's policy does not:
 - **Growth at a checkpoint taken for it.** When Ray's resize check finds room to
   grow, the policy asks the run for a checkpoint (trainlab.train.loop.growth)
   and restarts the group larger only once the ranks hold at it: no step is redone.
+- **Below min, the attempt fails.** Ray's policy waits for ever while fewer than
+  min workers can be placed; after `BELOW_MIN_WAIT_S` this one tries min, which
+  fails at Ray's start timeout as a fixed-size restart does (train.max_failures,
+  then resource.job_retries).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ log = logging.getLogger("ray.train.trainlab")
 LOST_NODE_WAIT_S = 60.0  # the longest a restart waits for the GCS to drop a lost node
 PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 1.0
+BELOW_MIN_WAIT_S = 60.0  # below min this long: a restart at min is tried (and fails)
 GROWTH_WAIT_S = 180.0  # the longest the policy waits for the ranks to hold at a checkpoint
 
 
@@ -92,6 +97,7 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
         self._live: set[str] | None = None
         self._silent: set[str] = set()
         self._silent_since: float | None = None
+        self._short_since: float | None = None
         self._growth: tuple[ResizeDecision, str, float] | None = None
 
     # ----------------------------------------------------------- lost nodes
@@ -134,7 +140,27 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
                 return NoopDecision()
         else:
             self._silent_since = None
-        return super().make_decision_for_non_running_worker_group()
+        decision = super().make_decision_for_non_running_worker_group()
+        if isinstance(decision, ResizeDecision):
+            self._short_since = None
+            return decision
+        # Fewer workers than min can be placed: Ray's policy would wait for ever. After
+        # BELOW_MIN_WAIT_S it tries min, which fails at Ray's start timeout as a
+        # fixed-size restart does: train.max_failures, then resource.job_retries.
+        now = time.monotonic()
+        if self._short_since is None:
+            self._short_since = now
+        if now - self._short_since < BELOW_MIN_WAIT_S:
+            return decision
+        self._short_since = None
+        log.warning(
+            "fewer than %d workers can be placed for %.0f s: trying %d (the attempt "
+            "fails if they cannot start)",
+            self.scaling_config.min_workers,
+            BELOW_MIN_WAIT_S,
+            self.scaling_config.min_workers,
+        )
+        return self._get_resize_decision(self.scaling_config.min_workers)
 
     # ----------------------------------------------------------- growth
 
