@@ -180,5 +180,8 @@ def confirm(proposal: str, against: str, scale: str, repeats: int, max_concurren
         if r["improvement"] is not None:
             click.echo(f"improvement over {r['against']}: {r['improvement']:+.4f} "
                        f"{r['target']} at {r['scale']} scale")
+        groups = [r[arm].get("group_id") for arm in ("baseline", "proposal")]
+        if all(groups):  # the repeats of each arm are a group: bands and a verdict
+            click.echo(f"against the noise: trainlab compare {groups[0]} {groups[1]}")
     ok = r["proposal"]["observed"] is not None and r["baseline"]["observed"] is not None
     return 0 if ok else 1

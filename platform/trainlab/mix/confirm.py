@@ -77,6 +77,35 @@ def _configs(base: dict[str, Any], mix: dict[str, float], name: str, repeats: in
     return out
 
 
+def tag_group(uri: str, exp_id: str, config: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The runs of one arm's repeats (seeds of one experiment) as a group
+    (trainlab.groups): group_id, group_index, group_size and experiment_key tags on
+    their MLflow runs, so `trainlab compare GROUP_A GROUP_B` gives each arm's mean
+    and std with n, and the gap with its interval and verdict (docs/noise.md).
+    Returns the group id (runs that left no record are left out of the tags)."""
+    import uuid
+
+    from trainlab.config import flatten
+    from trainlab.groups import experiment_key
+    from trainlab.track.mlflow_cb import run_key
+    from trainlab.track.store import client_for
+
+    group_id = uuid.uuid4().hex[:12]
+    key = experiment_key(flatten(ExperimentConfig.model_validate(config).model_dump(mode="json")))
+    client = client_for(uri)
+    for index, row in enumerate(rows):
+        if not row.get("run_dir"):
+            continue
+        found = client.search_runs(
+            [exp_id], filter_string=f"tags.run_key = '{run_key(row['run_dir'])}'", max_results=1
+        )
+        for run in found:
+            for tag, value in (("group_id", group_id), ("group_index", str(index)),
+                               ("group_size", str(len(rows))), ("experiment_key", key)):
+                client.set_tag(run.info.run_id, tag, value)
+    return group_id
+
+
 def confirm(proposal_path: str, against: str, *, scale: str = "target", repeats: int = 1,
             max_concurrent: int | None = None) -> dict[str, Any]:
     from trainlab.mix.swarm import concurrency, log_to_parent, run_trials
@@ -116,6 +145,9 @@ def confirm(proposal_path: str, against: str, *, scale: str = "target", repeats:
                 "status": [r["status"] for r in rows]}
 
     prop, bl = arm(proposal["mix"], results[:repeats]), arm(base_mix, results[repeats:])
+    if repeats > 1:  # each arm's seeds as a group: `trainlab compare` shows the bands
+        prop["group_id"] = tag_group(uri, exp_id, configs[0], results[:repeats])
+        bl["group_id"] = tag_group(uri, exp_id, configs[repeats], results[repeats:])
     noise = [x for x in (prop["observed_std"], bl["observed_std"]) if x is not None]
     out = {
         "swarm_id": record["swarm_id"], "target": target.text, "scale": scale,

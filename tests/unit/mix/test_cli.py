@@ -107,3 +107,43 @@ def test_confirm_reads_the_proposal_sidecar_and_parses_baselines(tmp_path):
     assert [r["train"]["seed"] for r in runs] == [0, 1] and runs[1]["data"]["seed"] == 1235
     assert {r["tracking"]["experiment"] for r in runs} == {"exp"}
     assert runs[0]["data"]["mix"] == prop["mix"] and runs[0]["name"] == "tiny-c-r0"
+
+
+def test_confirm_records_each_arms_repeats_as_a_group_compare_reads(tmp_path):
+    """`mix confirm --repeats K`: each arm's seeds tagged as a group in the real
+    MLflow store, so `trainlab compare` of the two groups gives the bands and the
+    gap with its interval and verdict (here the runs are recorded by hand: no
+    training)."""
+    from trainlab.mix.confirm import _configs, tag_group
+    from trainlab.track.mlflow_cb import run_key
+    from trainlab.track.noise import LARGER
+    from trainlab.track.query import compare_report
+    from trainlab.track.store import client_for, get_or_create_experiment, tracking_uri
+
+    rec = make_record(tmp_path, n=8)
+    runs_root = tmp_path / "runs"
+    uri = tracking_uri(runs_root)
+    client = client_for(uri)
+    exp = get_or_create_experiment(client, "exp", None)
+    arms = {}
+    for arm, mix, losses in (("proposal", {"code": 0.7, "docs": 0.3}, (3.10, 3.12, 3.11)),
+                             ("baseline", {"code": 0.5, "docs": 0.5}, (3.40, 3.43, 3.41))):
+        configs = _configs(rec["target_config"], mix, f"tiny-c-{arm}", 3, "exp")
+        rows = []
+        for cfg, loss in zip(configs, losses):
+            run_dir = str(runs_root / "2026-12-05" / cfg["name"])
+            run = client.create_run(exp, run_name=cfg["name"],
+                                    tags={"run_key": run_key(run_dir)})
+            client.log_param(run.info.run_id, "name", cfg["name"])
+            client.log_metric(run.info.run_id, "val_loss/all", loss, step=60)
+            client.set_terminated(run.info.run_id)
+            rows.append({"run_dir": run_dir})
+        rows.append({"run_dir": None})  # a trial that left no record is left out
+        arms[arm] = tag_group(uri, exp, configs[0], rows)
+    report = compare_report(uri, [arms["baseline"], arms["proposal"]])
+    bands = {g["group_id"]: g["metrics"]["val_loss"] for g in report["groups"]}
+    assert bands[arms["proposal"]]["n"] == bands[arms["baseline"]]["n"] == 3
+    assert bands[arms["proposal"]]["mean"] == pytest.approx(3.11)
+    (c,) = report["comparisons"]
+    assert abs(c["metrics"]["val_loss"]["difference"]) == pytest.approx(3.4133 - 3.11, abs=1e-3)
+    assert c["metrics"]["val_loss"]["verdict"] == LARGER
