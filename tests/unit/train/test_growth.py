@@ -31,8 +31,9 @@ def _fit(cfg, run_dir, elastic: bool):
     return Trainer(job, local_loader(job), DistEnv()).fit()
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_the_ranks_hold_at_a_committed_checkpoint_then_go_on_unchanged(
-    dataset, tmp_path, monkeypatch
+    dataset, tmp_path, monkeypatch, async_save
 ):
     from trainlab.train import checkpoint as ck
     from trainlab.train.loop import growth
@@ -44,7 +45,7 @@ def test_the_ranks_hold_at_a_committed_checkpoint_then_go_on_unchanged(
             "total_steps": 8,
             "eval_interval": 100,
             "components": [ASK],
-            "checkpoint": {"every_steps": 100, "keep_last": 10},
+            "checkpoint": {"every_steps": 100, "keep_last": 10, "async_save": async_save},
         },
     )
     run = tmp_path / "elastic"
