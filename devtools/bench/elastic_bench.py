@@ -60,7 +60,6 @@ def _sets(dataset: Path, runs: Path, name: str, elastic: bool) -> list[str]:
         f"data.path={dataset}",
         "data.mix={code: 0.6, docs: 0.4}",
         "data.micro_batch_size=2",
-        "data.grad_accum_steps=null",
         "data.global_batch_size=12",
         "model.vocab_size=2048",
         "resource.cpus_per_worker=2",

@@ -86,7 +86,6 @@ def _overrides(dataset: Path, runs: Path) -> list[str]:
         f"data.path={dataset}",
         "data.mix={code: 0.6, docs: 0.4}",
         "data.micro_batch_size=2",
-        "data.grad_accum_steps=null",
         "data.global_batch_size=12",  # dp 3: 2 micro batches; dp 2: 3
         "model.vocab_size=2048",
         "resource.cpus_per_worker=2",

@@ -22,7 +22,6 @@ ELASTIC = (
     "resource.num_workers.max=3",
     "data.global_batch_size=12",
     "data.micro_batch_size=2",
-    "data.grad_accum_steps=null",
 )
 
 
@@ -65,7 +64,7 @@ def test_pinned_to_a_size_dp_and_grad_accum_follow_and_the_experiment_stays():
     ("overrides", "expected"),
     [
         (ELASTIC[:2], "data.global_batch_size = None: required for an elastic run"),
-        (ELASTIC[:4], "data.grad_accum_steps = 1: leave it out for an elastic run"),
+        ((*ELASTIC, "data.grad_accum_steps=1"), "data.grad_accum_steps = 1: leave it out for an elastic run"),
         ((*ELASTIC, "parallel.dp=3"), "parallel.dp = 3: leave it out for an elastic run"),
         (
             (*ELASTIC, "resource.num_workers.max=4"),

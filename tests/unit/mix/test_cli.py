@@ -130,7 +130,7 @@ def test_confirm_records_each_arms_repeats_as_a_group_compare_reads(tmp_path):
                              ("baseline", {"code": 0.5, "docs": 0.5}, (3.40, 3.43, 3.41))):
         configs = _configs(rec["target_config"], mix, f"tiny-c-{arm}", 3, "exp")
         rows = []
-        for cfg, loss in zip(configs, losses):
+        for cfg, loss in zip(configs, losses, strict=True):
             run_dir = str(runs_root / "2026-12-05" / cfg["name"])
             run = client.create_run(exp, run_name=cfg["name"],
                                     tags={"run_key": run_key(run_dir)})
