@@ -255,3 +255,52 @@ def test_max_failures_exhausted_ends_with_a_failure_summary(ray_cluster, dataset
     assert summary["last_checkpoint"].endswith("step-00000004")
     on_disk = json.loads((tmp_path / "runs").glob("*/*/run_summary.json").__next__().read_text())
     assert on_disk["status"] == "failed" and len(on_disk["failures"]) == len(summary["failures"])
+
+
+def test_an_elastic_runs_crashed_process_restarts_in_place_not_as_a_resize(
+    ray_cluster, dataset, tmp_path
+):
+    """Not every failure is a resize: a training process killed on a healthy node
+    of an elastic run is restarted in place by its Ray Train worker, at the same
+    size, with no resize recorded (the group restarts only when a node is lost)."""
+    cfg = tiny_config(
+        dataset,
+        resource={"num_workers": {"min": 1, "max": 2}},
+        data={"global_batch_size": 8, "micro_batch_size": 2, "grad_accum_steps": None},
+        train={
+            "total_steps": 8,
+            "log_interval": 2,
+            "eval_interval": 8,
+            "checkpoint": {"every_steps": 3},
+            "chaos": {"kill_at_steps": [5], "kill_rank": 0},
+        },
+    )
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "completed" and summary["final_step"] == 8
+    assert summary["restarts"] == 1 and summary["resizes"] == []
+    from trainlab.train.records import RunRecords
+
+    attempts = RunRecords(summary["run_dir"]).attempts()
+    assert [(a["start_step"], a["world_size"]) for a in attempts] == [(0, 2), (3, 2)]
+
+
+def test_an_elastic_tp_range_starts_on_whole_tensor_groups(ray_cluster, dataset, tmp_path):
+    """Room for 3 workers (8 CPUs, 2.5 per worker), a tp=2 range {min 2, max 4}:
+    Ray's own policy would start 3 (a tensor group broken); trainlab's starts 2,
+    one whole group, and trains."""
+    cfg = tiny_config(
+        dataset,
+        resource={"num_workers": {"min": 2, "max": 4}, "cpus_per_worker": 2.5},
+        parallel={"strategy": "ddp", "tp": 2},
+        data={"global_batch_size": 8, "micro_batch_size": 2, "grad_accum_steps": None},
+        train={"total_steps": 4, "log_interval": 2, "eval_interval": 4},
+    )
+    summary = train(cfg, tmp_path)
+    assert summary["status"] == "completed" and summary["final_step"] == 4
+    from trainlab.train.records import RunRecords
+
+    (attempt,) = RunRecords(summary["run_dir"]).attempts()
+    assert attempt["world_size"] == 2 and (attempt["layout"]["tp"], attempt["layout"]["dp"]) == (
+        2,
+        1,
+    )

@@ -453,7 +453,7 @@ def run_summary(
     extensions = RunRecords(job.location).extensions()
     if extensions:
         summary["extensions"] = extensions
-    if job.cfg.resource.elastic or RunRecords(job.location).resizes():
+    if job.elastic or job.cfg.resource.elastic or RunRecords(job.location).resizes():
         keys = ("step", "from_world_size", "to_world_size", "reason", "steps_redone", "seconds")
         summary["resizes"] = [
             {k: r.get(k) for k in keys} for r in RunRecords(job.location).resizes()

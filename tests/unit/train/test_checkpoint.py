@@ -115,6 +115,28 @@ def test_retention_keeps_last_and_best(tmp_path, losses, keep_last, keep_best, e
     assert {i.step for i in ck.committed(tmp_path)} == expected
 
 
+def test_a_kill_during_pruning_leaves_no_step_folder_without_its_commit(tmp_path, monkeypatch):
+    """Seen in CI: an attempt killed while its writer pruned step 2 left step-00000002/
+    without checkpoint.json, which nothing removed. The folder is renamed out of the
+    step names before it is deleted, and the next start removes what is left."""
+    for step in (2, 4):
+        write_checkpoint(tmp_path, step)
+
+    def killed(path, *args, **kwargs):  # the process dies inside the delete
+        (Path(path) / ck.META_FILE).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ck.prune(tmp_path, keep_last=1, keep_best=0)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(ck.PREFIX)) == [
+        "step-00000004"
+    ]
+    ck.clean_staging(tmp_path)  # the next attempt's start
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
+
+
 def test_retention_never_counts_or_drops_newer_invalid_ones(tmp_path):
     for step in (10, 20):
         write_checkpoint(tmp_path, step)

@@ -49,6 +49,7 @@ FORMAT_VERSION = 1
 PREFIX = "step-"
 STAGING_PREFIX = ".tmp-"
 PULL_PREFIX = ".pull-"  # a checkpoint being fetched from object storage (checkpoint.store)
+TRASH_PREFIX = ".trash-"  # a checkpoint retention is deleting (`remove_checkpoint`)
 DONE_PREFIX = ".done-rank"
 
 log = logging.getLogger(__name__)
@@ -325,17 +326,31 @@ def prune(root: Path, keep_last: int, keep_best: int) -> list[Path]:
     removed = []
     for info in infos:
         if info.step not in keep:
-            shutil.rmtree(info.path, ignore_errors=True)
+            remove_checkpoint(info.path)
             removed.append(info.path)
     return removed
 
 
+def remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint folder so that a kill midway leaves no step folder behind:
+    renamed out of the step names first (atomic), then removed; a leftover is
+    removed at the next start (`clean_staging`). Deleted in place, a kill could
+    leave `step-N/` without its checkpoint.json (seen in CI: an attempt killed while
+    the background writer pruned), which nothing would ever remove."""
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        path.rename(trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def clean_staging(root: Path) -> None:
-    """Remove half-written checkpoints left by a crashed attempt (rank 0, at start,
-    before any rank writes)."""
+    """Remove half-written checkpoints, and half-deleted ones, left by a crashed
+    attempt (rank 0, at start, before any rank writes)."""
     if root.is_dir():
         for child in root.iterdir():
-            if child.name.startswith((STAGING_PREFIX, PULL_PREFIX)):
+            if child.name.startswith((STAGING_PREFIX, PULL_PREFIX, TRASH_PREFIX)):
                 shutil.rmtree(child, ignore_errors=True)
 
 
@@ -369,7 +384,7 @@ def commit(
     for marker in staging.glob(DONE_PREFIX + "*"):
         marker.unlink()
     if final.exists():  # an earlier attempt's checkpoint of this step, skipped on resume
-        shutil.rmtree(final)
+        remove_checkpoint(final)
     staging.rename(final)
     _fsync_dir(final.parent)
     return CheckpointInfo(final, meta["step"], meta)
@@ -552,7 +567,7 @@ class CheckpointWriter:
                 store.delete(step)
             return None
         final = store.local_root / dir_name(step)  # this node's cache of the newest
-        shutil.rmtree(final, ignore_errors=True)
+        remove_checkpoint(final)
         if validator is not None:  # a complete, checked copy: what a resume here reads
             from trainlab.train.checkpoint.store import VERIFIED
 

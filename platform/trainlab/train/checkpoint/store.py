@@ -362,7 +362,8 @@ class CheckpointStore:
             return
         for child in self.local_root.iterdir():
             step = ck.parse_step(child.name)
-            if step is not None and step != newest_step and child.is_dir():
+            stale = step is not None and step != newest_step
+            if child.is_dir() and (stale or child.name.startswith(ck.TRASH_PREFIX)):
                 shutil.rmtree(child, ignore_errors=True)
 
 

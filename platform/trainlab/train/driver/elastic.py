@@ -176,6 +176,7 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
     ) -> Any:
         """Ray's resize check; a growth it decides waits for the run's checkpoint."""
         if self._growth is not None:
+            self._maybe_send_resource_request()  # keeps the reservation alive meanwhile
             return self._growth_decision()
         self._probe()
         decision = super().make_decision_for_running_worker_group(

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
-if TYPE_CHECKING:
-    from trainlab.train.loop.trainer import Trainer
-
 log = logging.getLogger("trainlab.train")
+
+# The loop: a trainlab.train.loop.trainer.Trainer (not imported here: it imports this module).
+Trainer = Any
 
 CHECK_EVERY_S = 1.0  # rank 0 reads the request at most this often (a store read)
 POLL_S = 0.5  # while holding
