@@ -115,6 +115,7 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
             self._live, self._silent = None, set()
 
     def _count_possible_workers(self, reserved_resources: Any) -> int:
+        self._probe()  # only when Ray sizes the group, not at every poll of it
         if self._live is not None:
             reserved_resources = {
                 node: r for node, r in reserved_resources.items() if node in self._live
@@ -178,7 +179,6 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
         if self._growth is not None:
             self._maybe_send_resource_request()  # keeps the reservation alive meanwhile
             return self._growth_decision()
-        self._probe()
         decision = super().make_decision_for_running_worker_group(
             worker_group_state, worker_group_status
         )
