@@ -24,6 +24,8 @@ Two more things it does that Ray's policy does not:
 - **Growth at a checkpoint taken for it.** When Ray's resize check finds room to
   grow, the policy asks the run for a checkpoint (trainlab.train.loop.growth)
   and restarts the group larger only once the ranks hold at it: no step is redone.
+  Its resize check sizes on a fresh view of the nodes (Ray's coordinator
+  refreshes its own every 20 s, which delayed a growth by up to that much).
 - **Below min, the attempt fails.** Ray's policy waits for ever while fewer than
   min workers can be placed; after `BELOW_MIN_WAIT_S` this one tries min, which
   fails at Ray's start timeout as a fixed-size restart does (train.max_failures,
@@ -51,6 +53,7 @@ LOST_NODE_WAIT_S = 60.0  # the longest a restart waits for the GCS to drop a los
 PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 1.0
 BELOW_MIN_WAIT_S = 60.0  # below min this long: a restart at min is tried (and fails)
+COORDINATOR_TIMEOUT_S = 5.0  # as Ray's policy waits for the coordinator's answer
 GROWTH_WAIT_S = 180.0  # the longest the policy waits for the ranks to hold at a checkpoint
 
 
@@ -99,6 +102,7 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
         self._silent_since: float | None = None
         self._short_since: float | None = None
         self._growth: tuple[ResizeDecision, str, float] | None = None
+        self._fresh_view = False
 
     # ----------------------------------------------------------- lost nodes
 
@@ -179,9 +183,13 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
         if self._growth is not None:
             self._maybe_send_resource_request()  # keeps the reservation alive meanwhile
             return self._growth_decision()
-        decision = super().make_decision_for_running_worker_group(
-            worker_group_state, worker_group_status
-        )
+        self._fresh_view = True
+        try:
+            decision = super().make_decision_for_running_worker_group(
+                worker_group_state, worker_group_status
+            )
+        finally:
+            self._fresh_view = False
         records = self._run_records()
         grows = (
             isinstance(decision, ResizeDecision)
@@ -200,6 +208,28 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
         )
         self._growth = (decision, request_id, time.monotonic())
         return NoopDecision()
+
+    def _get_reserved_resources(self) -> Any:
+        """At a resize check, the reservation on a fresh view of the nodes. Ray's
+        autoscaling coordinator otherwise refreshes its node list every 20 s
+        (its tick), so a node that joined was seen up to 20 s late; a resize check
+        comes once per `resource.resize_check_s`, so the refresh costs little."""
+        if not self._fresh_view:
+            return super()._get_reserved_resources()
+        import ray
+
+        try:
+            reserved = ray.get(
+                self._autoscaling_coordinator.get_reserved_resources.remote(
+                    self._requester_id, recompute=True
+                ),
+                timeout=COORDINATOR_TIMEOUT_S,
+            )
+        except Exception as e:  # noqa: BLE001 - the coordinator busy: Ray's own answer
+            log.debug("no fresh reservation (%s): using the coordinator's last", e)
+            return super()._get_reserved_resources()
+        self._latest_reserved_resources = reserved
+        return reserved
 
     def _growth_decision(self) -> Any:
         decision, request_id, since = self._growth  # type: ignore[misc]
