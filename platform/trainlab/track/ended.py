@@ -16,6 +16,8 @@ from typing import Any
 
 from trainlab.runstatus import FINAL_STATUSES  # a summary its own processes wrote: kept
 
+STORE_TIME_RESOLUTION_S = 1.0  # of an object's modification time in S3
+
 
 def summary_is_current(run_dir: Path | str) -> bool:
     """run_summary.json is of the run's latest start (not of an earlier one that a
@@ -34,7 +36,9 @@ def summary_is_current(run_dir: Path | str) -> bool:
         if info.type != fs.FileType.File or info.mtime is None:
             return False
         started = [float(a.get("time") or 0.0) for a in RunRecords(loc).attempts()]
-        return not started or info.mtime.timestamp() >= max(started)
+        # S3 keeps an object's time in whole seconds: a summary written in the
+        # second its start began is of that start (a resume takes longer than that).
+        return not started or info.mtime.timestamp() + STORE_TIME_RESOLUTION_S > max(started)
     run_dir = Path(run_dir)
     summary = run_dir / "run_summary.json"
     attempts = run_dir / "logs" / "attempts.jsonl"
@@ -44,24 +48,26 @@ def summary_is_current(run_dir: Path | str) -> bool:
 
 
 def write_ended_summary(run_dir: str | Path, status: str, reason: str) -> dict[str, Any] | None:
-    """Write the summary of the run in `run_dir` ended with `status` ("stopped",
-    "lost") unless its own processes already ended it; returns the summary
-    written, or None when there was nothing to end (no run directory, or a
-    summary of the latest start that says it ended)."""
-    from trainlab.config import load_config
+    """Write the summary of the run at `run_dir` (a directory, or a run in object
+    storage) ended with `status` ("stopped", "lost") unless its own processes
+    already ended it; returns the summary written, or None when there was nothing
+    to end (no run there, or a summary of the latest start that says it ended)."""
+    from trainlab.runloc import RunLocation
     from trainlab.train import checkpoint as ck
+    from trainlab.train.driver.rundir import read_run_config
     from trainlab.train.records import RunRecords
 
-    rd = Path(run_dir)
-    if not (rd / "config.yaml").is_file():
+    loc = RunLocation.of(run_dir)
+    cfg = read_run_config(loc)
+    if cfg is None:
         return None
-    records = RunRecords(rd)
+    records = RunRecords(loc)
     old = records.read_summary() or {}
-    if summary_is_current(rd) and old.get("status") in FINAL_STATUSES:
+    if summary_is_current(run_dir) and old.get("status") in FINAL_STATUSES:
         return None
-    cfg = load_config(str(rd / "config.yaml"))
-    newest = ck.find_resume(rd / "checkpoints", require_valid=cfg.train.checkpoint.validate)
-    committed = ck.committed(rd / "checkpoints")
+    checkpoints = ck.catalog(loc)
+    newest = checkpoints.find_resume(require_valid=cfg.train.checkpoint.validate)
+    committed = checkpoints.committed()
     best = ck.best(committed)
     # val_loss: the latest held-out evaluation on disk (a checkpoint's); best_val_loss:
     # the lowest (keep_best keeps its checkpoint).
@@ -78,10 +84,10 @@ def write_ended_summary(run_dir: str | Path, status: str, reason: str) -> dict[s
         "tokens_seen": (records.last_logged_step() or 0) * cfg.tokens_per_step,
         "restarts": records.restarts(),
         "weights_sha256": None,
-        "last_checkpoint": str(newest.path) if newest else None,
-        "best_checkpoint": str(best.path) if best else None,
+        "last_checkpoint": newest.where if newest else None,
+        "best_checkpoint": best.where if best else None,
         "wall_seconds": round(time.time() - min(started), 3) if started else None,
-        "run_dir": str(rd),
+        "run_dir": loc.uri,
         "stop_reason": reason,
     }
     records.write_summary(summary)

@@ -238,3 +238,30 @@ def test_gc_in_the_store_keeps_records_and_two_checkpoints_and_never_a_live_run(
     forced = CliRunner().invoke(cli, [*args, "--force"])
     assert forced.exit_code == 0, forced.output
     assert old.is_empty() and live.is_empty()
+
+
+def test_a_run_stopped_from_outside_gets_its_summary_in_the_store(run, s3_env):
+    """`trainlab stop JOB` (and the correction of a lost run) write the summary the
+    run's killed processes could not: for a run in object storage, into the store,
+    naming its newest checkpoint by URI; once ended, it is not ended again."""
+    from trainlab.config import load_config, to_yaml
+    from trainlab.track.ended import write_ended_summary
+
+    s3, bucket = s3_env
+    repo = Path(__file__).resolve().parents[3]
+    cfg = load_config(str(repo / "trainers/recipes/tiny.yaml"))
+    run.write_text("config.yaml", to_yaml(cfg))
+    records = RunRecords(run)
+    records.attempt_started("s1", 0, 1)
+    records.write_progress(6)
+    ok = lambda staging: ck.Validation(ok=True, loss=2.5)  # noqa: E731
+    _save(run, 4, validator=ok)
+
+    summary = write_ended_summary(run.uri, "stopped", "stopped by trainlab stop job-1")
+    assert summary["status"] == "stopped" and summary["final_step"] == 6
+    assert summary["run_dir"] == run.uri
+    assert summary["last_checkpoint"] == f"{run.uri}/checkpoints/step-00000004"
+    assert summary["val_loss"] == 2.5
+    stored = s3.get_object(Bucket=bucket, Key="runs/2026-12-05/r/run_summary.json")
+    assert json.loads(stored["Body"].read()) == summary
+    assert write_ended_summary(run.uri, "stopped", "again") is None
