@@ -284,8 +284,9 @@ class Evaluator(Component):
 
 class Checkpointing(Component):
     """Every train.checkpoint.every_steps, the last step, a stop that asks for one,
-    and a hold for an elastic run's growth: a checkpoint of the step; then finished checkpoints are delivered (kept
-    in the loop's list, logged, rank 0's callbacks told)."""
+    and a hold for an elastic run's growth: a checkpoint of the step; then finished
+    checkpoints are delivered (kept in the loop's list, logged, rank 0's callbacks
+    told)."""
 
     def __init__(self) -> None:
         self.saved_at = time.time()  # when the newest state on disk was (or the start)

@@ -403,12 +403,12 @@ class Trainer:
 
     def stop_request(self) -> int:
         """Rank 0's request (NO_STOP on other ranks): HOLD when an elastic run asks
-        for a checkpoint to grow at (trainlab.train.loop.growth); a callback's stop saves a
-        checkpoint; a Ctrl-C's (INTERRUPT_REASON) when the run has none yet (else a
-        resume would start over from step 0), or when the newest state on disk is
-        at least train.checkpoint.on_interrupt_min_age_s old; else the run resumes
-        from its newest valid checkpoint, and the steps after it are said to be
-        dropped."""
+        for a checkpoint to grow at (trainlab.train.loop.growth); a callback's stop
+        saves a checkpoint; a Ctrl-C's (INTERRUPT_REASON) when the run has none yet
+        (else a resume would start over from step 0), or when the newest state on
+        disk is at least train.checkpoint.on_interrupt_min_age_s old; else the run
+        resumes from its newest valid checkpoint, and the steps after it are said to
+        be dropped."""
         if not (self.env.is_main and self.callbacks.stop_requested):
             return HOLD if self.growth.ask(self) else NO_STOP
         if self.callbacks.stop_reason != INTERRUPT_REASON:
