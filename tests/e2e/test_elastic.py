@@ -207,3 +207,36 @@ def test_an_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_mo
         (shrink["step"], 2.0),
         (grow["step"], 3.0),
     ]
+
+
+def test_below_min_after_a_loss_the_attempt_fails_with_the_reason(cluster, dataset, tmp_path):
+    """A range whose min is every node this cluster has ({min: 3, max: 4}, one worker
+    per raylet) loses a node: the restart cannot place 3, and after
+    `resource.below_min_wait_s` the attempt fails, saying why (a job retry would
+    then apply), instead of waiting for ever as Ray's own policy does."""
+    from trainlab.jobs import client as jobclient
+
+    runs = tmp_path / "runs"
+    sets = [
+        *_overrides(dataset, runs),
+        "data.global_batch_size=24",  # dp 3: 4 micro batches; dp 4: 3
+        "train.total_steps=40",
+        "resource.num_workers.min=3",
+        "resource.num_workers.max=4",
+        "resource.below_min_wait_s=5",
+        "train.chaos.kill_node_at_steps=[3]",
+        "name=below-min",
+    ]
+    t0 = time.monotonic()
+    client, job_id, run_dir = _submit(cluster, sets, tmp_path / "below-min")
+    info = jobclient.wait_for(client, job_id, timeout_s=JOB_TIMEOUT_S)
+    logs = client.get_job_logs(job_id)
+    assert str(info.status.value) == "FAILED", logs[-4000:]
+    summary = json.loads((run_dir / "run_summary.json").read_text())
+    print(json.dumps({"seconds": time.monotonic() - t0, "summary": summary}))
+    assert summary["status"] == "failed" and summary["final_step"] < 40
+    assert summary["error"] == (
+        "fewer than resource.num_workers.min = 3 workers could be placed for 5 s "
+        "after a loss (resource.below_min_wait_s)"
+    ), summary["error"]
+    assert summary["error"] in logs  # said where the user looks, too

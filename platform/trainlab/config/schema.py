@@ -364,6 +364,9 @@ class ResourceConfig(Section):
     num_workers: WorkerCount = 1
     # Elastic runs: how often (seconds) Ray Train looks for capacity to grow the run by.
     resize_check_s: float = Field(60.0, ge=0.0, le=86_400.0)
+    # Elastic runs: how long (seconds) a restart after a loss waits for at least
+    # num_workers.min workers before the attempt fails (resource.job_retries applies).
+    below_min_wait_s: float = Field(60.0, ge=0.0, le=86_400.0)
     use_gpu: bool = False
     gpu_memory_gb: float = Field(80.0, gt=0, le=4096)
     # GPUs (= workers) per node: tensor parallelism stays within one; the plan's `nodes`.

@@ -146,9 +146,15 @@ def test_restarts_keep_tensor_groups_whole_and_below_min_fail_as_fixed_size_runs
     # tp x pp = 2: room for 3 workers (max 4) makes workers for one tp group of 2, not 3.
     tp = _policy_on(three, unit=2, lo=2, hi=4)
     assert tp.make_decision_for_non_running_worker_group().num_workers == 2
-    # Room for one worker, min 2: wait; after BELOW_MIN_WAIT_S try min, which then
-    # fails at Ray's start timeout like a fixed-size restart (not wait for ever).
+    # Room for one worker, min 2. At the first start: wait, as long as Ray does (an
+    # autoscaler may be adding nodes).
     short = _policy_on({"n0": {"CPU": 2.0}})
     assert isinstance(short.make_decision_for_non_running_worker_group(), NoopDecision)
+    assert short._short_since is None
+    # After a group ran and was lost: wait resource.below_min_wait_s, then the
+    # attempt fails (job retries apply), not wait for ever.
+    short._ran = True
+    assert isinstance(short.make_decision_for_non_running_worker_group(), NoopDecision)
     short._short_since -= elastic.BELOW_MIN_WAIT_S + 1
-    assert short.make_decision_for_non_running_worker_group().num_workers == 2
+    with pytest.raises(elastic.TooFewWorkers, match=r"num_workers.min = 2 .* 60 s"):
+        short.make_decision_for_non_running_worker_group()

@@ -26,10 +26,12 @@ Two more things it does that Ray's policy does not:
   and restarts the group larger only once the ranks hold at it: no step is redone.
   Its resize check sizes on a fresh view of the nodes (Ray's coordinator
   refreshes its own every 20 s, which delayed a growth by up to that much).
-- **Below min, the attempt fails.** Ray's policy waits for ever while fewer than
-  min workers can be placed; after `BELOW_MIN_WAIT_S` this one tries min, which
-  fails at Ray's start timeout as a fixed-size restart does (train.max_failures,
-  then resource.job_retries).
+- **Below min after a loss, the attempt fails.** Ray's policy waits for ever while
+  fewer than min workers can be placed (and a start that times out is retried
+  for ever: a controller failure, not counted by train.max_failures). After a
+  loss this one waits `resource.below_min_wait_s`, then fails the attempt
+  (`TooFewWorkers`), so `resource.job_retries` applies. The first start waits
+  as Ray's does: an autoscaler may be adding the nodes.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ log = logging.getLogger("ray.train.trainlab")
 LOST_NODE_WAIT_S = 60.0  # the longest a restart waits for the GCS to drop a lost node
 PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 1.0
-BELOW_MIN_WAIT_S = 60.0  # below min this long: a restart at min is tried (and fails)
+BELOW_MIN_WAIT_S = 60.0  # resource.below_min_wait_s's default
 COORDINATOR_TIMEOUT_S = 5.0  # as Ray's policy waits for the coordinator's answer
 GROWTH_WAIT_S = 180.0  # the longest the policy waits for the ranks to hold at a checkpoint
 
@@ -86,15 +88,27 @@ def live_nodes(nodes: list[dict[str, Any]], answers: Any = raylet_answers) -> tu
     return live, silent
 
 
+class TooFewWorkers(RuntimeError):
+    """A restart of an elastic run found fewer than min workers for too long."""
+
+
 class LayoutScalingPolicy(ElasticScalingPolicy):
     """Ray Train's elastic policy, deciding only sizes that keep tensor and pipeline
     groups whole (multiples of `unit` = tp x pp), on nodes whose raylet answers,
     and growing at a checkpoint taken for it (`run_dir` given)."""
 
-    def __init__(self, scaling_config: Any, unit: int, run_dir: str | None = None):
+    def __init__(
+        self,
+        scaling_config: Any,
+        unit: int,
+        run_dir: str | None = None,
+        below_min_wait_s: float = BELOW_MIN_WAIT_S,
+    ):
         super().__init__(scaling_config)
         self.unit = unit
         self.run_dir = run_dir
+        self.below_min_wait_s = below_min_wait_s
+        self._ran = False  # a worker group of this run has run (a restart is not the start)
         self._records: Any = None
         self._probed_at = float("-inf")
         self._live: set[str] | None = None
@@ -149,23 +163,22 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
         if isinstance(decision, ResizeDecision):
             self._short_since = None
             return decision
-        # Fewer workers than min can be placed: Ray's policy would wait for ever. After
-        # BELOW_MIN_WAIT_S it tries min, which fails at Ray's start timeout as a
-        # fixed-size restart does: train.max_failures, then resource.job_retries.
+        # Fewer workers than min can be placed. At the first start Ray's policy waits
+        # (an autoscaler may be adding nodes); after a loss, `below_min_wait_s` on,
+        # the attempt fails (resource.job_retries then applies), as the loss of a
+        # fixed-size run's node does.
+        if not self._ran:
+            return decision
         now = time.monotonic()
         if self._short_since is None:
             self._short_since = now
-        if now - self._short_since < BELOW_MIN_WAIT_S:
+        if now - self._short_since < self.below_min_wait_s:
             return decision
-        self._short_since = None
-        log.warning(
-            "fewer than %d workers can be placed for %.0f s: trying %d (the attempt "
-            "fails if they cannot start)",
-            self.scaling_config.min_workers,
-            BELOW_MIN_WAIT_S,
-            self.scaling_config.min_workers,
+        raise TooFewWorkers(
+            f"fewer than resource.num_workers.min = {self.scaling_config.min_workers} "
+            f"workers could be placed for {self.below_min_wait_s:.0f} s after a loss "
+            f"(resource.below_min_wait_s)"
         )
-        return self._get_resize_decision(self.scaling_config.min_workers)
 
     # ----------------------------------------------------------- growth
 
@@ -180,6 +193,7 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
         self, worker_group_state: Any, worker_group_status: Any
     ) -> Any:
         """Ray's resize check; a growth it decides waits for the run's checkpoint."""
+        self._ran = True
         if self._growth is not None:
             self._maybe_send_resource_request()  # keeps the reservation alive meanwhile
             return self._growth_decision()
@@ -257,10 +271,18 @@ class ElasticTorchTrainer(TorchTrainer):
     own `fit` builds the default policy from the scaling config; this one differs
     only in the policy it hands the controller."""
 
-    def __init__(self, *args: Any, unit: int = 1, run_dir: str | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        unit: int = 1,
+        run_dir: str | None = None,
+        below_min_wait_s: float = BELOW_MIN_WAIT_S,
+        **kwargs: Any,
+    ):
         super().__init__(*args, **kwargs)
         self._unit = unit
         self._run_dir = run_dir
+        self._below_min_wait_s = below_min_wait_s
 
     def fit(self) -> Any:
         from ray.train.v2._internal.execution.failure_handling import create_failure_policy
@@ -268,7 +290,9 @@ class ElasticTorchTrainer(TorchTrainer):
 
         result = self._initialize_and_run_controller(
             train_fn_ref=ObjectRefWrapper(self._get_train_func()),
-            scaling_policy=LayoutScalingPolicy(self.scaling_config, self._unit, self._run_dir),
+            scaling_policy=LayoutScalingPolicy(
+                self.scaling_config, self._unit, self._run_dir, self._below_min_wait_s
+            ),
             failure_policy=create_failure_policy(self.run_config.failure_config),
             train_run_context=self.train_run_context,
             callbacks=self._create_default_callbacks(),

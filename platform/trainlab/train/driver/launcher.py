@@ -421,15 +421,20 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
         with notes.waiting(job.run_dir, job.session, r.min_workers):
             call_in_thread(trainer.fit)  # the main thread keeps handling Ctrl-C
     except ray.train.TrainingFailedError as e:
+        from trainlab.train.driver.elastic import TooFewWorkers
         from trainlab.train.supervision.failures import one_line
 
-        # Ray Train gave up restarting lost workers: the agents could not write this.
-        summary = failed_summary(
-            job,
-            f"gave up after Ray Train worker failures "
-            f"(train.max_failures = {cfg.train.max_failures}): "
-            f"{one_line(e)}",
-        )
+        # Ray Train gave up restarting lost workers (or an elastic run stayed below
+        # its min): the agents could not write this.
+        cause = getattr(e, "controller_failure", None)
+        if isinstance(cause, TooFewWorkers):
+            error = str(cause)
+        else:
+            error = (
+                f"gave up after Ray Train worker failures "
+                f"(train.max_failures = {cfg.train.max_failures}): {one_line(e)}"
+            )
+        summary = failed_summary(job, error)
         summary["lost_nodes"] = lost_nodes(e)  # for a job retry to avoid (train.placement)
         RunRecords(job.run_dir).write_summary(summary)
         _abandon(job, summary)
@@ -569,7 +574,12 @@ def _trainer_class(cfg: ExperimentConfig, run_dir: str) -> Any:
 
     from trainlab.train.driver.elastic import ElasticTorchTrainer
 
-    return functools.partial(ElasticTorchTrainer, unit=_group_size(cfg), run_dir=run_dir)
+    return functools.partial(
+        ElasticTorchTrainer,
+        unit=_group_size(cfg),
+        run_dir=run_dir,
+        below_min_wait_s=cfg.resource.below_min_wait_s,
+    )
 
 
 def _check_node_chaos(cfg: ExperimentConfig) -> None:
