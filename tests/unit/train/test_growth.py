@@ -81,14 +81,25 @@ def test_the_ranks_hold_at_a_committed_checkpoint_then_go_on_unchanged(
     assert RunRecords(run).growth() is None
 
 
-def test_the_policy_restarts_larger_only_once_the_ranks_hold(tmp_path):
+@pytest.fixture(params=["local", "s3"])
+def run_home(request, tmp_path, monkeypatch) -> str:
+    """Where the run lives: a directory, or object storage (moto's S3 server on
+    127.0.0.1, tests/conftest.py): the controller and rank 0 talk through it."""
+    if request.param == "local":
+        return str(tmp_path / "run")
+    _, bucket = request.getfixturevalue("s3_env")
+    monkeypatch.setenv("TRAINLAB_SCRATCH_DIR", str(tmp_path / "scratch"))
+    return f"s3://{bucket}/runs/2026-12-05/elastic"
+
+
+def test_the_policy_restarts_larger_only_once_the_ranks_hold(run_home):
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
 
     from trainlab.train.driver.elastic import LayoutScalingPolicy
 
-    policy = LayoutScalingPolicy(ScalingConfig(num_workers=(2, 3)), 1, str(tmp_path))
-    records = RunRecords(tmp_path)
+    policy = LayoutScalingPolicy(ScalingConfig(num_workers=(2, 3)), 1, run_home)
+    records = RunRecords(run_home)
     grow = ResizeDecision(num_workers=3, resources_per_worker={"CPU": 1})
     request = records.request_growth(3)
     policy._growth = (grow, request, time.monotonic())
