@@ -282,7 +282,7 @@ class RunRecords:
     # for one, rank 0 takes it at the next step boundary and holds the ranks there,
     # the controller restarts the group larger from it, so no step is redone. One
     # small JSON record, `logs/resize.json`: {"to_world_size", "id", "state":
-    # "requested" | "ready" (with "step") | "go"}; deleted to cancel.
+    # "requested" | "accepted" | "ready" (with "step") | "go"}; deleted to cancel.
 
     def request_growth(self, to_world_size: int) -> str:
         request_id = f"{time.time_ns():x}"
@@ -299,6 +299,13 @@ class RunRecords:
         except ValueError:
             return None
         return record if isinstance(record, dict) else None
+
+    def growth_accepted(self, request_id: str) -> None:
+        """Rank 0 has asked the ranks to hold at this step's checkpoint (it may take
+        long to commit: the controller waits for it)."""
+        record = self.growth()
+        if record is not None and record.get("id") == request_id:
+            self._write_growth({**record, "state": "accepted"})
 
     def growth_ready(self, request_id: str, step: int) -> None:
         """Rank 0 holds at `step`, whose checkpoint is committed."""

@@ -96,17 +96,26 @@ def test_the_policy_restarts_larger_only_once_the_ranks_hold(run_home):
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
 
-    from trainlab.train.driver.elastic import LayoutScalingPolicy
+    from trainlab.train.driver import elastic
 
-    policy = LayoutScalingPolicy(ScalingConfig(num_workers=(2, 3)), 1, run_home)
+    policy = elastic.LayoutScalingPolicy(ScalingConfig(num_workers=(2, 3)), 1, run_home)
     records = RunRecords(run_home)
     grow = ResizeDecision(num_workers=3, resources_per_worker={"CPU": 1})
     request = records.request_growth(3)
     policy._growth = (grow, request, time.monotonic())
     assert isinstance(policy._growth_decision(), NoopDecision)  # not taken yet
+    # Taken up by rank 0: its checkpoint may take long (a large model to a store);
+    # the policy waits past GROWTH_WAIT_S instead of wasting it.
+    records.growth_accepted(request)
+    policy._growth = (grow, request, time.monotonic() - elastic.GROWTH_WAIT_S - 1)
+    assert isinstance(policy._growth_decision(), NoopDecision)
+    assert records.growth()["state"] == "accepted"
     records.growth_ready(request, 12)
     assert policy._growth_decision() is grow
     assert records.growth() == {"to_world_size": 3, "id": request, "state": "go", "step": 12}
+    # Not taken up within GROWTH_WAIT_S: cancelled, the ranks go on.
+    policy._growth = (grow, records.request_growth(3), time.monotonic() - elastic.GROWTH_WAIT_S - 1)
+    assert isinstance(policy._growth_decision(), NoopDecision) and records.growth() is None
     # A request the run no longer has (a new worker group cleared it): no growth.
     policy._growth = (grow, records.request_growth(3), time.monotonic())
     records.cancel_growth()

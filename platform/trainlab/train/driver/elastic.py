@@ -56,7 +56,11 @@ PROBE_EVERY_S = 1.0
 PROBE_TIMEOUT_S = 1.0
 BELOW_MIN_WAIT_S = 60.0  # resource.below_min_wait_s's default
 COORDINATOR_TIMEOUT_S = 5.0  # as Ray's policy waits for the coordinator's answer
-GROWTH_WAIT_S = 180.0  # the longest the policy waits for the ranks to hold at a checkpoint
+GROWTH_WAIT_S = 180.0  # the longest the policy waits for rank 0 to take up its request
+# ... and, once taken up, for the held checkpoint to be committed (a large model's
+# checkpoint to a store can take minutes: cancelling it would waste it, and the next
+# resize check would ask for another)
+GROWTH_SAVE_WAIT_S = 3600.0
 
 
 def whole_groups(count: int, unit: int, lo: int, hi: int) -> int:
@@ -259,7 +263,8 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
                     decision.num_workers,
                 )
                 return decision
-            if time.monotonic() - since < GROWTH_WAIT_S:
+            limit = GROWTH_SAVE_WAIT_S if record.get("state") == "accepted" else GROWTH_WAIT_S
+            if time.monotonic() - since < limit:
                 return NoopDecision()
         records.cancel_growth()  # gone, replaced, or not taken in time: no growth now
         self._growth = None

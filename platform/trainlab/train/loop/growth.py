@@ -4,12 +4,14 @@ Ray Train grows an elastic worker group by restarting it larger from the newest
 checkpoint; at an arbitrary moment that throws away the steps since. Instead
 (docs/elastic.md), Ray's resize check in the controller
 (trainlab.train.driver.elastic.LayoutScalingPolicy) only asks for a checkpoint
-(`RunRecords.request_growth`); rank 0 sees the request at a step boundary and
-asks every rank, with that step's signals, to HOLD; at the step every rank reads
-it they take a checkpoint, rank 0 says it is ready (`growth_ready`, once it is
+(`RunRecords.request_growth`); rank 0 sees the request at a step boundary,
+marks it accepted (the controller then waits for the commit, up to an hour: a
+large model's checkpoint may take minutes) and asks every rank, with that step's
+signals, to HOLD; at the step every rank reads it they take a checkpoint, rank 0 says it is ready (`growth_ready`, once it is
 committed), and every rank waits there. The controller then restarts the group
 larger from that checkpoint: no step is redone. When the controller cancels (the
-capacity went again) or does not act within `HOLD_S`, the ranks go on.
+capacity went again) or does not act within `HOLD_S` of the commit, the ranks go
+on.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class GrowthHold:
         if record.get("id") == self.asked_id:
             return False
         self.asked_id = str(record.get("id"))
+        loop.records.growth_accepted(self.asked_id)  # the controller waits for the commit
         return True
 
     def hold(self, loop: Trainer, step: int) -> None:
@@ -59,9 +62,9 @@ class GrowthHold:
         say it is ready (rank 0), then wait together for the restart (the process
         ends) or for the controller to cancel. Rank 0 decides; the other ranks learn
         it by an all-reduce every POLL_S."""
-        t0 = time.monotonic()
         loop.checkpointer.wait()
         loop.saver.deliver(loop)
+        t0 = time.monotonic()  # HOLD_S counts from the commit, however long it took
         main = loop.env.is_main
         if main and self.asked_id is not None:
             loop.records.growth_ready(self.asked_id, step)
