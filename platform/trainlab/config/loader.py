@@ -318,7 +318,33 @@ def load_config(
     if name_from_overrides and isinstance(raw.get("name"), str):
         raw["name"] = override_name(raw["name"], overrides)
     anchor_paths(raw, config_anchor(path))
+    anchor_code_dir(raw, path)
     return validate_raw(raw, source=str(path))
+
+
+def anchor_code_dir(raw: dict[str, Any], config_file: Path) -> None:
+    """Where `model.arch: MODULE:NAME` is imported from, made absolute in place:
+    a relative `model.code_dir` is relative to the config file's folder; without
+    one, that folder, or the repository root when MODULE is there and not beside
+    the config (trainlab.models.user)."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("arch"), str):
+        return
+    arch = model["arch"]
+    if ":" not in arch or arch.startswith("hf:"):
+        return
+    folder = config_file.resolve().parent
+    given = model.get("code_dir")
+    if isinstance(given, str) and given:
+        model["code_dir"] = os.path.normpath(folder / Path(given).expanduser())
+        return
+    if given is not None:
+        return  # a wrong type: validation reports it
+    first = arch.partition(":")[0].split(".")[0]
+    root = config_anchor(config_file)
+    beside = any((folder / name).exists() for name in (first, f"{first}.py"))
+    in_root = any((root / name).exists() for name in (first, f"{first}.py"))
+    model["code_dir"] = str(root if in_root and not beside else folder)
 
 
 RECORD_REQUIRED = ("purpose", "expectation")

@@ -105,10 +105,27 @@ def _arch_checks(cfg: dict[str, Any]) -> Iterator[Problem]:
     no grouped-query attention): asked of its file in trainlab.models.archs."""
     from trainlab.models.registry import find_arch
 
-    arch = find_arch(cfg["model"]["arch"])
+    arch = find_arch(cfg["model"]["arch"], cfg["model"].get("code_dir"))
     if arch is not None:  # an unknown name is the schema's error
         for issue in arch.check(cfg["model"]):
             yield Problem(issue.path, issue.value, issue.rule)
+
+
+@rule("parallel", "model")
+def _layout_of_measured_arch(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """An architecture brought by the user (hf:TYPE, MODULE:NAME) is parallelized
+    from its structure: data parallelism (DDP, FSDP per repeated block) always;
+    tensor and pipeline parallelism only where it says how (docs/models.md)."""
+    from trainlab.models.registry import find_arch
+
+    p, m = cfg["parallel"], cfg["model"]
+    arch = find_arch(m["arch"], m.get("code_dir"))
+    if arch is None or not arch.measured:
+        return
+    if (p["tp"] or 1) > 1:
+        yield Problem("parallel.tp", p["tp"], arch.tensor_parallel_refusal(m))
+    if (p["pp"] or 1) > 1:
+        yield Problem("parallel.pp", p["pp"], arch.pipeline_refusal(m))
 
 
 @rule("model", "resource")

@@ -12,7 +12,7 @@ comment saying what it does; if it interacts with another field, add a rule.
 from __future__ import annotations
 
 import warnings
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -20,6 +20,7 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -44,12 +45,16 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    """A decoder-only LM. `arch` names an architecture of trainlab.models.registry
-    (one file each in trainlab/models/archs/), e.g. `gpt2`: learned positions,
-    LayerNorm, GELU MLP, biases; `llama`: RoPE, RMSNorm, SwiGLU MLP, grouped-query
-    attention, no biases; `llama_qknorm`: llama with per-head q/k RMSNorm."""
+    """A decoder-only LM. `arch` names a trainlab family (one file each in
+    trainlab/models/archs/: `gpt2`: learned positions, LayerNorm, GELU MLP,
+    biases; `llama`: RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no
+    biases; `llama_qknorm`: llama with per-head q/k RMSNorm), a transformers
+    family `hf:MODEL_TYPE`, or the user's own `MODULE:NAME` (docs/models.md)."""
 
-    # Architecture, by name (see trainlab.models.registry; `trainlab.models.archs`).
+    # Where MODULE of `arch: MODULE:NAME` is imported from: by default the folder of
+    # the config file that names it (trainlab.config.loader); else the Python path.
+    code_dir: str | None = Field(None, json_schema_extra=NOT_IDENTITY)
+    # Architecture: a family's name, hf:MODEL_TYPE or MODULE:NAME (docs/models.md).
     arch: str = "llama"
     hidden_size: int = Field(256, ge=8, le=65536)
     num_layers: int = Field(4, ge=1, le=1024)
@@ -69,14 +74,21 @@ class ModelConfig(Section):
     rope_theta: float = Field(10000.0, gt=0)
     init_std: float = Field(0.02, gt=0, le=1.0)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    # The architecture's own fields: for hf:TYPE any field of its transformers config
+    # class; for MODULE:NAME what its options_model declares. Checked at validate.
+    options: dict[str, Any] = Field(default_factory=dict)
+    # Accept an architecture that cannot keep packed documents apart (layers that
+    # carry state along the row): its documents see each other in this run.
+    cross_document_attention: bool = False
 
     @field_validator("arch")
     @classmethod
-    def _known_arch(cls, name: str) -> str:
+    def _known_arch(cls, name: str, info: ValidationInfo) -> str:
         from trainlab.models.registry import find_arch, unknown_arch_message
 
-        if find_arch(name) is None:
-            raise ValueError(unknown_arch_message())
+        code_dir = info.data.get("code_dir")
+        if find_arch(name, code_dir) is None:
+            raise ValueError(unknown_arch_message(name, code_dir))
         return name
 
     @field_validator("attention")
@@ -95,12 +107,12 @@ class ModelConfig(Section):
 
     @model_validator(mode="after")
     def _fill_defaults(self) -> ModelConfig:
-        from trainlab.models.registry import get_arch
+        from trainlab.models.registry import arch_of
 
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = get_arch(self.arch).default_ffn_hidden_size(self)
+            self.ffn_hidden_size = arch_of(self).default_ffn_hidden_size(self)
         return self
 
     @property

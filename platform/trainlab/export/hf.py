@@ -211,9 +211,9 @@ def hf_tensors(m: ModelConfig, available: dict[str, tuple[int, ...]]) -> list[HF
     section gives, and every one must be used (a tied output projection is the
     embedding): one left over means the model has something this mapping does
     not know, and the export is refused rather than silently dropping it."""
-    from trainlab.models.registry import get_arch
+    from trainlab.models.registry import arch_of
 
-    for p in get_arch(m.arch).param_shapes(m):
+    for p in arch_of(m).param_shapes(m):
         shape = available.get(p.name)
         if shape is not None and tuple(shape) != p.shape:
             raise UserError(

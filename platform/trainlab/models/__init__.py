@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from trainlab.models.attention import AttentionMask, available, get_attention, register
     from trainlab.models.layers import TransformerLM, segment_positions
+    from trainlab.models.measured import repeated_blocks
     from trainlab.models.registry import (
         Architecture,
         arch_names,
+        arch_of,
         build_model,
         get_arch,
         num_parameters,
@@ -35,6 +37,8 @@ _LAZY = {
     "segment_positions": "trainlab.models.layers",
     "Architecture": "trainlab.models.registry",
     "arch_names": "trainlab.models.registry",
+    "arch_of": "trainlab.models.registry",
+    "repeated_blocks": "trainlab.models.measured",
     "build_model": "trainlab.models.registry",
     "get_arch": "trainlab.models.registry",
     "num_parameters": "trainlab.models.registry",
@@ -60,6 +64,7 @@ __all__ = [
     "AttentionMask",
     "TransformerLM",
     "arch_names",
+    "arch_of",
     "available",
     "build_model",
     "get_arch",
@@ -67,5 +72,6 @@ __all__ = [
     "num_parameters",
     "register",
     "register_arch",
+    "repeated_blocks",
     "segment_positions",
 ]

@@ -152,14 +152,17 @@ def is_hidden_matrix(layer: int | None, shape: tuple[int, ...]) -> bool:
 
 
 def hidden_matrices(model: nn.Module) -> list[Any]:
-    """The 2-D parameters of `model.layers`' blocks (DDP's wrapper looked through;
-    a pipeline stage holds its own blocks)."""
+    """The 2-D parameters of the model's repeated blocks (DDP's wrapper looked
+    through; a pipeline stage holds its own blocks)."""
+    from trainlab.models.measured import repeated_blocks
+
     inner = getattr(model, "module", model)
-    layers = getattr(inner, "layers", None)
-    if layers is None:
-        return []
-    blocks = layers.values() if hasattr(layers, "values") else layers
-    return [p for b in blocks for p in b.parameters() if p.requires_grad and p.dim() == 2]
+    return [
+        p
+        for b in repeated_blocks(inner)
+        for p in b.parameters()
+        if p.requires_grad and p.dim() == 2
+    ]
 
 
 def newton_schulz(g: torch.Tensor, steps: int, dtype: torch.dtype) -> torch.Tensor:

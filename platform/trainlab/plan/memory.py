@@ -99,7 +99,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainlab.config.schema import ExperimentConfig
-from trainlab.models.registry import ParamShape, StepDtypes, get_arch, resolve_attention
+from trainlab.models.registry import ParamShape, StepDtypes, arch_of, resolve_attention
 from trainlab.optim import PlanParam, StepMemory
 
 __all__ = [
@@ -314,7 +314,7 @@ def _compute_param_shapes(cfg: ExperimentConfig) -> list[ParamShape]:
     when they do not add up to its parameter count (an architecture with other
     shapes than the generic ones)."""
     m = cfg.model
-    arch = get_arch(m.arch)
+    arch = arch_of(m)
     shapes = arch.param_shapes(m)
     pc = arch.count_params(m)
     if sum(p.numel for p in shapes) == pc.total:
@@ -445,7 +445,7 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
     model-level tensors, autocast's weight copies and FSDP's gathered parameters."""
     cfg, d, tp, mp = s.cfg, s.d, s.tp, s.mp
     m = cfg.model
-    arch = get_arch(m.arch)
+    arch = arch_of(m)
     T = cfg.data.seq_len
     N = micro_batch * T  # tokens per micro batch
     L, V, h = m.num_layers, m.vocab_size, m.hidden_size

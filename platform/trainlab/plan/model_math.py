@@ -10,7 +10,7 @@ references; what trainlab's trainer allocates is `trainlab.plan.memory`.
 from __future__ import annotations
 
 from trainlab.config.schema import ModelConfig
-from trainlab.models.registry import ParamCount, get_arch
+from trainlab.models.registry import ParamCount, arch_of
 
 __all__ = [
     "GiB",
@@ -36,7 +36,7 @@ def count_params(m: ModelConfig) -> ParamCount:
     GPT-2 small (h=768, L=12, V=50257, T=1024, tied) gives 124,439,808;
     Llama-2-7B (h=4096, L=32, a=32, f=11008, V=32000, untied) gives 6,738,415,616.
     """
-    return get_arch(m.arch).count_params(m)
+    return arch_of(m).count_params(m)
 
 
 # --------------------------------------------------------------------------- model states
@@ -103,7 +103,7 @@ def activation_bytes_per_layer(
     s, b, h, a = seq_len, micro_batch, m.hidden_size, m.num_heads
     g = (m.num_kv_heads or a) / a
     f_over_h = m.ffn_hidden_size / h
-    arch = get_arch(m.arch)
+    arch = arch_of(m)
     attention = arch.attention_activation_terms(g)
     mlp = 3 + arch.mlp_activation_factor * f_over_h
     linear_terms = attention + mlp + 4  # 34 for a GPT-2 block
@@ -157,6 +157,9 @@ def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     6*N + 12*L*H*Q*T, with N the parameters that take part in matmuls (all but
     the lookup tables, the output projection included even when tied), L
     layers, H heads, Q head dim, T sequence length."""
+    arch = arch_of(m)
+    if arch.measured:  # counted on the model (trainlab.models.measured)
+        return arch.flops_per_token(m, seq_len)
     pc = count_params(m)
     n_matmul = pc.non_embedding + (pc.embedding if m.tie_embeddings else 0)
     return 6 * n_matmul + 12 * m.num_layers * m.num_heads * m.head_dim * seq_len

@@ -33,6 +33,7 @@ from typing import Any
 from trainlab.config.dims import ParallelDims, layout_executes
 from trainlab.config.schema import ExperimentConfig
 from trainlab.errors import UserError
+from trainlab.models.registry import arch_of
 from trainlab.plan.model_math import (
     GiB,
     count_params,
@@ -114,12 +115,15 @@ class Plan:
     checkpoint_bytes_per_param: float = 12.0
     # An elastic run: {"min": ..., "max": ...}, the layout and memory at each end.
     elastic: dict[str, dict[str, Any]] | None = None
+    # An MoE's parameters one token goes through (None: dense, all of them).
+    num_params_active: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         mem = {k: int(round(v)) for k, v in self.memory_per_device_bytes.items()}
         return {
             "num_params": self.num_params,
             "params_breakdown": self.params_breakdown,
+            **({"num_params_active": self.num_params_active} if self.num_params_active else {}),
             "world_size": self.world_size,
             "nodes": self.nodes,
             "strategy": self.strategy,
@@ -194,14 +198,17 @@ def candidate_layouts(cfg: ExperimentConfig) -> list[Layout]:
     world = r.world_size
     per_node = r.gpus_per_node if r.use_gpu else world
     kv = m.num_kv_heads or m.num_heads
+    measured = arch_of(m).measured  # tp/pp are refused for them (config rules)
     out = []
     for tp in _divisors(world):
+        if measured and tp > 1:
+            continue
         if tp > per_node or m.num_heads % tp or kv % tp or (p.tp and tp != p.tp):
             continue
         if m.vocab_size % tp or (m.ffn_hidden_size or 0) % tp:
             continue
         for pp in _divisors(world // tp):
-            if m.num_layers % pp or (p.pp and pp != p.pp):
+            if m.num_layers % pp or (p.pp and pp != p.pp) or (measured and pp > 1):
                 continue
             dp = world // (tp * pp)
             if p.dp and dp != p.dp:
@@ -551,6 +558,12 @@ def plan(cfg: ExperimentConfig) -> Plan:
     return _plan_fixed(cfg)
 
 
+def _active_params(m: Any, total: int) -> int | None:
+    """An MoE's active parameter count; None when every parameter is active."""
+    active = arch_of(m).active_params(m)
+    return active if active != total else None
+
+
 def _plan_fixed(cfg: ExperimentConfig) -> Plan:
     m, r = cfg.model, cfg.resource
     pc = count_params(m)
@@ -627,6 +640,7 @@ def _plan_fixed(cfg: ExperimentConfig) -> Plan:
         )
     return Plan(
         num_params=pc.total,
+        num_params_active=_active_params(m, pc.total),
         params_breakdown=pc.as_dict(),
         optimizer=cfg.train.optimizer.name,
         checkpoint_bytes_per_param=_checkpoint_bytes_per_param(cfg),

@@ -301,7 +301,7 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from trainlab.models import build_model
+    from trainlab.models import arch_of, build_model
     from trainlab.train.loop.step import autocast_context, loss_sum_and_count
     from trainlab.train.parallel import (
         apply_parallelism,
@@ -313,7 +313,8 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
     fsdp = cfg.parallel.strategy == "fsdp" and env.distributed
     notes: list[str] = []
     seq, vocab = cfg.data.seq_len, cfg.model.vocab_size
-    with _trainer_under_fakes(fsdp, env.world_size), FakeTensorMode():
+    measuring = arch_of(cfg.model).measuring()
+    with _trainer_under_fakes(fsdp, env.world_size), FakeTensorMode(), measuring:
         if fsdp:
             model = apply_parallelism(build_model(cfg.model), cfg, env)
             optimizer = build_optimizer(model, cfg, env)

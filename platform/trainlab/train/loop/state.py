@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from trainlab.config.schema import ExperimentConfig, ModelConfig
-from trainlab.models import build_model
+from trainlab.models import arch_of, build_model
 from trainlab.train.loop.rng import capture_rng, restore_rng, seed_everything, set_deterministic
 from trainlab.train.parallel import build_optimizer, parallelize, uses_zero1
 from trainlab.train.parallel.distributed import DistEnv
@@ -297,7 +297,13 @@ def cloned(obj: Any) -> Any:
 
 def fresh_cpu_model(m: ModelConfig) -> nn.Module:
     """An uninitialized CPU model of `m`, built on the meta device and materialized
-    empty, so building it draws nothing from the random generators."""
+    empty, so building it draws nothing from the random generators. An
+    architecture brought by the user is built on the CPU under a forked random
+    state instead: its buffers outside the state dict (e.g. RoPE's frequencies)
+    are only right as its constructor computes them."""
+    if arch_of(m).measured:
+        with torch.random.fork_rng(devices=[]):
+            return build_model(m)
     with torch.device("meta"):
         model = build_model(m)
     model = model.to_empty(device="cpu")
