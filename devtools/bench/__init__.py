@@ -43,6 +43,7 @@ BENCHMARKS: list[str] = [
     "devtools.bench.track_bench:bench_tracking",
     "devtools.bench.train_bench:bench_train_step_throughput",
     "devtools.bench.train_bench:bench_recovery_seconds",
+    "devtools.bench.arch_bench:bench_hf_vs_builtin",
     "devtools.bench.sync_bench:bench_host_syncs_per_step",
     "devtools.bench.ckpt_bench:bench_checkpoint_stall",
     "devtools.bench.elastic_bench:bench_elastic_resume_seconds",

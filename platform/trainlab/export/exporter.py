@@ -21,6 +21,7 @@ from trainlab.export.safetensors_out import Entry, write_all
 from trainlab.export.source import CheckpointTensors, Located, locate
 from trainlab.export.tokenizer import dataset_tokenizer, eos_of, write_tokenizer
 from trainlab.fileutil import sha256_file
+from trainlab.models.registry import arch_of
 
 RECORD_FILE = "export.json"
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
@@ -92,6 +93,34 @@ def _weights(
     return entries, tensor
 
 
+def _export_measured(
+    arch: Any, m: Any, source: CheckpointTensors, staging: Path, dtype: torch.dtype, eos_id: int
+) -> tuple[list[str], int, int]:
+    """An architecture brought by the user: its model built, the checkpoint's
+    tensors loaded into it by name (every one must be there), then written by the
+    architecture itself (hf:TYPE: save_pretrained)."""
+    with torch.random.fork_rng(devices=[]):
+        model = arch.build(m)
+    state = model.state_dict()
+    missing = sorted(set(state) - set(source.specs))
+    if missing:
+        raise UserError(
+            f"the checkpoint lacks {len(missing)} tensors of {m.arch} (first: {missing[0]})"
+        )
+    for name, value in state.items():
+        value.copy_(source.get(name))
+    model = model.to(dtype)
+    if hasattr(model, "hf"):  # the tokenizer's end of document
+        model.hf.config.eos_token_id = eos_id
+        if model.hf.generation_config is not None:
+            model.hf.generation_config.eos_token_id = eos_id
+    before = set(os.listdir(staging))
+    arch.export(model, staging)
+    files = sorted(set(os.listdir(staging)) - before)
+    unique = {id(t): t for t in model.state_dict().values()}
+    return files, len(state), sum(t.numel() * t.element_size() for t in unique.values())
+
+
 def _checksums(directory: Path, files: list[str]) -> dict[str, dict[str, Any]]:
     return {
         name: {"bytes": (directory / name).stat().st_size, "sha256": sha256_file(directory / name)}
@@ -120,18 +149,27 @@ def export_model(
     tok_file, eos_token = _tokenizer(found, tokenizer)
     eos_id = eos_of(tok_file, eos_token)
     source = CheckpointTensors(found.checkpoint)
-    entries, tensor = _weights(source, hf.hf_tensors(m, {k: v.shape for k, v in source.specs.items()}), hf.DTYPES[dtype])
-
+    arch = arch_of(m)
     out_dir = Path(out).expanduser().resolve()
     staging = _prepare_out(out_dir)
     try:
-        files = write_all(staging, entries, tensor, max_shard_bytes)
-        for name, content in (
-            ("config.json", hf.hf_config(m, eos_id, dtype)),
-            ("generation_config.json", hf.generation_config(eos_id)),
-        ):
-            (staging / name).write_text(json.dumps(content, indent=2) + "\n")
-            files.append(name)
+        if arch.measured:
+            files, num_tensors, weights_bytes = _export_measured(
+                arch, m, source, staging, hf.DTYPES[dtype], eos_id
+            )
+            hf_class = arch.causal_lm_class().__name__ if m.arch.startswith("hf:") else None
+        else:
+            specs = {k: v.shape for k, v in source.specs.items()}
+            entries, tensor = _weights(source, hf.hf_tensors(m, specs), hf.DTYPES[dtype])
+            files = write_all(staging, entries, tensor, max_shard_bytes)
+            for name, content in (
+                ("config.json", hf.hf_config(m, eos_id, dtype)),
+                ("generation_config.json", hf.generation_config(eos_id)),
+            ):
+                (staging / name).write_text(json.dumps(content, indent=2) + "\n")
+                files.append(name)
+            num_tensors, weights_bytes = len(entries), sum(e.nbytes for e in entries)
+            hf_class = hf.HF_CLASS[m.arch]
         files += write_tokenizer(staging, tok_file, eos_token, m.max_seq_len)
         checksums = _checksums(staging, files)
         record = {
@@ -141,10 +179,10 @@ def export_model(
             "step": found.checkpoint.step,
             "checkpoint_format": source.format,
             "arch": m.arch,
-            "hf_class": hf.HF_CLASS[m.arch],
+            "hf_class": hf_class,
             "dtype": dtype,
-            "num_tensors": len(entries),
-            "weights_bytes": sum(e.nbytes for e in entries),
+            "num_tensors": num_tensors,
+            "weights_bytes": weights_bytes,
             "files": checksums,
             # the export's checksum: one hash over every file's size and sha256
             "sha256": hashlib.sha256(json.dumps(checksums, sort_keys=True).encode()).hexdigest(),

@@ -68,7 +68,15 @@ def _qwen3_available() -> bool:
 
 
 def refusals(m: ModelConfig) -> list[str]:
-    """What in the model section transformers cannot represent (empty: exportable)."""
+    """What in the model section transformers cannot represent (empty: exportable).
+    An architecture brought by the user exports itself (hf:TYPE: its own class's
+    save_pretrained) or says it cannot."""
+    from trainlab.models.registry import find_arch
+
+    arch = find_arch(m.arch, m.code_dir)
+    if arch is not None and arch.measured:
+        refusal = arch.export_refusal(m)
+        return [refusal] if refusal else []
     out = []
     if m.arch not in HF_CLASS:
         out.append(

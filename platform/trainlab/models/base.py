@@ -332,6 +332,16 @@ class Architecture:
         return f"<architecture {self.name!r}>"
 
 
+def resolve_attention(name: str, cuda: bool, dropout: float = 0.0) -> str:
+    """The implementation `model.attention = name` runs: `auto` is FlexAttention
+    (block mask, no `[T, T]` tensor) on CUDA and SDPA elsewhere (FlexAttention
+    has no backward on CPU) or with dropout (FlexAttention has none); any other
+    name is itself. Torch-free: the planner asks it too."""
+    if name != "auto":
+        return name
+    return "flex" if cuda and dropout == 0 else "sdpa"
+
+
 __all__ = [
     "Architecture",
     "ConfigIssue",
@@ -339,4 +349,5 @@ __all__ = [
     "ParamCount",
     "ParamShape",
     "StepDtypes",
+    "resolve_attention",
 ]

@@ -346,8 +346,8 @@ def _define_wrapper() -> type:
     from torch import nn
 
     from trainlab.models.attention import AttentionMask
+    from trainlab.models.base import resolve_attention
     from trainlab.models.layers import segment_positions
-    from trainlab.models.registry import resolve_attention
 
     class HFCausalLM(nn.Module):
         """A transformers causal LM called as trainlab calls its models:
@@ -380,13 +380,15 @@ def _define_wrapper() -> type:
                 return mask.block()
             dense = mask.dense()
             config = self.hf.config
+            window = getattr(config, "sliding_window", None)
             types = set(getattr(config, "layer_types", None) or ())
-            if "sliding_attention" not in types:
+            if not window or (types and "sliding_attention" not in types):
                 return dense
-            window = getattr(config, "sliding_window", None) or t
             i = torch.arange(t, device=dense.device)
-            near = (i[:, None] - i[None, :]) < window
-            out = {"full_attention": dense, "sliding_attention": dense & near}
+            near = dense & ((i[:, None] - i[None, :]) < window)  # transformers' window
+            if not types:  # a family whose every layer slides (e.g. mistral)
+                return near
+            out = {"full_attention": dense, "sliding_attention": near}
             return {k: v for k, v in out.items() if k in types}
 
         def forward(

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainlab.models.attention import AttentionMask, get_attention, prepare_mask
-from trainlab.models.registry import ModelSpec
+from trainlab.models.base import ModelSpec
 
 # A norm over the last dimension, built from that dimension's size.
 NormFactory = Callable[[int], nn.Module]

@@ -207,7 +207,9 @@ def _measure_now(arch: MeasuredArchitecture, m: Any) -> Measurement:
             continue
         seen.add(id(p))
         layer = owner.get(id(p))
-        shapes.append(ParamShape(name, tuple(p.shape), layer, matmul=id(p) in linear))
+        # A table tied to the output is the embedding's (the planner adds its copy).
+        matmul = id(p) in linear and id(p) not in embedding_ids
+        shapes.append(ParamShape(name, tuple(p.shape), layer, matmul=matmul))
         n = p.numel()
         experts += n if id(p) in expert_ids else 0
         if layer is not None:
@@ -259,63 +261,68 @@ def _flops(arch: MeasuredArchitecture, key: str, m: ModelSpec, seq_len: int) -> 
 
 def _saved_now(arch: MeasuredArchitecture, m: Any, d: StepDtypes, seq_len: int) -> float:
     """Bytes autograd keeps for backward per block and token: a forward of one
-    packed row on meta tensors, in the step's dtypes (16-bit parameters and
-    inputs under FSDP's mixed precision, autocast over fp32 weights otherwise),
-    counting every distinct storage saved while a block runs, parameters and
-    their 16-bit casts apart (the planner counts those as parameters); the
-    largest block's figure."""
+    packed row on fake CPU tensors (autocast applies to them, as it does not to
+    meta ones), in the step's dtypes (16-bit parameters and inputs under FSDP's
+    mixed precision, autocast over fp32 weights otherwise). Counted: every
+    distinct storage saved while a block runs and by no other block; not
+    counted: parameters and their 16-bit casts (the planner counts those with
+    the parameters) and what every block shares (the document mask, RoPE's
+    tables: model-level terms of the planner). The largest block's figure."""
     import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-    model = _meta_build(arch, m)
-    model.train()
     compute = torch.float32 if d.compute == 4 else torch.bfloat16
-    if d.cast_block_inputs and d.compute == 2:
-        model = model.to(compute)
-    params = {p.untyped_storage()._cdata for p in model.parameters()}
-    param_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() >= 2}
-    blocks = repeated_blocks(model)
-    current: list[int] = []
-    per_block: dict[int, dict[int, int]] = {}
+    blocks_of: dict[int, set[int]] = {}
+    nbytes: dict[int, int] = {}
+    with FakeTensorMode(), arch.measuring():
+        model = arch.build_module(m)
+        model.train()
+        if d.cast_block_inputs and d.compute == 2:  # FSDP's 16-bit gathered parameters
+            for p in model.parameters():
+                p.data = p.data.to(compute)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        param_shapes = {tuple(p.shape) for p in model.parameters() if p.dim() >= 2}
+        blocks = repeated_blocks(model)
+        current: list[int] = []
 
-    def enter(i: int):  # noqa: ANN202
-        def hook(*_: Any) -> None:
-            current.append(i)
+        def enter(i: int):  # noqa: ANN202
+            return lambda *_: current.append(i)
 
-        return hook
+        def leave(*_: Any) -> None:  # a forward hook's return value replaces the output
+            current.pop()
 
-    def leave(*_: Any) -> None:
-        current.pop()
+        handles = []
+        for i, block in enumerate(blocks):
+            handles.append(block.register_forward_pre_hook(enter(i)))
+            handles.append(block.register_forward_hook(leave))
 
-    handles = []
-    for i, block in enumerate(blocks):
-        handles.append(block.register_forward_pre_hook(enter(i)))
-        handles.append(block.register_forward_hook(leave))
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if current:
+                storage = t.untyped_storage()
+                sid = storage._cdata
+                cast = d.autocast and t.dtype != torch.float32 and tuple(t.shape) in param_shapes
+                if sid not in params and not cast:
+                    blocks_of.setdefault(sid, set()).add(current[-1])
+                    nbytes[sid] = storage.nbytes()
+            return t
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if current and t.device.type == "meta":
-            storage = t.untyped_storage()
-            sid = storage._cdata
-            weight_copy = d.autocast and t.dtype != torch.float32 and tuple(t.shape) in param_shapes
-            if sid not in params and not weight_copy:
-                per_block.setdefault(current[-1], {})[sid] = storage.nbytes()
-        return t
-
-    ids = torch.zeros((1, seq_len), dtype=torch.long, device="meta")
-    docs = torch.zeros((1, seq_len), dtype=torch.int32, device="meta")
-    pos = torch.arange(seq_len, device="meta")[None]
-    autocast = (
-        torch.autocast("cpu", dtype=compute) if d.autocast else torch.autocast("cpu", enabled=False)
-    )
-    try:
+        ids = torch.zeros((1, seq_len), dtype=torch.long)
+        docs = torch.zeros((1, seq_len), dtype=torch.int32)
+        pos = torch.arange(seq_len)[None]
+        autocast = torch.autocast("cpu", dtype=compute, enabled=d.autocast)
         hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with hooks, autocast, arch.measuring():
-            model(ids, position_ids=pos, document_ids=docs)
-    finally:
-        for h in handles:
-            h.remove()
-    if not per_block:
-        return 0.0
-    return max(sum(v.values()) for v in per_block.values()) / seq_len
+        try:
+            with hooks, autocast:
+                model(ids, position_ids=pos, document_ids=docs)
+        finally:
+            for h in handles:
+                h.remove()
+    per_block: dict[int, int] = {}
+    for sid, owners in blocks_of.items():
+        if len(owners) == 1:
+            (block,) = owners
+            per_block[block] = per_block.get(block, 0) + nbytes[sid]
+    return max(per_block.values(), default=0) / seq_len
 
 
 def _saved_bytes(

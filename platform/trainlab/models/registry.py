@@ -35,6 +35,7 @@ from trainlab.models.base import (
     ParamCount,
     ParamShape,
     StepDtypes,
+    resolve_attention,
 )
 
 if TYPE_CHECKING:
@@ -155,16 +156,6 @@ def _attention_files_names() -> tuple[str, ...]:
                     ):
                         names.add(str(dec.args[0].value))
     return tuple(sorted(names))
-
-
-def resolve_attention(name: str, cuda: bool, dropout: float = 0.0) -> str:
-    """The implementation `model.attention = name` runs: `auto` is FlexAttention
-    (block mask, no `[T, T]` tensor) on CUDA and SDPA elsewhere (FlexAttention
-    has no backward on CPU) or with dropout (FlexAttention has none); any other
-    name is itself. Torch-free: the planner asks it too."""
-    if name != "auto":
-        return name
-    return "flex" if cuda and dropout == 0 else "sdpa"
 
 
 def get_arch(name: str, code_dir: str | None = None) -> Architecture:

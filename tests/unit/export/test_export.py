@@ -82,10 +82,14 @@ def assert_same_model(out: Path, result: dict) -> None:
         ("gpt2", {"num_kv_heads": 4}, "60KB"),  # tied; fused c_attn; sharded + index
         ("llama", {"tie_embeddings": False}, "5GB"),  # GQA, untied lm_head, one file
         ("llama_qknorm", {}, "5GB"),  # -> Qwen3ForCausalLM
+        ("hf:llama", {"tie_embeddings": False}, "5GB"),  # a transformers family: save_pretrained
+        ("hf:qwen3_moe", {"ffn_hidden_size": 32,  # an MoE family, experts as 3-D tensors
+                          "options": {"num_experts": 4, "num_experts_per_tok": 2}}, "5GB"),
     ],
 )
 def test_round_trip_through_transformers(dataset, tmp_path, arch, model, shard):
-    run = train_run(dataset, tmp_path / "runs" / "2026-01-02" / arch, model={"arch": arch, **model})
+    name = arch.replace(":", "-")
+    run = train_run(dataset, tmp_path / "runs" / "2026-01-02" / name, model={"arch": arch, **model})
     out = tmp_path / "hf"
     result = export_model(run, out, max_shard_bytes=parse_size(shard))
     assert result["step"] == 4 and result["checkpoint_format"] == "dcp"  # every layout's

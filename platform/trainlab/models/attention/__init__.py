@@ -98,7 +98,7 @@ def prepare_mask(
 ) -> AttentionMask:
     """The forward's mask for `model.attention = name` on `device`: `auto`
     resolved, and the dense or block mask the implementation needs built now."""
-    from trainlab.models.registry import resolve_attention
+    from trainlab.models.base import resolve_attention
 
     impl = resolve_attention(name, device.type == "cuda", dropout_p)
     _discover()
