@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -304,3 +305,45 @@ def test_an_elastic_tp_range_starts_on_whole_tensor_groups(ray_cluster, dataset,
         2,
         1,
     )
+
+
+def test_a_user_architecture_from_a_file_outside_the_repo_trains_on_ray_and_resumes_bitwise(
+    ray_cluster, dataset, tmp_path
+):
+    """`model.arch: MODULE:NAME` with MODULE beside the config file, in a folder
+    that is neither the repository nor on the Python path: `trainlab train` finds
+    it on every Ray Train worker (the config's folder is `model.code_dir`), FSDP
+    shards it per block, rank 1 is killed at step 5 and the resumed run ends with
+    the bits of an uninterrupted run of the same layout."""
+    from tests.conftest import REPO
+
+    home = tmp_path / "my_models"
+    home.mkdir()
+    shutil.copy(REPO / "trainers" / "models" / "parallel_alibi.py", home / "my_alibi.py")
+    model = {"arch": "my_alibi:ParallelAlibi", "code_dir": str(home),
+             "options": {"alibi_max_bias": 4.0}}  # fmt: skip
+    fsdp = {"strategy": "fsdp", "zero_stage": 3}
+    cfg = two_workers(dataset, parallel=fsdp, total_steps=8,
+                      chaos={"kill_at_steps": [5], "kill_rank": 1},
+                      checkpoint={"every_steps": 2, "keep_last": 1, "keep_best": 0})  # fmt: skip
+    cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update=model)})
+    text = to_yaml(cfg).replace(f"  code_dir: {home}\n", "")  # the config's folder, by default
+    assert "code_dir" not in text
+    config_file = home / "exp.yaml"
+    config_file.write_text(text)
+    result = CliRunner().invoke(
+        cli,
+        ["train", str(config_file), "--json", "--set", f"train.runs_root={tmp_path / 'runs'}"],
+        standalone_mode=False,
+    )
+    assert result.exception is None and result.return_value == 0, result.output[-3000:]
+    summary = last_json_line(result.stdout)
+    assert summary["status"] == "completed" and summary["final_step"] == 8
+    assert summary["restarts"] == 1 and summary["start_step"] == 4
+    run_cfg = (Path(summary["run_dir"]) / "config.yaml").read_text()
+    assert f"code_dir: {home}" in run_cfg and "arch: my_alibi:ParallelAlibi" in run_cfg
+    clean_cfg = two_workers(dataset, parallel=fsdp, total_steps=8,
+                            checkpoint={"every_steps": 2, "keep_last": 1, "keep_best": 0})  # fmt: skip
+    clean_cfg = clean_cfg.model_copy(update={"model": clean_cfg.model.model_copy(update=model)})
+    _, clean = run_layout(make_job(clean_cfg, tmp_path / "clean"), 2, tmp_path / "clean.json")
+    assert clean["weights_sha256"] == summary["weights_sha256"]

@@ -17,6 +17,7 @@ repository's runs root (or the configured shared storage), not in that copy.
 from __future__ import annotations
 
 import functools
+import os
 import secrets
 import shlex
 import tempfile
@@ -103,10 +104,29 @@ def prepare(config: str, overrides: tuple[str, ...] | list[str], repo: Path) -> 
     return Prepared(
         cfg=cfg,
         plan=plan(cfg),
-        config_yaml=to_yaml(cfg),
+        config_yaml=to_yaml(_code_dir_in_copy(cfg, repo, config)),
         repo=repo,
         storage_uris=[resolve_storage(loc).uri for loc in shared],
     )
+
+
+def _code_dir_in_copy(cfg: Any, repo: Path, config: str) -> Any:
+    """The config as the job reads it from the working_dir: a user architecture's
+    `model.code_dir` relative to the staged config's folder, so it names the
+    job's copy of the repository on whichever node reads it. A folder outside the
+    repository does not travel with the job: refused in one line."""
+    code_dir = cfg.model.code_dir
+    if code_dir is None:
+        return cfg
+    folder = Path(code_dir).resolve()
+    root = repo.resolve()
+    if not folder.is_relative_to(root):
+        raise UserError(
+            f"{config}: model.code_dir = {code_dir!r} is outside the repository {root}: a "
+            "submitted job ships the repository only; put the architecture's module in it"
+        )
+    rel = os.path.relpath(folder, root / SUBMITTED_DIR)
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"code_dir": rel})})
 
 
 def stage_working_dir(prep: Prepared, dest: Path) -> str:

@@ -101,6 +101,8 @@ class TraceResult:
     seconds: float  # wall time of building and tracing
     raw: dict[str, int] = field(default_factory=dict)  # the tracker's own categories
     notes: list[str] = field(default_factory=list)
+    rank: int = 0  # the traced rank (pp > 1: the busiest pipeline rank)
+    rank_totals: dict[int, float] = field(default_factory=dict)  # pp > 1: each pipeline rank's
 
 
 def trace_memory(
@@ -131,16 +133,31 @@ def trace_step(
         p = plan(cfg)
         cfg = resolve_layout(cfg, p)  # micro batch, accumulation, recomputation made concrete
         layout = layout or Layout(**p.parallel)
-    if layout.tp > 1 or layout.pp > 1:
-        raise UserError(
-            f"trace: tp={layout.tp} pp={layout.pp}: the trainer does not execute tensor or "
-            "pipeline parallelism yet, so there is nothing to trace"
-        )
+    from trainlab.config.dims import ParallelDims, layout_executes
+
+    why = layout_executes(layout.tp, layout.pp, layout.dp, layout.zero_stage)
+    if why:
+        raise UserError(f"trace: tp={layout.tp} pp={layout.pp} dp={layout.dp}: {why}")
     run_cfg = layout_config(cfg, layout)
     mb = int(micro_batch or cfg.data.micro_batch_size)
+    dims = ParallelDims(tp=layout.tp, pp=layout.pp, dp=layout.dp, zero_stage=layout.zero_stage)
     t0 = time.perf_counter()
-    with _fake_world(layout.dp) as env:
-        result = _trace(run_cfg, env, mb)
+    # Pipeline ranks hold different stages: each is traced (tp=0, dp=0 of each; the
+    # other tp and dp ranks hold the same shapes) and the busiest is the result.
+    # Rank 0 goes first: its first stage's output is what the others receive.
+    hidden: dict[str, Any] = {}
+    results = []
+    for pp_rank in range(dims.pp):
+        with _fake_world(dims, dims.rank_of(pp_rank, 0, 0)) as env:
+            results.append(_trace(run_cfg, env, mb, hidden))
+    result = max(results, key=lambda r: r.memory["total"])
+    if dims.pp > 1:
+        result.rank_totals = {r.rank: r.memory["total"] for r in results}
+        result.notes.append(
+            "pp > 1: every pipeline rank traced; the figures are the busiest's (rank "
+            f"{result.rank}): "
+            + ", ".join(f"rank {r.rank} {r.memory['total'] / 2**30:.3f} GiB" for r in results)
+        )
     result.seconds = time.perf_counter() - t0
     return result
 
@@ -149,27 +166,35 @@ def trace_step(
 
 
 @contextlib.contextmanager
-def _fake_world(world_size: int) -> Iterator[Any]:
-    """A fake process group of `world_size` with this process as rank 0 (none for a
-    single device), and the rank's DistEnv; torn down on exit."""
+def _fake_world(dims: Any, rank: int = 0) -> Iterator[Any]:
+    """A fake process group of `dims`' world size (trainlab.config.dims.ParallelDims)
+    with this process as `rank` (none for a single device), and the rank's DistEnv:
+    with tensor or pipeline parallelism on the run's device mesh, built here,
+    before fake mode, as the trainer builds it (trainlab.train.supervision.child);
+    torn down on exit."""
     import torch
     import torch.distributed as dist
 
     from trainlab.train.parallel.distributed import DistEnv
+    from trainlab.train.parallel.mesh import build_mesh
 
     if dist.is_available() and dist.is_initialized():
         raise RuntimeError(
             "trace: a torch.distributed process group is already initialized in this "
             "process; trace in a process of its own"
         )
-    env = DistEnv(rank=0, world_size=world_size, local_rank=0, device=torch.device("cpu"))
+    world_size, cpu = dims.world_size, torch.device("cpu")
     if world_size == 1:
-        yield env
+        yield DistEnv(rank=0, world_size=1, local_rank=0, device=cpu)
         return
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
+        if dims.model_parallel:
+            env = DistEnv(rank, world_size, 0, cpu, dims, build_mesh(dims, cpu.type))
+        else:  # as the trainer: a plain data-parallel world, no mesh
+            env = DistEnv(rank=rank, world_size=world_size, local_rank=0, device=cpu)
         yield env
     finally:
         dist.destroy_process_group()
@@ -289,7 +314,25 @@ def _trackers() -> tuple[type, type]:
             super()._delete_callback(winfo, w_st)
 
     class Lean(_Lean, MemTracker):
-        pass
+        # A module's forward runs again within the step (a pipeline stage once per
+        # micro batch; every module with gradient accumulation): the tracker's
+        # per-module statistics, which the trace does not read, refuse that. Only
+        # what sets the categories is kept: a module's first forward tracks its
+        # parameters (gradients as gradients), a forward inside backward is
+        # recomputation (activations, not backward temporaries).
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            if module not in self.memory_tracking or self._mod_tracker.is_bw:
+                super()._pre_fw_hook(module, inputs)
+
+        def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
+            if self._mod_tracker.is_bw and self._ac_mod is not None and self._ac_mod() is module:
+                self._ac_mod, self._in_ac = None, False
+
+        def _pre_bw_hook(self, module: Any, args: Any) -> None:
+            pass
+
+        def _post_bw_hook(self, module: Any, args: Any) -> None:
+            pass
 
     class LeanFSDP(_Lean, FSDPMemTracker):
         pass
@@ -297,28 +340,45 @@ def _trackers() -> tuple[type, type]:
     return Lean, LeanFSDP
 
 
-def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
+def _trace(
+    cfg: ExperimentConfig, env: Any, micro_batch: int, hidden: dict[str, Any] | None = None
+) -> TraceResult:
+    """One rank's step. `hidden` carries what the first pipeline stage sends on (the
+    metadata of its output) from rank 0's trace to the other pipeline ranks'."""
     import torch
+    from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from trainlab.models import arch_of, build_model
-    from trainlab.train.loop.step import autocast_context, loss_sum_and_count
+    from trainlab.train.loop.step import autocast_context, concat, loss_sum_and_count
     from trainlab.train.parallel import (
-        apply_parallelism,
         build_optimizer,
+        clip_grad_norm,
         gradient_sync,
+        parallelize,
     )
+    from trainlab.train.parallel.pipeline import is_tied_copy
 
     Lean, LeanFSDP = _trackers()
     fsdp = cfg.parallel.strategy == "fsdp" and env.distributed
+    dims = env.layout if env.mesh is not None else None
+    tp = dims.tp if dims is not None else 1
+    pp = dims.pp if dims is not None else 1
     notes: list[str] = []
     seq, vocab = cfg.data.seq_len, cfg.model.vocab_size
     measuring = arch_of(cfg.model).measuring()
-    with _trainer_under_fakes(fsdp, env.world_size), FakeTensorMode(), measuring:
+    pipelined = _pipeline_under_fakes(hidden if hidden is not None else {}) if pp > 1 else None
+    with (
+        _trainer_under_fakes(fsdp and dims is None, env.world_size),
+        FakeTensorMode(),
+        measuring,
+        pipelined or contextlib.nullcontext(),
+    ):
         if fsdp:
-            model = apply_parallelism(build_model(cfg.model), cfg, env)
-            optimizer = build_optimizer(model, cfg, env)
-            tracker = LeanFSDP(model, optimizer)
+            pm = parallelize(build_model(cfg.model), cfg, env)
+            optimizers = [build_optimizer(part, cfg, env) for part in pm.parts]
+            root = pm.parts[0] if len(pm.parts) == 1 else nn.ModuleList(pm.parts)
+            tracker = LeanFSDP(root, optimizers[0])
             comm_at_build = 0
         else:
             # Built under the tracker: DDP allocates its gradient buckets here.
@@ -327,19 +387,37 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
                 model = build_model(cfg.model)
                 tracker.track_external(model)
                 before = _current_total(tracker)
-                model = apply_parallelism(model, cfg, env)
-                optimizer = build_optimizer(model, cfg, env)
-                comm_at_build = _current_total(tracker) - before
-            if hasattr(model, "register_comm_hook"):  # DDP on the fake process group
-                model.register_comm_hook(None, _bucket_as_result)
-        _use_foreach(optimizer, cfg.resource.use_gpu)
-        cfg.train.optimizer.create_state(optimizer)  # the state of step 2 onwards
+                pm = parallelize(model, cfg, env)
+                del model  # pipeline stages hold copies of their part of it
+                optimizers = [build_optimizer(part, cfg, env) for part in pm.parts]
+                if pm.sharded:
+                    # tp shards and pp stages are new parameters (the whole model's
+                    # freed): as parameters; what else stays is communication's.
+                    tracker.track_external(*pm.parts)
+                    comm_at_build = _current_total(tracker, exclude=("Parameter", "Buffer"))
+                else:
+                    comm_at_build = _current_total(tracker) - before
+            for part in pm.parts:
+                if hasattr(part, "register_comm_hook"):  # DDP on the fake process group
+                    part.register_comm_hook(None, _bucket_as_result)
+        for optimizer in optimizers:
+            _use_foreach(optimizer, cfg.resource.use_gpu)
+            cfg.train.optimizer.create_state(optimizer)  # the state of step 2 onwards
         # Checkpoints (DCP, async or not) stage to host memory: nothing on the device.
         if not fsdp:
-            tracker.track_external(optimizer, getattr(optimizer, "optim", None))
-        tokens = micro_batch * seq
+            for optimizer in optimizers:
+                tracker.track_external(optimizer, getattr(optimizer, "optim", None))
+        pipeline = pm.pipeline
+        accum = cfg.data.grad_accum_steps or 1
+        # Gradient accumulation: from the second micro batch on, the step starts with
+        # the gradients of the earlier ones; two show the steady state. A pipeline
+        # takes the step's rows at once and splits them into its own micro batches.
+        micro_batches = 1 if pipeline is not None else min(accum, 2)
+        rows = micro_batch * accum if pipeline is not None else micro_batch
+        tokens = (rows // pipeline.microbatches if pipeline is not None else rows) * seq
         chunk = min(cfg.train.loss_chunk_tokens or tokens, tokens)
-        tracker.logits_shape = (tokens, vocab)
+        # Logits, [tokens, vocab / tp]: tensor parallelism shards the vocabulary.
+        tracker.logits_shape = (tokens, vocab // tp)
         # The chunked loss's fp32 chunks are the loss's too (trainlab.models.loss).
         tracker.logits_rows = {tokens, chunk, tokens % chunk} - {0}
         tracker.phase_peaks, tracker.phase_seconds, tracker.phase_snaps = {}, {}, {}
@@ -347,10 +425,10 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
         # A packed batch as the loader makes it (trainlab.data.pack): with
         # position and document ids, so attention gets its block-diagonal mask.
         batch = {
-            "input_ids": torch.zeros((micro_batch, seq), dtype=torch.long),
-            "labels": torch.zeros((micro_batch, seq), dtype=torch.long),
-            "position_ids": torch.zeros((micro_batch, seq), dtype=torch.long),
-            "document_ids": torch.zeros((micro_batch, seq), dtype=torch.int32),
+            "input_ids": torch.zeros((rows, seq), dtype=torch.long),
+            "labels": torch.zeros((rows, seq), dtype=torch.long),
+            "position_ids": torch.zeros((rows, seq), dtype=torch.long),
+            "document_ids": torch.zeros((rows, seq), dtype=torch.int32),
         }
         precision = cfg.train.precision
         if precision == "fp16":
@@ -365,34 +443,67 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
         emulate = (
             cfg.resource.use_gpu
             and precision != "fp32"
-            and any(isinstance(m, norms) for m in model.modules())
+            and any(isinstance(m, norms) for part in pm.parts for m in part.modules())
         )
         gpu_policy = _cuda_autocast_norms() if emulate else contextlib.nullcontext()
         attention = _target_attention(cfg.resource.use_gpu)
-        # Gradient accumulation: from the second micro batch on, the step starts with
-        # the gradients of the earlier ones; two show the steady state.
-        micro_batches = min(cfg.data.grad_accum_steps or 1, 2)
+        loss_context = contextlib.nullcontext
+        if pm.tensor_parallel:  # as train_step: forward and backward inside it
+            from torch.distributed.tensor.parallel import loss_parallel as loss_context
         with tracker, gpu_policy, attention:
-            for i in range(micro_batches):
+            if pipeline is not None:
+                # The trainer's first step: the schedule infers its stages' inputs and
+                # outputs (a forward and backward of its own) and allocates the
+                # receive buffers, which stay. Traced, then the peak starts afresh.
+                before = _current_total(tracker)
+                scale = torch.ones((), dtype=torch.float32) / (rows * seq)
+                with loss_context(), autocast_context(precision, env.device):
+                    pipeline.run(concat([batch]), scale, backward=True)
+                for part in pm.parts:
+                    part.zero_grad(set_to_none=True)
+                comm_at_build += _current_total(tracker) - before
+                tracker.reset_mod_stats()
+                _restart_peak(tracker)
+                tracker.phase = "forward"  # the schedule interleaves forward and backward
+                with loss_context():
+                    with autocast_context(precision, env.device):
+                        pipeline.run(
+                            concat([batch]), scale, True, cfg.train.loss_chunk_tokens
+                        )
+                    pipeline.sync_tied_gradients()
+            for i in range(micro_batches if pipeline is None else 0):
                 if i:
                     tracker.reset_mod_stats()  # the trackers refuse a second forward otherwise
                 tracker.phase = "forward"
                 last = i == micro_batches - 1
+                model = pm.parts[0]
                 # As train_step: the sync context around the forward only.
-                with gradient_sync(model, last), autocast_context(precision, env.device):
-                    loss_sum, _ = loss_sum_and_count(model, batch, cfg.train.loss_chunk_tokens)
-                    loss = loss_sum / (tokens * micro_batches)
-                tracker.phase = "backward"
-                loss.backward()
-                del loss, loss_sum
+                with loss_context():
+                    with gradient_sync(model, last), autocast_context(precision, env.device):
+                        loss_sum, _ = loss_sum_and_count(
+                            model, batch, cfg.train.loss_chunk_tokens
+                        )
+                        loss = loss_sum / (tokens * micro_batches)
+                    tracker.phase = "backward"
+                    loss.backward()
+                del loss, loss_sum, model
             tracker.phase = "clip"
             clip = cfg.train.grad_clip or float("inf")
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-            if hasattr(norm, "full_tensor"):
-                norm = norm.full_tensor()
+            if pm.sharded:  # as train_step: norms over meshes and stages
+                params = [p for part in pm.parts for p in part.parameters()]
+                tied = frozenset(id(part.output.weight) for part in pm.parts if is_tied_copy(part))
+                group = pipeline.group if pipeline is not None else None
+                norm = clip_grad_norm(params, clip, group, tied)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(pm.parts[0].parameters(), clip)
+                if hasattr(norm, "full_tensor"):
+                    norm = norm.full_tensor()
+            del norm
             tracker.phase = "optimizer"
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+            for optimizer in optimizers:
+                optimizer.step()
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
             tracker.phase = "done"
         peak = tracker.get_tracker_snapshot("peak")
         raw = next(iter(peak.values()), {})
@@ -400,7 +511,7 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
         memory = _categories(raw, comm_at_build, tracker.logits_at_peak, fsdp, framework_bytes(cfg))
         result = TraceResult(
             memory,
-            tracker.peak_phase,
+            tracker.peak_phase if pipeline is None else "step",
             dict(tracker.phase_peaks),
             {k: round(v, 3) for k, v in tracker.phase_seconds.items() if k != "setup"},
             dict(tracker.phase_snaps),
@@ -408,9 +519,88 @@ def _trace(cfg: ExperimentConfig, env: Any, micro_batch: int) -> TraceResult:
             0.0,
             raw,
             notes,
+            env.rank,
         )
-        del model, optimizer, tracker
+        del pm, pipeline, optimizers, tracker
     return result
+
+
+def _restart_peak(tracker: Any) -> None:
+    """Start the tracker's peak (and each phase's) from what is held now."""
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+
+    tracker._peak_mem_snap = deepcopy(tracker.get_tracker_snapshot())
+    tracker._peak_mem = {d: s[_TOTAL_KEY] for d, s in tracker._peak_mem_snap.items()}
+    tracker.phase_peaks.clear()
+    tracker.phase_snaps.clear()
+    tracker.logits_at_peak = tracker.logits_now
+
+
+@contextlib.contextmanager
+def _pipeline_under_fakes(hidden: dict[str, Any]) -> Iterator[None]:
+    """What the pipeline schedule (torch.distributed.pipelining) needs to run one
+    rank on fakes, its peers being absent (see the module docstring):
+
+    - cutting a stage deep-copies the model; a deep copy of a fake tensor gets a
+      fake mode of its own (torch's FakeCopyMode keeps the active one);
+    - the schedule's first step votes over the ranks (a tensor read back) for
+      inferring the stages' input and output shapes at run time: what every rank
+      votes without shapes given, as trainlab's stages are built;
+    - that inference sends each stage's output metadata to the next stage and
+      its input-gradient metadata to the previous one: sent, nothing happens (the
+      first stage's output is kept in `hidden` for the other ranks' traces);
+      received, a stage gets the first stage's output (every stage passes the
+      residual stream on: the same tensor) or gradients shaped as its own outputs.
+    The activations and gradients themselves go through the fake process group's
+    send and receive, which return at once into the schedule's own buffers."""
+    import copy
+    import dataclasses
+    import types
+
+    from torch._guards import active_fake_mode
+    from torch._subclasses.fake_tensor import FakeCopyMode
+    from torch.distributed.pipelining import schedules, stage
+    from torch.distributed.pipelining._utils import (
+        InferenceMode,
+        _StageBackwardMeta,
+        _StageForwardMeta,
+    )
+
+    import trainlab.train.parallel.pipeline as pipeline_mod
+
+    def deepcopy(obj: Any, memo: Any = None) -> Any:
+        with FakeCopyMode(active_fake_mode()):
+            return copy.deepcopy(obj, memo)
+
+    def warmup_p2p(self: Any, stages: Any, has_backward: bool, p2p_done: bool) -> None:
+        for s in stages if isinstance(stages, list) else [stages]:
+            s._inference_mode = InferenceMode.DYNAMIC
+
+    def send_meta(self: Any, meta: Any, dst_stage: int) -> None:
+        if isinstance(meta, _StageForwardMeta) and self.stage_index == 0:
+            hidden["forward"] = meta.forward_metas
+
+    def recv_meta(self: Any, src_stage: int) -> Any:
+        if src_stage < self.stage_index:
+            if "forward" not in hidden:
+                raise RuntimeError("trace: pipeline rank 0 is traced first")
+            return _StageForwardMeta(hidden["forward"])
+        grads = tuple(
+            dataclasses.replace(m, requires_grad=False) if m.requires_grad else None
+            for m in self._stage_meta.outputs
+        )
+        return _StageBackwardMeta(grads)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(
+            _patched(pipeline_mod, "copy", types.SimpleNamespace(deepcopy=deepcopy))
+        )
+        stack.enter_context(_patched(schedules._PipelineSchedule, "_warmup_p2p", warmup_p2p))
+        stack.enter_context(_patched(stage.PipelineStage, "_send_meta", send_meta))
+        stack.enter_context(_patched(stage.PipelineStage, "_recv_meta", recv_meta))
+        yield
 
 
 @contextlib.contextmanager
@@ -476,10 +666,15 @@ def _is_float(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and x.is_floating_point()
 
 
-def _current_total(tracker: Any) -> int:
+def _current_total(tracker: Any, exclude: tuple[str, ...] = ()) -> int:
+    """Bytes the tracker holds now, less its categories named in `exclude`."""
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
-    return sum(s.get(_TOTAL_KEY, 0) for s in tracker.get_tracker_snapshot().values())
+    total = 0
+    for snap in tracker.get_tracker_snapshot().values():
+        total += snap.get(_TOTAL_KEY, 0)
+        total -= sum(v for k, v in snap.items() if getattr(k, "value", k) in exclude)
+    return total
 
 
 def _bucket_as_result(state, bucket):  # DDP checks `bucket`'s annotation: none

@@ -203,3 +203,25 @@ def test_probe_names_what_a_node_cannot_see(tmp_path):
     assert len(seen["problems"]) == 2
     assert "nodata/manifest.json does not exist" in seen["problems"][0]
     assert f"storage {private} is not shared" in seen["problems"][1]
+
+
+def test_a_submitted_user_architecture_is_imported_from_the_jobs_copy(repo, tmp_path):
+    """The staged config names the user architecture's folder relative to itself,
+    so the job (which reads it from its uploaded copy) imports the copy's module;
+    a folder outside the repository would not travel and is refused."""
+    recipe = str(repo / "trainers/recipes/tiny_parallel_alibi.yaml")
+    prep = prepare(recipe, [], repo)
+    assert prep.cfg.model.code_dir == str(repo / "trainers/models")
+    rel = stage_working_dir(prep, tmp_path / "wd")
+    from trainlab.config import load_config
+
+    shipped = load_config(tmp_path / "wd" / rel)
+    assert shipped.model.code_dir == str(tmp_path / "wd" / "trainers/models")
+    assert (tmp_path / "wd" / "trainers/models/parallel_alibi.py").is_file()
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "parallel_alibi.py").write_text(
+        (repo / "trainers/models/parallel_alibi.py").read_text()
+    )
+    with pytest.raises(UserError, match="outside the repository"):
+        prepare(recipe, [f"model.code_dir={outside}"], repo)
