@@ -115,15 +115,24 @@ def _arch_checks(cfg: dict[str, Any]) -> Iterator[Problem]:
 def _layout_of_measured_arch(cfg: dict[str, Any]) -> Iterator[Problem]:
     """An architecture brought by the user (hf:TYPE, MODULE:NAME) is parallelized
     from its structure: data parallelism (DDP, FSDP per repeated block) always;
-    tensor and pipeline parallelism only where it says how (docs/models.md)."""
+    tensor parallelism from its own plan (transformers' base_model_tp_plan) when
+    trainlab can apply it; pipeline parallelism only where it says how
+    (docs/models.md)."""
     from trainlab.models.registry import find_arch
 
     p, m = cfg["parallel"], cfg["model"]
     arch = find_arch(m["arch"], m.get("code_dir"))
     if arch is None or not arch.measured:
         return
-    if (p["tp"] or 1) > 1:
-        yield Problem("parallel.tp", p["tp"], arch.tensor_parallel_refusal(m))
+    why = arch.tensor_parallel_refusal(m)
+    if (p["tp"] or 1) > 1 and why:
+        yield Problem("parallel.tp", p["tp"], why)
+    if (p["tp"] or 1) > 1 and p.get("sequence_parallel"):
+        yield Problem(
+            "parallel.sequence_parallel", True,
+            f"{arch.name}: sequence parallelism needs the norms' placement, which a "
+            "tensor-parallel plan does not give; leave it off",
+        )  # fmt: skip
     if (p["pp"] or 1) > 1:
         yield Problem("parallel.pp", p["pp"], arch.pipeline_refusal(m))
 

@@ -317,6 +317,12 @@ class Architecture:
         the memory trace's) runs under; nothing for most."""
         return contextlib.nullcontext()
 
+    def tensor_parallel_plan(self, m: Any) -> dict[str, str] | None:
+        """{module path pattern: "colwise" | "rowwise"} for an architecture whose
+        tensor parallelism comes from a plan; trainlab's families shard by their
+        own module names (trainlab.train.parallel.tensor)."""
+        return None
+
     def isolates_documents(self, m: Mapping[str, Any]) -> str | None:
         """None when a packed document sees only itself (trainlab's families pass
         the document mask to every attention layer); else the reason it does not."""

@@ -14,8 +14,9 @@ sliding-window attention). A family with layers that carry state along the row
 isolate documents that way and is refused unless
 `model.cross_document_attention: true` accepts it for the run.
 
-Tensor parallelism would come from the family's `base_model_tp_plan` and is
-refused for now (docs/models.md); pipeline parallelism needs a declared split.
+Tensor parallelism comes from the family's `base_model_tp_plan` where it uses
+only column- and row-wise shards (trainlab.train.parallel.tensor.apply_plan);
+pipeline parallelism needs a declared split (docs/models.md).
 """
 
 from __future__ import annotations
@@ -280,14 +281,12 @@ class HFArchitecture(MeasuredArchitecture):
             return None
         return int(total), int(per_token)
 
-    def tensor_parallel_plan(self, m: ModelSpec) -> dict[str, str] | None:
-        return dict(getattr(self.hf_config(m), "base_model_tp_plan", None) or {}) or None
-
-    def tensor_parallel_refusal(self, m: Mapping[str, Any]) -> str:
-        return (
-            f"{self.name}: tensor parallelism of transformers families is not executed yet "
-            "(their base_model_tp_plan is not applied); use data parallelism (FSDP)"
-        )
+    def tensor_parallel_plan(self, m: Any) -> dict[str, str] | None:
+        """The family's own `base_model_tp_plan`, from the wrapper's root
+        (`hf.model.` + its keys); embeddings and the output head stay replicated."""
+        config = self.hf_config(m if isinstance(m, Mapping) else _as_mapping(m))
+        plan = dict(getattr(config, "base_model_tp_plan", None) or {})
+        return {f"hf.model.{k}": v for k, v in plan.items()} or None
 
     def export_refusal(self, m: ModelSpec) -> str | None:
         return None

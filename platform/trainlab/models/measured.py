@@ -36,6 +36,9 @@ from trainlab.models.base import (
 if TYPE_CHECKING:
     from torch import nn
 
+# The tensor-parallel styles of an architecture's plan trainlab applies.
+TP_STYLES = frozenset({"colwise", "rowwise"})
+
 __all__ = ["Measurement", "MeasuredArchitecture", "repeated_blocks", "spec_key"]
 
 
@@ -107,11 +110,27 @@ class MeasuredArchitecture(Architecture):
         return None
 
     def tensor_parallel_plan(self, m: ModelSpec) -> dict[str, str] | None:
-        """{module path pattern: "colwise" | "rowwise"} when the model has a plan."""
+        """{module path pattern (from the model's root, `*` for any block): "colwise"
+        | "rowwise"} when the model has a plan (Megatron-style: column-wise
+        projections into attention and the MLP, row-wise out of them)."""
         return None
 
-    def tensor_parallel_refusal(self, m: Mapping[str, Any]) -> str:
-        return f"architecture {self.name} has no tensor-parallel plan"
+    def tensor_parallel_refusal(self, m: Any) -> str | None:
+        """None when tensor parallelism can be applied from the model's plan; else why
+        not. The styles trainlab applies are plain column- and row-wise shards, with
+        every other parameter replicated (its gradient is then the same on every
+        rank of the group, as in trainlab's own families without sequence
+        parallelism)."""
+        plan = self.tensor_parallel_plan(m)
+        if not plan:
+            return f"{self.name} has no tensor-parallel plan"
+        other = sorted({s for s in plan.values() if s not in TP_STYLES})
+        if other:
+            return (
+                f"{self.name}'s tensor-parallel plan uses {', '.join(other)}, which trainlab "
+                f"does not apply (it applies {', '.join(sorted(TP_STYLES))}); use FSDP"
+            )
+        return None
 
     def pipeline_refusal(self, m: Mapping[str, Any]) -> str:
         return (

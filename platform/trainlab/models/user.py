@@ -138,6 +138,10 @@ class UserArchitecture(MeasuredArchitecture):
         own = self._declared("experts")
         return own(m) if own is not None else None
 
+    def tensor_parallel_plan(self, m: Any) -> dict[str, str] | None:
+        own = self._declared("tensor_parallel_plan")
+        return own(m) if own is not None else None
+
     def export_refusal(self, m: ModelSpec) -> str | None:
         if self._declared("export") is not None:
             return None

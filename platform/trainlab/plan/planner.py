@@ -198,10 +198,12 @@ def candidate_layouts(cfg: ExperimentConfig) -> list[Layout]:
     world = r.world_size
     per_node = r.gpus_per_node if r.use_gpu else world
     kv = m.num_kv_heads or m.num_heads
-    measured = arch_of(m).measured  # tp/pp are refused for them (config rules)
+    arch = arch_of(m)
+    measured = arch.measured  # pp, and tp without a plan, are refused (config rules)
+    no_tp = measured and arch.tensor_parallel_refusal(m) is not None
     out = []
     for tp in _divisors(world):
-        if measured and tp > 1:
+        if no_tp and tp > 1:
             continue
         if tp > per_node or m.num_heads % tp or kv % tp or (p.tp and tp != p.tp):
             continue

@@ -280,18 +280,21 @@ def _trackers() -> tuple[type, type]:
             return super().__torch_dispatch__(func, types, args, kwargs)
 
         def _update_peak_stats(self, peak_state: Any) -> None:
+            phase = self.phase
+            if phase == "schedule":  # a pipeline schedule runs forward and backward in turn
+                phase = "backward" if self._mod_tracker.is_bw else "forward"
             for dev, snap in self._curr_mem_snap.items():
                 if self.phase_peaks is not None and snap[_TOTAL_KEY] > self.phase_peaks.get(
-                    self.phase, -1
+                    phase, -1
                 ):
-                    self.phase_peaks[self.phase] = snap[_TOTAL_KEY]
-                    self.phase_snaps[self.phase] = {
+                    self.phase_peaks[phase] = snap[_TOTAL_KEY]
+                    self.phase_snaps[phase] = {
                         getattr(k, "value", k): v for k, v in snap.items()
                     } | {"logits": self.logits_now}
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
-                    self.peak_phase = self.phase
+                    self.peak_phase = phase
                     self.logits_at_peak = self.logits_now
 
         def _track(self, reftype: Any, t: torch.Tensor) -> None:
@@ -450,21 +453,28 @@ def _trace(
         loss_context = contextlib.nullcontext
         if pm.tensor_parallel:  # as train_step: forward and backward inside it
             from torch.distributed.tensor.parallel import loss_parallel as loss_context
+        if pipeline is not None:
+            # The trainer's first step, not traced: the schedule infers its stages'
+            # inputs and outputs (a forward and an autograd.grad of its own, which
+            # the tracker's module hooks do not allow) and allocates its receive
+            # buffers, which stay: tracked from here, as communication.
+            scale = torch.ones((), dtype=torch.float32) / (rows * seq)
+            first_step = (
+                _cuda_autocast_norms() if emulate else contextlib.nullcontext(),
+                _target_attention(cfg.resource.use_gpu),
+                loss_context(),
+                autocast_context(precision, env.device),
+            )
+            with contextlib.ExitStack() as stack:
+                for ctx in first_step:
+                    stack.enter_context(ctx)
+                pipeline.run(concat([batch]), scale, backward=True)
+            for part in pm.parts:
+                part.zero_grad(set_to_none=True)
+            comm_at_build += _track_as_activations(tracker, _receive_buffers(pipeline))
         with tracker, gpu_policy, attention:
             if pipeline is not None:
-                # The trainer's first step: the schedule infers its stages' inputs and
-                # outputs (a forward and backward of its own) and allocates the
-                # receive buffers, which stay. Traced, then the peak starts afresh.
-                before = _current_total(tracker)
-                scale = torch.ones((), dtype=torch.float32) / (rows * seq)
-                with loss_context(), autocast_context(precision, env.device):
-                    pipeline.run(concat([batch]), scale, backward=True)
-                for part in pm.parts:
-                    part.zero_grad(set_to_none=True)
-                comm_at_build += _current_total(tracker) - before
-                tracker.reset_mod_stats()
-                _restart_peak(tracker)
-                tracker.phase = "forward"  # the schedule interleaves forward and backward
+                tracker.phase = "schedule"  # forward and backward in the schedule's order
                 with loss_context():
                     with autocast_context(precision, env.device):
                         pipeline.run(
@@ -511,7 +521,7 @@ def _trace(
         memory = _categories(raw, comm_at_build, tracker.logits_at_peak, fsdp, framework_bytes(cfg))
         result = TraceResult(
             memory,
-            tracker.peak_phase if pipeline is None else "step",
+            tracker.peak_phase,
             dict(tracker.phase_peaks),
             {k: round(v, 3) for k, v in tracker.phase_seconds.items() if k != "setup"},
             dict(tracker.phase_snaps),
@@ -525,17 +535,29 @@ def _trace(
     return result
 
 
-def _restart_peak(tracker: Any) -> None:
-    """Start the tracker's peak (and each phase's) from what is held now."""
-    from copy import deepcopy
+def _receive_buffers(pipeline: Any) -> list[Any]:
+    """The buffers a pipeline rank's stages receive activations and gradients into,
+    one per micro batch each (torch.distributed.pipelining's `_RecvInfo`)."""
+    buffers = []
+    for stage in pipeline.schedule._stages if hasattr(pipeline.schedule, "_stages") else [
+        pipeline.schedule._stage
+    ]:
+        for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
+            buffers += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+    return buffers
 
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
-    tracker._peak_mem_snap = deepcopy(tracker.get_tracker_snapshot())
-    tracker._peak_mem = {d: s[_TOTAL_KEY] for d, s in tracker._peak_mem_snap.items()}
-    tracker.phase_peaks.clear()
-    tracker.phase_snaps.clear()
-    tracker.logits_at_peak = tracker.logits_now
+def _track_as_activations(tracker: Any, tensors: list[Any]) -> int:
+    """Track `tensors`, made outside the tracker, as activations; their bytes."""
+    act = next(r for r in tracker._ref_class if r.value == "Activation")
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        for winfo in tracker._update_and_maybe_create_winfos(t, act):
+            if id(winfo) not in seen:
+                seen.add(id(winfo))
+                total += winfo.mem_consumed
+    return total
 
 
 @contextlib.contextmanager
@@ -718,8 +740,8 @@ def _categories(
         mem["parameters"] = g("Sharded Param", 0) + g("Unsharded Param", 0) + g("Buffer", 0)
         mem["gradients"] = g("Sharded Grad", 0) + g("Unsharded Grad", 0)
         mem["optimizer"] = g("OptState", 0)
-        mem["communication"] = g("All Gather", 0) + g("Reduce Scatter", 0)
-        activations = g("Activation", 0) + g("Temp", 0) + g("Inputs", 0)
+        mem["communication"] = g("All Gather", 0) + g("Reduce Scatter", 0) + comm_at_build
+        activations = g("Activation", 0) + g("Temp", 0) + g("Inputs", 0) - comm_at_build
     else:
         mem["parameters"] = g("Parameter", 0) + g("Buffer", 0)
         mem["gradients"] = g("Gradient", 0)

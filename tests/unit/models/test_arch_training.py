@@ -70,3 +70,32 @@ def test_stopped_and_resumed_fsdp_run_is_bitwise_the_uninterrupted_one(dataset, 
     assert {**first, **second} == reference  # every logged loss, exactly
     assert summary["weights_sha256"] == ref_summary["weights_sha256"]
     assert summary["val_loss"] == ref_summary["val_loss"]
+
+
+def test_hf_tensor_parallel_from_the_familys_plan_matches_one_process(dataset, tmp_path):
+    """hf:llama on tp=2 (its base_model_tp_plan: q/k/v and gate/up column-wise, o
+    and down row-wise) follows the one-process loss curve (relative 1e-4), and a
+    run stopped at step 3 resumes at dp=2 FSDP from the sharded checkpoint."""
+    model = {"arch": "hf:llama"}
+
+    def cfg(parallel: dict, workers: int):
+        return tiny_config(
+            dataset,
+            model=model,
+            data={"global_batch_size": 8, "micro_batch_size": 2},
+            train={"total_steps": 6, "log_interval": 1, "eval_interval": 3,
+                   "checkpoint": {"every_steps": 3}},
+            parallel={"strategy": "ddp", **parallel},
+            resource={"num_workers": workers},
+        )  # fmt: skip
+
+    reference, _ = run_layout(make_job(cfg({}, 1), tmp_path / "one"), 1, tmp_path / "one.json")
+    run = tmp_path / "run"
+    first, _ = run_layout(
+        make_job(cfg({"tp": 2, "dp": 1}, 2), run), 2, tmp_path / "a.json", stop_at=3
+    )
+    fsdp = {"strategy": "fsdp", "zero_stage": 3, "dp": 2}
+    second, summary = run_layout(make_job(cfg(fsdp, 2), run), 2, tmp_path / "b.json")
+    assert summary["start_step"] == 3
+    for step, loss in {**first, **second}.items():
+        assert loss == pytest.approx(reference[step], rel=1e-4), (step, first, second, reference)

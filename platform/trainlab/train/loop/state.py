@@ -111,6 +111,8 @@ class ModelState:
         """ids of parameters that are a second copy of a tied table (pipeline)."""
         from trainlab.train.parallel.pipeline import is_tied_copy
 
+        if self.parallel.pipeline is None:
+            return frozenset()
         return frozenset(id(part.output.weight) for part in self.parts if is_tied_copy(part))
 
     # ---------------------------------------------------------------- state dicts

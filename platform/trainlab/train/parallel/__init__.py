@@ -32,6 +32,7 @@ from torch import nn
 
 from trainlab.config.schema import ExperimentConfig
 from trainlab.errors import UserError
+from trainlab.models.registry import arch_of
 from trainlab.train.parallel import compile as compiling
 from trainlab.train.parallel import fsdp, recompute, replicate
 from trainlab.train.parallel.distributed import DistEnv
@@ -102,6 +103,7 @@ def parallelize(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> Parall
 
     plan = None
     parts = [model]
+    tp_plan = arch_of(cfg.model).tensor_parallel_plan(cfg.model)
     if dims.pp > 1:
         pp_rank = env.coords.pp
         virtual = p.pp_virtual_stages or 1
@@ -119,7 +121,9 @@ def parallelize(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> Parall
             tied_group=tied,
         )
     for part in parts:
-        if dims.tp > 1:
+        if dims.tp > 1 and tp_plan is not None:  # the architecture's own plan
+            tensor.apply_plan(part, env.mesh["tp"], tp_plan)
+        elif dims.tp > 1:
             tensor.apply_tensor_parallel(part, env.mesh["tp"], p.sequence_parallel)
         recompute.apply(part, p.activation_checkpointing)
         if compiled:

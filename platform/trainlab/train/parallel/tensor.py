@@ -28,6 +28,22 @@ from typing import Any
 from torch import nn
 
 
+def apply_plan(model: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
+    """Shard `model` over `tp_mesh` in place by an architecture's own plan
+    ({module path pattern: "colwise" | "rowwise"}, e.g. transformers'
+    `base_model_tp_plan`): local outputs, so the model's code runs on its share
+    of the heads and of the MLP width unchanged; everything the plan does not
+    name stays replicated."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    parallelize_module(model, tp_mesh, {path: styles[s]() for path, s in plan.items()})
+
+
 def _mlp_plan(mlp: nn.Module, colwise: Any, rowwise: Any) -> dict[str, Any]:
     names = [n for n in ("gate", "up", "fc") if hasattr(mlp, n)]
     return {**{f"mlp.{n}": colwise() for n in names}, "mlp.proj": rowwise}
