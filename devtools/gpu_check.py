@@ -771,6 +771,7 @@ class Check:
                     self.step("eager_vs_compiled", self.eager_vs_compiled, 10 if self.rehearsal else 60)
                     self.step("host_syncs", self.host_syncs, 10 if self.rehearsal else 20)
                     self.step("dense_vs_flex", self.dense_vs_flex, 10 if self.rehearsal else 90)
+                    self.step("hf_architectures", self.hf_architectures, 10 if self.rehearsal else 60)
             except Exception as exc:  # noqa: BLE001
                 self.report["error"] = f"process group: {_error(exc)}"
                 self.report["traceback"] = traceback.format_exc()[-4000:]
@@ -1221,6 +1222,63 @@ class Check:
         bad = [k for k, r in results.items() if "error" in r.get("flex", {})]
         if bad:
             rec["ok"], rec["error"] = False, f"flex failed at {', '.join(bad)}"
+
+    def hf_architectures(self, rec: dict[str, Any]) -> None:
+        """`model.arch: hf:TYPE` on the device (trainlab.models.hf): hf:llama with
+        `attention: auto` (transformers' FlexAttention kernel with trainlab's block
+        mask on CUDA; SDPA with the dense mask in the CPU rehearsal) and hf:qwen3_moe
+        (its experts as one grouped matmul, torch._grouped_mm in bf16 on CUDA). Each:
+        the logits of every document of a packed row against the document alone
+        (fp32), then a bf16 autocast forward and backward, its peak memory."""
+        import torch
+
+        from trainlab.config.schema import ModelConfig
+        from trainlab.models import build_model
+
+        size = self.sizes["fp16"].model
+        seq = 256 if self.device.type == "cuda" else 64
+        lengths = [seq // 4, seq // 2, seq - seq // 4 - seq // 2]
+        families = {
+            "hf:llama": {},
+            "hf:qwen3_moe": {"ffn_hidden_size": 64,
+                             "options": {"num_experts": 8, "num_experts_per_tok": 2}},
+        }  # fmt: skip
+        g = torch.Generator().manual_seed(7)
+        ids = torch.randint(0, size["vocab_size"], (1, seq), generator=g).to(self.device)
+        docs = torch.cat([torch.full((n,), i, dtype=torch.int32) for i, n in enumerate(lengths)])
+        pos = torch.cat([torch.arange(n) for n in lengths])[None].to(self.device)
+        docs = docs[None].to(self.device)
+        out: dict[str, Any] = {}
+        for arch, extra in families.items():
+            model_cfg = ModelConfig.model_validate(
+                {**size, "arch": arch, "max_seq_len": seq, "attention": "auto", **extra}
+            )
+            torch.manual_seed(0)
+            model = build_model(model_cfg).to(self.device)
+            with torch.no_grad():
+                packed = model(ids, position_ids=pos, document_ids=docs)
+                worst, at = 0.0, 0
+                for n in lengths:
+                    alone = model(ids[:, at : at + n])
+                    worst = max(worst, (packed[:, at : at + n] - alone).abs().max().item())
+                    at += n
+            _reset_peak(self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16):
+                loss = model(ids, position_ids=pos, document_ids=docs).float().mean()
+            loss.backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            out[arch] = {
+                "attention": getattr(model, "_impl", None),
+                "isolation_max_abs": worst,
+                "loss": loss.item(),
+                "grads_finite": all(bool(torch.isfinite(x).all()) for x in grads),
+                "peak_bytes": _peak_bytes(self.device),
+            }
+            del model
+        rec["by_arch"] = out
+        bad = [a for a, r in out.items() if r["isolation_max_abs"] > 1e-3 or not r["grads_finite"]]
+        if bad:
+            rec["ok"], rec["error"] = False, f"documents leak or gradients not finite: {bad}"
 
     def _sdpa_backends(self) -> dict[str, Any]:
         """Which SDPA backends accept the dense-mask call and the plain causal one

@@ -32,6 +32,10 @@ MACHINE_MODULES = {
     "torch", "torchgen", "functorch", "triton", "nvidia", "numpy", "pyarrow", "tokenizers",
     "yaml", "safetensors", "transformers", "filelock", "fsspec", "jinja2", "markupsafe",
     "networkx", "sympy", "mpmath", "setuptools", "pkg_resources", "typing_extensions",
+    # what transformers itself requires (its Requires-Dist and theirs)
+    "packaging", "huggingface_hub", "regex", "tqdm", "typer", "click", "kernels", "hf_xet",
+    "httpx2", "httpcore2", "h11", "anyio", "idna", "certifi", "sniffio", "charset_normalizer",
+    "truststore",
 }  # fmt: skip
 # What the carried wheels (gpu_check.WHEEL_PACKAGES) provide.
 WHEEL_MODULES = {
@@ -154,8 +158,11 @@ def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
     steps = report["steps"]
     assert list(steps) == [
         "train_bf16_fsdp", "memory", "fp16_grad_scaler", "muon_bf16_fsdp",
-        "eager_vs_compiled", "host_syncs", "dense_vs_flex", "kill_resume", "checkpoint_stall",
+        "eager_vs_compiled", "host_syncs", "dense_vs_flex", "hf_architectures", "kill_resume",
+        "checkpoint_stall",
     ]  # fmt: skip
+    hf = steps["hf_architectures"]["by_arch"]
+    assert all(r["isolation_max_abs"] < 1e-5 and r["grads_finite"] for r in hf.values()), hf
     assert all(s["ok"] and s["seconds"] >= 0 for s in steps.values())
 
     train = steps["train_bf16_fsdp"]
