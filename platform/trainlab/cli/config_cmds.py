@@ -95,6 +95,7 @@ def _trace(cfg, p) -> dict:  # noqa: ANN001 - ExperimentConfig, Plan, imported l
             "peak_phase": r.phase,
             "seconds": round(r.seconds, 2),
             "world_size": r.world_size,
+            "rank": r.rank,  # pp > 1: the busiest pipeline rank (each is traced)
             "notes": r.notes,
         },
     }
@@ -121,14 +122,16 @@ def _print_plan(name: str, p, traced: dict | None = None) -> None:  # noqa: ANN0
     mem = p.memory_per_device_bytes
     shown = traced["traced_memory_per_device_bytes"] if traced else {}
     for k, v in mem.items():
-        if v or k == "total":
+        if v or shown.get(k) or k == "total":
             trace_col = f"  (traced {shown[k] / GiB:.3f})" if k in shown else ""
             t.add_row(f"memory/device {k}", f"{v / GiB:.3f} GiB{trace_col}")
     if traced:
         tr = traced["trace"]
+        on_rank = f" on rank {tr['rank']}" if p.parallel["pp"] > 1 else ""
         t.add_row(
             "traced peak/device",
-            f"{shown['total'] / GiB:.3f} GiB in {tr['peak_phase']} ({tr['seconds']:.1f} s)",
+            f"{shown['total'] / GiB:.3f} GiB in {tr['peak_phase']}{on_rank} "
+            f"({tr['seconds']:.1f} s)",
         )
         t.add_row("estimate error", f"{traced['estimate_error']:+.1%}")
     t.add_row(
@@ -142,3 +145,5 @@ def _print_plan(name: str, p, traced: dict | None = None) -> None:  # noqa: ANN0
     con.print(t)
     for n in p.notes:
         con.print(f"  - {n}", highlight=False)
+    for n in traced["trace"]["notes"] if traced else []:
+        con.print(f"  - trace: {n}", highlight=False)

@@ -88,8 +88,12 @@ Tensor and pipeline parallelism (trainlab.train.parallel.tensor, .pipeline):
 the estimate divides the model state by tp*pp and the blocks' internal
 activations by tp (norms and residual replicated without sequence
 parallelism), and holds pp micro batches of L/pp layers on the first stage
-(1F1B). It is the paper model, not yet checked against a trace: `trainlab plan
---trace` traces data-parallel layouts only (docs/parallelism.md).
+(1F1B). It is the paper model. `trainlab plan --trace` traces tp and pp layouts
+too (every pipeline rank; the busiest compared); on the tiny recipe the
+tensors are off by more than the data-parallel 10%: tp=2 -15% (DDP buckets no
+tp layout has, loss_parallel's logits), pp=2 +73% (the P/pp split, the data
+micro batch taken as the pipeline's, no gradients at the last stage's forward
+peak) (tests/unit/train/test_memtrace.py, docs/memory.md).
 """
 
 from __future__ import annotations
@@ -428,7 +432,10 @@ def _step(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> _Step:
 def _notes(cfg: ExperimentConfig, mp: int) -> list[str]:
     m, notes = cfg.model, []
     if mp > 1:
-        notes.append("tp/pp > 1: estimated by the paper model, not traced")
+        notes.append(
+            "tp/pp > 1: the paper model, looser than the data-parallel figures: "
+            "`trainlab plan --trace` compares it with a trace"
+        )
     sdpa = resolve_attention(m.attention, cfg.resource.use_gpu, m.dropout) == "sdpa"
     if cfg.resource.use_gpu and sdpa and (m.num_kv_heads or m.num_heads) != m.num_heads:
         notes.append(

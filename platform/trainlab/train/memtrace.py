@@ -1,16 +1,18 @@
 """Memory of one real training step, traced at full size without allocating it.
 
 `trace_memory(cfg, layout)` builds the model trainlab builds (`build_model`),
-wraps it with the trainer's own code (`trainlab.train.parallel`:
-`apply_parallelism`, `build_optimizer`, `gradient_sync`; `trainlab.train.loop.step`:
-`autocast_context`, `loss_sum_and_count`) and runs one optimizer step the way
-`train_step` does (per micro batch: forward and loss under the sync context
-and autocast, backward; then gradient clipping, the optimizer step,
-`zero_grad(set_to_none=True)`), as rank 0 of a world of the layout's size, on a
-packed batch as the loader makes it (position and document ids: attention gets
-the block-diagonal mask). `train_step` itself is not called: it reads the
-number of labelled tokens and the loss as Python numbers, which fake tensors do
-not have. With:
+wraps it with the trainer's own code (`trainlab.train.parallel`: `parallelize`,
+`build_optimizer` per part, `gradient_sync`, `clip_grad_norm`;
+`trainlab.train.loop.step`: `autocast_context`, `loss_sum_and_count`,
+`loss_parallel` under tensor parallelism) and runs one optimizer step the way
+`train_step_tensors` does (per micro batch: forward and loss under the sync
+context and autocast, backward; with pipeline parallelism the schedule over
+the step's rows instead, then the tied table's gradient sum; then gradient
+clipping, the optimizer step, `zero_grad(set_to_none=True)`), as rank 0 of a
+world of the layout's size (with pp > 1: as each pipeline rank in turn, below),
+on a packed batch as the loader makes it (position and document ids: attention
+gets the block-diagonal mask). The step function itself is not called: it
+takes the trainer's ModelState and the loader's host batches. With:
 
 - fake tensors (`torch._subclasses.fake_tensor.FakeTensorMode`): shapes,
   dtypes and devices, no storage, so a 70B model "fits" on a laptop;
@@ -63,9 +65,49 @@ and what is done about it:
 - fp16: the grad scaler is CUDA-only; the trace runs fp16 autocast without it
   (the scaler holds two scalars).
 
-`tp`/`pp` > 1 are refused: the trainer does not execute them yet.
+Tensor parallelism (tp > 1): the DeviceMesh ("pp", "dp", "tp") is built on the
+fake process group before fake mode, as the trainer builds it, and
+`parallelize` shards the model over its "tp" dimension (DTensor); rank 0 (tp
+rank 0) is traced, the other tp ranks holding the same shapes. The trackers
+count DTensors by their local shards. The loss runs under `loss_parallel` on
+the vocabulary-sharded logits, forward and backward, as `train_step_tensors`
+runs it. FSDP or FSDP2's replicate over "dp" beside tp joins the dp and tp
+meshes inside fake mode; the joined mesh's rank table is computed outside the
+modes (`DeviceMesh._concatenate`).
 
-The trace leaves no global state behind: the fake process group is destroyed,
+Pipeline parallelism (pp > 1): the real schedule (`PipelinePlan.run`:
+torch.distributed.pipelining's 1F1B, GPipe or interleaved 1F1B, with the
+configured number of pipeline micro batches) runs one rank's stages, every
+forward and backward in the schedule's order, so the stages hold what that
+rank holds in flight (1F1B: pp - r micro batches on pipeline rank r). Each
+pipeline rank is traced in turn, in a fake world of its own (as its tp=0,
+dp=0 rank), and the busiest is the result (`TraceResult.rank`, with every
+pipeline rank's total in `rank_totals`). What is stood in for, the peers being
+absent:
+
+- the activations and gradients a rank receives: the fake process group's
+  send and receive return at once; the received tensors are the schedule's
+  own receive buffers (fake), of the shapes the schedule inferred;
+- the schedule's first step (not traced, as the optimizer state's creation is
+  not): its vote over the ranks on how to learn the stages' shapes (a tensor
+  read back) is what every rank votes for trainlab's stages (inferred at run
+  time); the metadata the inference sends goes nowhere, and the metadata it
+  receives is made here: a stage's input is the first stage's output (kept
+  from pipeline rank 0's trace, which runs first: every stage passes on the
+  residual stream), the gradient of its output has its output's shape. The
+  receive buffers that step allocates (one per micro batch, activations and
+  gradients) stay, and count as `communication`;
+- cutting a stage deep-copies the model, which gives fake tensors a fake mode
+  of their own: the copy is made under torch's FakeCopyMode.
+Several stages per rank (interleaved 1F1B) under FSDP are refused:
+FSDPMemTracker follows one FSDP module and one optimizer.
+The trackers' per-module statistics, which the trace does not read, refuse a
+module's second forward in a step (each micro batch's): they are skipped
+(MemTracker) or restarted (FSDPMemTracker); what sets a tensor's category
+(a module's parameters, recomputation in backward) is kept. Where the peak of
+a schedule is, forward or backward, is read from the module tracker.
+
+The trace leaves no global state behind: the fake process groups are destroyed,
 the patched functions restored, the trackers' global optimizer hooks removed;
 building fake tensors draws nothing from the random generators. (torch keeps
 its own caches, e.g. DTensor's sharding propagation, which make a second trace
@@ -108,8 +150,9 @@ class TraceResult:
 def trace_memory(
     cfg: ExperimentConfig, layout: Any = None, micro_batch: int | None = None
 ) -> dict[str, float]:
-    """The traced peak memory of rank 0 by category (the names of
-    `trainlab.plan.memory.memory_breakdown`) plus `total`, in bytes.
+    """The traced peak memory of rank 0 (pp > 1: of the busiest pipeline rank) by
+    category (the names of `trainlab.plan.memory.memory_breakdown`) plus `total`,
+    in bytes.
 
     `layout` (tp, pp, dp, zero_stage) defaults to what the planner chooses for
     `cfg`; `micro_batch` to `data.micro_batch_size`."""
@@ -202,12 +245,18 @@ def _fake_world(dims: Any, rank: int = 0) -> Iterator[Any]:
 
 @contextlib.contextmanager
 def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    original = getattr(obj, name)
+    """`obj.name` set to `value`, then restored as it was (a staticmethod stays one;
+    an inherited attribute is inherited again)."""
+    missing = object()
+    original = vars(obj).get(name, missing)
     setattr(obj, name, value)
     try:
         yield
     finally:
-        setattr(obj, name, original)
+        if original is missing:
+            delattr(obj, name)
+        else:
+            setattr(obj, name, original)
 
 
 @contextlib.contextmanager
@@ -219,8 +268,21 @@ def _trainer_under_fakes(fsdp: bool, world_size: int) -> Iterator[None]:
     import torch.distributed.fsdp._fully_shard._fully_shard as fully_shard_mod
     import torch.distributed.tensor._sharding_prop as sharding_prop_mod
     import torch.nn.parallel.distributed as ddp_mod
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    concatenate = DeviceMesh._concatenate
+
+    def concatenate_outside_modes(meshes: Any) -> Any:
+        with _disable_current_modes():
+            return concatenate(meshes)
 
     with contextlib.ExitStack() as stack:
+        # FSDP beside tp joins the dp and tp meshes inside fake mode: the new mesh's
+        # rank table is computed from the real one, outside the modes.
+        stack.enter_context(
+            _patched(DeviceMesh, "_concatenate", staticmethod(concatenate_outside_modes))
+        )
         # DTensor derives output shapes on global-size fake tensors of a fake mode
         # of its own, which the trackers skip; it reuses the active fake mode when
         # there is one (ours), and they would count those as activations.
@@ -338,7 +400,17 @@ def _trackers() -> tuple[type, type]:
             pass
 
     class LeanFSDP(_Lean, FSDPMemTracker):
-        pass
+        # As Lean's: an FSDP module's forward again within the step (a pipeline
+        # stage's next micro batch) starts its statistics afresh.
+        def _fsdp_state_pre_forward(self, fsdp_mod: Any, orig: Any) -> Any:
+            inner = super()._fsdp_state_pre_forward(fsdp_mod, orig)
+
+            def again(*args: Any, **kwargs: Any) -> Any:
+                if not self._mod_tracker.is_bw:
+                    self.memory_tracking.pop(fsdp_mod, None)
+                return inner(*args, **kwargs)
+
+            return again
 
     return Lean, LeanFSDP
 
@@ -349,7 +421,6 @@ def _trace(
     """One rank's step. `hidden` carries what the first pipeline stage sends on (the
     metadata of its output) from rank 0's trace to the other pipeline ranks'."""
     import torch
-    from torch import nn
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from trainlab.models import arch_of, build_model
@@ -379,9 +450,13 @@ def _trace(
     ):
         if fsdp:
             pm = parallelize(build_model(cfg.model), cfg, env)
-            optimizers = [build_optimizer(part, cfg, env) for part in pm.parts]
-            root = pm.parts[0] if len(pm.parts) == 1 else nn.ModuleList(pm.parts)
-            tracker = LeanFSDP(root, optimizers[0])
+            if len(pm.parts) > 1:
+                raise UserError(
+                    "trace: several pipeline stages per rank (interleaved) under FSDP: "
+                    "torch's FSDPMemTracker follows one FSDP module and one optimizer"
+                )
+            optimizers = [build_optimizer(pm.parts[0], cfg, env)]
+            tracker = LeanFSDP(pm.parts[0], optimizers[0])
             comm_at_build = 0
         else:
             # Built under the tracker: DDP allocates its gradient buckets here.
@@ -477,9 +552,7 @@ def _trace(
                 tracker.phase = "schedule"  # forward and backward in the schedule's order
                 with loss_context():
                     with autocast_context(precision, env.device):
-                        pipeline.run(
-                            concat([batch]), scale, True, cfg.train.loss_chunk_tokens
-                        )
+                        pipeline.run(concat([batch]), scale, True, cfg.train.loss_chunk_tokens)
                     pipeline.sync_tied_gradients()
             for i in range(micro_batches if pipeline is None else 0):
                 if i:
@@ -490,9 +563,7 @@ def _trace(
                 # As train_step: the sync context around the forward only.
                 with loss_context():
                     with gradient_sync(model, last), autocast_context(precision, env.device):
-                        loss_sum, _ = loss_sum_and_count(
-                            model, batch, cfg.train.loss_chunk_tokens
-                        )
+                        loss_sum, _ = loss_sum_and_count(model, batch, cfg.train.loss_chunk_tokens)
                         loss = loss_sum / (tokens * micro_batches)
                     tracker.phase = "backward"
                     loss.backward()
@@ -501,7 +572,9 @@ def _trace(
             clip = cfg.train.grad_clip or float("inf")
             if pm.sharded:  # as train_step: norms over meshes and stages
                 params = [p for part in pm.parts for p in part.parameters()]
-                tied = frozenset(id(part.output.weight) for part in pm.parts if is_tied_copy(part))
+                tied: frozenset[int] = frozenset()
+                if pipeline is not None:  # a tied table's second copy (ModelState.tied_copies)
+                    tied = frozenset(id(p.output.weight) for p in pm.parts if is_tied_copy(p))
                 group = pipeline.group if pipeline is not None else None
                 norm = clip_grad_norm(params, clip, group, tied)
             else:
@@ -538,10 +611,9 @@ def _trace(
 def _receive_buffers(pipeline: Any) -> list[Any]:
     """The buffers a pipeline rank's stages receive activations and gradients into,
     one per micro batch each (torch.distributed.pipelining's `_RecvInfo`)."""
+    schedule = pipeline.schedule
     buffers = []
-    for stage in pipeline.schedule._stages if hasattr(pipeline.schedule, "_stages") else [
-        pipeline.schedule._stage
-    ]:
+    for stage in schedule._stages if hasattr(schedule, "_stages") else [schedule._stage]:
         for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values()):
             buffers += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
     return buffers
