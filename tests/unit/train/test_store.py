@@ -265,3 +265,53 @@ def test_a_run_stopped_from_outside_gets_its_summary_in_the_store(run, s3_env):
     stored = s3.get_object(Bucket=bucket, Key="runs/2026-12-05/r/run_summary.json")
     assert json.loads(stored["Body"].read()) == summary
     assert write_ended_summary(run.uri, "stopped", "again") is None
+
+
+def test_a_throttled_store_never_costs_a_committed_checkpoint(run, s3_env, s3_server, monkeypatch,
+                                                              tmp_path):
+    """The store answers 503 SlowDown to every GET of checkpoint.json (through a
+    fault proxy in front of the S3 server): the start-of-attempt cleanup and the
+    driver's resume check retry, then stop with exit 74 naming the store, and
+    every committed checkpoint is still there; once the store answers, the resume
+    takes the newest. (It used to read a throttled checkpoint.json as "not
+    committed" and delete every checkpoint.)"""
+    from tests.faultproxy import FaultProxy
+    from trainlab.exitcodes import STORAGE_FAULT
+    from trainlab.storage import StoreUnavailable
+
+    s3, bucket = s3_env
+    _save(run, 10)
+    _save(run, 20)
+    before = _keys(s3, bucket)
+    monkeypatch.setenv("TRAINLAB_STORE_RETRY_S", "0.5")
+    with FaultProxy(s3_server) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        throttled = CheckpointStore(RunLocation.of(run.uri, str(tmp_path / "node")))
+        proxy.fail("GET", "/checkpoint.json")
+        with pytest.raises(StoreUnavailable) as err:
+            throttled.clean_uncommitted()
+        assert err.value.exit_code == STORAGE_FAULT
+        assert "checkpoint.json" in str(err.value) and "nothing was changed" in str(err.value)
+        with pytest.raises(StoreUnavailable):
+            throttled.find_resume()
+        assert proxy.faults >= 2
+        assert _keys(s3, bucket) == before  # nothing deleted
+        proxy.clear()
+        assert throttled.clean_uncommitted() == []
+        assert throttled.find_resume().step == 20
+
+
+def test_an_unreadable_commit_is_refused_and_kept_never_deleted(run, s3_env):
+    """A checkpoint.json that does not parse is corrupt: the resume skips it (and
+    says why), the cleanup keeps its folder."""
+    s3, bucket = s3_env
+    _save(run, 10)
+    _save(run, 20)
+    key = f"{_prefix(run)}/step-00000020/checkpoint.json"
+    s3.put_object(Bucket=bucket, Key=key, Body=b'{"step": 20, "fil')
+    store = CheckpointStore(run)
+    assert store.clean_uncommitted() == []
+    assert store.step_dirs() == [10, 20]
+    assert store.find_resume().step == 10
+    (uri, why), = store.refusals()
+    assert uri.endswith("step-00000020") and "unreadable" in why and "kept" in why

@@ -51,7 +51,14 @@ from typing import Any
 
 from trainlab.errors import UserError, first_line
 from trainlab.runloc import RunLocation
-from trainlab.storage import UnsafePath, resolve_inside
+from trainlab.storage import (
+    Absent,
+    Corrupt,
+    StorageError,
+    UnsafePath,
+    read_retrying,
+    resolve_inside,
+)
 from trainlab.train import checkpoint as ck
 
 log = logging.getLogger(__name__)
@@ -95,17 +102,32 @@ class CheckpointStore:
         return f"{self.root}/{ck.dir_name(step)}"
 
     def _read_json(self, path: str) -> Any:
-        with self.fs.open_input_stream(path) as f:
-            return json.loads(f.read())
+        """The JSON object at `path`: `Absent` or `Corrupt` when it is not there or
+        does not parse; retried while the store is unavailable (`StoreUnavailable`
+        when it stays so): a read that did not succeed is never taken for absent."""
+
+        def read() -> Any:
+            with self.fs.open_input_stream(path) as f:
+                return json.loads(f.read())
+
+        return read_retrying(read, self._uri(path))
 
     def _write_json(self, path: str, obj: Any) -> None:
         with self.fs.open_output_stream(path) as out:
             out.write(json.dumps(obj, indent=1, sort_keys=True).encode())
 
-    def _names(self, path: str) -> list[Any]:
+    def _names(self, path: str, recursive: bool = False) -> list[Any]:
+        """What is under `path` (nothing when it does not exist); an unavailable
+        store is retried, never read as an empty listing."""
         from pyarrow import fs
 
-        return self.fs.get_file_info(fs.FileSelector(path, allow_not_found=True))
+        selector = fs.FileSelector(path, allow_not_found=True, recursive=recursive)
+        return read_retrying(lambda: self.fs.get_file_info(selector), f"listing {self._uri(path)}")
+
+    def _uri(self, path: str) -> str:
+        """The URI of a store path (for messages)."""
+        storage = self.loc.storage
+        return storage.uri_of(path.removeprefix(storage.path.rstrip("/")))
 
     # ------------------------------------------------------------------ listing
 
@@ -114,17 +136,26 @@ class CheckpointStore:
         steps = (ck.parse_step(e.base_name) for e in self._names(self.root))
         return sorted(s for s in steps if s is not None)
 
-    def info(self, step: int) -> ck.CheckpointInfo | None:
-        """The committed checkpoint of `step` (its checkpoint.json), or None."""
+    def commit_state(self, step: int) -> ck.CheckpointInfo | StorageError:
+        """The committed checkpoint of `step`, or why there is none: `Absent` (no
+        checkpoint.json: never committed, a save that did not finish) or `Corrupt`
+        (one that does not parse or names another step). An unavailable store is
+        retried and then raises: it says nothing about the checkpoint."""
+        where = f"{self.uri(step)}/{ck.META_FILE}"
         try:
             meta = self._read_json(f"{self._dir(step)}/{ck.META_FILE}")
-        except (OSError, ValueError):
-            return None
+        except (Absent, Corrupt) as err:
+            return err
         if not isinstance(meta, dict) or meta.get("step") != step:
-            return None
+            return Corrupt(f"{where}: not the commit of step {step}")
         return ck.CheckpointInfo(
             self.local_root / ck.dir_name(step), step, meta, uri=self.uri(step)
         )
+
+    def info(self, step: int) -> ck.CheckpointInfo | None:
+        """The committed checkpoint of `step` (its checkpoint.json), or None."""
+        state = self.commit_state(step)
+        return state if isinstance(state, ck.CheckpointInfo) else None
 
     def committed(self) -> list[ck.CheckpointInfo]:
         """Committed checkpoints, oldest first."""
@@ -144,7 +175,7 @@ class CheckpointStore:
         base = self._dir(info.step)
         found = {
             e.path[len(base) + 1 :]: e.size
-            for e in self.fs.get_file_info(fs.FileSelector(base, recursive=True))
+            for e in self._names(base, recursive=True)
             if e.type == fs.FileType.File
         }
         for rel, expected in files.items():
@@ -180,9 +211,11 @@ class CheckpointStore:
         """Each step folder a resume would not take, with why, newest first."""
         out = []
         for step in reversed(self.step_dirs()):
-            info = self.info(step)
-            if info is None:
-                reason = f"no readable {ck.META_FILE} (not committed)"
+            info = self.commit_state(step)
+            if isinstance(info, Absent):
+                reason = f"no {ck.META_FILE} (not committed)"
+            elif isinstance(info, Corrupt):
+                reason = f"{ck.META_FILE} unreadable ({info}): kept as it is"
             elif require_valid and not info.valid:
                 reason = f"not valid: {info.meta.get('error') or 'it failed validation'}"
             else:
@@ -299,9 +332,19 @@ class CheckpointStore:
         return gone
 
     def clean_uncommitted(self) -> list[int]:
-        """Remove the step folders with no checkpoint.json (saves a crashed or failed
-        attempt left; called once at the start of an attempt, under the run lock)."""
-        gone = [s for s in self.step_dirs() if self.info(s) is None]
+        """Remove the step folders whose checkpoint.json the store says is not there
+        (saves a crashed or failed attempt left; called once at the start of an
+        attempt, under the run lock). A checkpoint.json that could not be read
+        (store unavailable: `StoreUnavailable` after retries) or does not parse
+        (corrupt) keeps its folder: nothing is deleted on a read that did not
+        succeed."""
+        gone = []
+        for step in self.step_dirs():
+            state = self.commit_state(step)
+            if isinstance(state, Absent):
+                gone.append(step)
+            elif isinstance(state, Corrupt):
+                log.warning("keeping %s: %s", self.uri(step), state)
         for step in gone:
             self.delete(step)
         return gone
