@@ -51,7 +51,8 @@ def export(
         echo_json(result)
         return 0
     click.echo(
-        f"exported step {result['step']} of {result['run_dir']} as {result['hf_class']} "
+        f"exported step {result['step']} of {result['run_dir']} as "
+        f"{result['hf_class'] or result['arch']} "
         f"({result['dtype']}, {result['weights_bytes'] / 2**20:.1f} MiB, "
         f"{result['num_tensors']} tensors) to {result['out']} in {result['seconds']:.1f} s"
     )
@@ -60,8 +61,12 @@ def export(
         click.echo(f"logged to MLflow run {result['mlflow_run_id']}")
     elif not no_mlflow:
         click.echo("no MLflow record of this run found; not logged")
-    click.echo(
-        f"load it: AutoModelForCausalLM.from_pretrained({result['out']!r}), "
-        f"AutoTokenizer.from_pretrained({result['out']!r})"
-    )
+    if result["hf_class"]:  # a transformers class; a user architecture wrote its own files
+        click.echo(
+            f"load it: AutoModelForCausalLM.from_pretrained({result['out']!r}), "
+            f"AutoTokenizer.from_pretrained({result['out']!r})"
+        )
+    else:
+        click.echo(f"written by {result['arch']}'s own export; the tokenizer loads with "
+                   f"AutoTokenizer.from_pretrained({result['out']!r})")
     return 0
