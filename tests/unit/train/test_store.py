@@ -315,3 +315,24 @@ def test_an_unreadable_commit_is_refused_and_kept_never_deleted(run, s3_env):
     assert store.find_resume().step == 10
     (uri, why), = store.refusals()
     assert uri.endswith("step-00000020") and "unreadable" in why and "kept" in why
+
+
+def test_a_commit_whose_names_nest_is_refused_and_the_older_one_taken(run, s3_env, tmp_path):
+    """A checkpoint.json listing `zz` and `zz/b` (both objects exist: a store allows
+    it, no disk does) is refused as corrupt before anything is fetched, and the
+    resume takes the next older checkpoint. (It used to pass the check and fail
+    the fetch with FileExistsError, attempt after attempt.)"""
+    s3, bucket = s3_env
+    _save(run, 10)
+    _save(run, 20)
+    base = f"{_prefix(run)}/step-00000020"
+    for name in ("zz", "zz/b"):
+        s3.put_object(Bucket=bucket, Key=f"{base}/{name}", Body=b"x")
+    meta = json.loads(s3.get_object(Bucket=bucket, Key=f"{base}/checkpoint.json")["Body"].read())
+    meta["files"].update({"zz": {"bytes": 1, "sha256": "?"}, "zz/b": {"bytes": 1, "sha256": "?"}})
+    s3.put_object(Bucket=bucket, Key=f"{base}/checkpoint.json", Body=json.dumps(meta).encode())
+    store = CheckpointStore(RunLocation.of(run.uri, str(tmp_path / "fresh-node")))
+    assert store.find_resume().step == 10
+    (uri, why), = store.refusals()
+    assert uri.endswith("step-00000020") and "'zz' and 'zz/b' nest" in why
+    assert store.fetch_newest().step == 10

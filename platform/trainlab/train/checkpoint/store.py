@@ -172,6 +172,9 @@ class CheckpointStore:
             return "lists no files"
         for rel in files:  # whoever can write to the store wrote these names
             check_name(rel, f"file name in {info.uri}/{ck.META_FILE}")
+        clash = name_clash(list(files))
+        if clash:  # a store holds "zz" and "zz/b"; no disk can: corrupt
+            return clash
         base = self._dir(info.step)
         found = {
             e.path[len(base) + 1 :]: e.size
@@ -420,6 +423,24 @@ def check_name(name: object, what: str) -> None:
     parts = PurePosixPath(name).parts
     if PurePosixPath(name).is_absolute() or ".." in parts or name.startswith("~"):
         raise UnsafePath(f"{what} {name!r} leads outside the checkpoint")
+
+
+def name_clash(names: list[str]) -> str | None:
+    """Why the file names a checkpoint lists cannot all be files of one folder (one
+    names the same file as another, or a folder holding another), or None."""
+    from pathlib import PurePosixPath
+
+    seen: dict[str, str] = {}
+    for name in names:
+        key = PurePosixPath(name).as_posix()
+        if key in seen:
+            return f"its file names {seen[key]!r} and {name!r} are the same file"
+        seen[key] = name
+    for key, name in seen.items():
+        for parent in PurePosixPath(key).parents:
+            if str(parent) in seen:
+                return f"its file names {seen[str(parent)]!r} and {name!r} nest (a file and a folder)"
+    return None
 
 
 def refused(info: ck.CheckpointInfo, error: UnsafePath) -> UserError:
