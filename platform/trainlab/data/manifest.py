@@ -7,6 +7,7 @@ shard's sha256. A problem is a `UserError` naming the file and what is wrong.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -50,6 +51,8 @@ class Manifest:
     vocab_size: int
     token_dtype: str
     sources: dict[str, SourceInfo]
+    tokenizer_file: str = "tokenizer.json"
+    tokenizer_sha256: str = ""
 
     @property
     def root(self) -> str:
@@ -170,6 +173,23 @@ class ManifestDoc(_Doc):
         return self.model_dump(mode="json", exclude_none=True)
 
 
+def dataset_fingerprint(
+    tokenizer_sha256: str, cleaning: dict, shards: list[tuple[str, str, str]]
+) -> str:
+    """The dataset's identity: the tokenizer's and every shard's checksum (source,
+    file, sha256, in the manifest's order) and the cleaning settings. prep writes
+    it; every reader recomputes it from what the manifest lists, so an edited
+    manifest cannot keep the fingerprint of the data it no longer describes."""
+    doc = {"tokenizer": tokenizer_sha256, "cleaning": cleaning, "shards": [list(s) for s in shards]}
+    text = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    return hashlib.sha256(text).hexdigest()
+
+
+def doc_fingerprint(doc: ManifestDoc) -> str:
+    shards = [(n, s.file, s.sha256) for n, src in doc.sources.items() for s in src.shards]
+    return dataset_fingerprint(doc.tokenizer.sha256, doc.cleaning, shards)
+
+
 def parse_manifest(raw: Any, where: str) -> ManifestDoc:
     """`raw` (parsed JSON) as a ManifestDoc; UserError naming the first problem."""
     try:
@@ -201,6 +221,11 @@ def load_manifest(path: str | os.PathLike[str] | DatasetDir) -> Manifest:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{file}: cannot read manifest ({type(e).__name__}: {e})") from None
     doc = parse_manifest(raw, file)
+    if doc_fingerprint(doc) != doc.fingerprint:
+        raise UserError(
+            f"{file}: its fingerprint does not match the tokenizer, cleaning and shard "
+            "checksums it lists (the manifest was edited after prep); re-run `trainlab prep`"
+        )
     sources = {
         name: SourceInfo(
             name=name,
@@ -217,6 +242,8 @@ def load_manifest(path: str | os.PathLike[str] | DatasetDir) -> Manifest:
         vocab_size=doc.tokenizer.vocab_size,
         token_dtype=doc.tokenizer.dtype,
         sources=sources,
+        tokenizer_file=doc.tokenizer.file,
+        tokenizer_sha256=doc.tokenizer.sha256,
     )
 
 
@@ -227,6 +254,13 @@ def verify_shards(manifest: Manifest, checksums: bool = True) -> None:
     fingerprint; checking the checksums (about 1 GB/s locally; the whole dataset is
     downloaded once from a store) rules that out."""
     where = manifest.location
+    tok = manifest.tokenizer_file
+    known = checksums and manifest.tokenizer_sha256 and where.is_file(tok)
+    if known and sha256_of(where, tok) != manifest.tokenizer_sha256:
+        raise UserError(
+            f"{where.uri_of(tok)}: sha256 differs from the manifest; the prepared "
+            "dataset was modified after prep (re-run `trainlab prep`)"
+        )
     for src in manifest.sources.values():
         for shard in src.shards:
             path = manifest.shard_path(shard)

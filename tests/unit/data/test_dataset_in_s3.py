@@ -7,6 +7,7 @@ scheme, is one line naming data.path."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from trainlab.data import WorkerLoader, prepare_run_data
 from trainlab.data.at_step import rows_at_step
 from trainlab.data.inspect import inspect_stream
 from trainlab.data.loader import check_resume
+from trainlab.data.manifest import ManifestDoc, doc_fingerprint
 from trainlab.data.stream import TrainStream
 from trainlab.errors import UserError
 
@@ -79,14 +81,16 @@ def test_a_changed_dataset_in_the_store_is_caught(s3_env, local):
     s3.put_object(Bucket=bucket, Key=f"ds/{shard}", Body=body[:-8] + b"\0" * 8)
     with pytest.raises(UserError, match=f"{uri}/{shard}: sha256 differs from the manifest"):
         prepare_run_data(make_cfg(uri))
-    # The dataset re-prepared under the same location (here: a different mix of the
-    # same files under a new fingerprint): resuming the run on it is refused.
+    # The dataset re-prepared under the same location (here: the same files under
+    # other cleaning settings, so a new fingerprint): resuming the run on it is refused.
     s3.put_object(Bucket=bucket, Key=f"ds/{shard}", Body=body)
-    manifest = s3.get_object(Bucket=bucket, Key="ds/manifest.json")["Body"].read()
-    changed = manifest.replace(spec.fingerprint.encode(), b"f" * 64)
-    s3.put_object(Bucket=bucket, Key="ds/manifest.json", Body=changed)
+    raw = json.loads(s3.get_object(Bucket=bucket, Key="ds/manifest.json")["Body"].read())
+    raw["cleaning"] = {**raw["cleaning"], "reprepared": True}
+    raw["fingerprint"] = doc_fingerprint(ManifestDoc.model_validate(raw))
+    s3.put_object(Bucket=bucket, Key="ds/manifest.json", Body=json.dumps(raw).encode())
     respec = prepare_run_data(make_cfg(uri))
-    with pytest.raises(UserError, match=f"data.path = {uri}: prepared dataset fingerprint ffff"):
+    new = raw["fingerprint"][:16]
+    with pytest.raises(UserError, match=f"data.path = {uri}: prepared dataset fingerprint {new}"):
         check_resume(respec, state)
     # A worker whose spec predates the change refuses to read the new dataset.
     with pytest.raises(UserError, match="the prepared dataset changed under this run"):

@@ -13,7 +13,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from trainlab.data.manifest import FORMAT_VERSION, MANIFEST, ManifestDoc, parse_manifest
+from trainlab.data.manifest import (
+    FORMAT_VERSION,
+    MANIFEST,
+    ManifestDoc,
+    dataset_fingerprint,
+    parse_manifest,
+)
 from trainlab.data.prep.shards import SourceAccount, atomic_write_bytes
 from trainlab.data.prep.tokenizer import TokenizerInfo
 from trainlab.errors import UserError
@@ -30,9 +36,10 @@ def signature(obj: Any) -> str:
 
 
 def fingerprint(tokenizer_sha256: str, cleaning: dict, accounts: dict[str, SourceAccount]) -> str:
-    """The dataset's identity: tokenizer, cleaning settings and every shard's checksum."""
-    shards = [[name, s["file"], s["sha256"]] for name, acc in accounts.items() for s in acc.shards]
-    return signature({"tokenizer": tokenizer_sha256, "cleaning": cleaning, "shards": shards})
+    """The dataset's identity (trainlab.data.manifest.dataset_fingerprint, which every
+    reader recomputes): tokenizer, cleaning settings and every shard's checksum."""
+    shards = [(name, s["file"], s["sha256"]) for name, acc in accounts.items() for s in acc.shards]
+    return dataset_fingerprint(tokenizer_sha256, cleaning, shards)
 
 
 def build_manifest(
