@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import errno
 import hashlib
 import json
 import logging
@@ -38,13 +39,42 @@ NOT_INHERITED = ("name", "purpose", "expectation")
 # --------------------------------------------------------------------------- YAML + extends
 
 
-def _read_yaml_mapping(path: Path) -> dict[str, Any]:
-    data = read_yaml(path, ConfigError)
+NOT_A_CONFIG = "not a trainlab config"
+# What a config file's top level may hold: the schema's sections and fields, and extends.
+TOP_KEYS = frozenset({*ExperimentConfig.model_fields, EXTENDS_KEY})
+# A key a person could have meant as one of them (a typo), not a line of another file.
+_KEY_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.\-]{0,99}\Z")
+
+
+def _read_yaml_mapping(path: Path, extended: bool = False) -> dict[str, Any]:
+    """The mapping in the config file `path`. A file that is not one, does not parse
+    or holds no config sections (/etc/shadow: every line a key) is one line saying it
+    is not a trainlab config, quoting nothing of it. An extended file with a typo in
+    a key is named here with the key (never a value): validation would report it
+    under the top file's name."""
+    data = read_yaml(path, ConfigError, what="a trainlab config")
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
-    return data
+        raise ConfigError(
+            f"{path}: {NOT_A_CONFIG} (top level must be a mapping of config sections, "
+            f"got {type(data).__name__})"
+        )
+    unknown = [k for k in data if k not in TOP_KEYS]
+    if not unknown:
+        return data
+    if len(unknown) == len(data) or not all(
+        isinstance(k, str) and _KEY_NAME.match(k) for k in unknown
+    ):
+        raise ConfigError(f"{path}: {NOT_A_CONFIG} (its top-level keys are not config sections)")
+    if extended:
+        lines = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, sorted(TOP_KEYS), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"{path}: {key!r}: unknown key{hint}")
+        raise ConfigError(lines)
+    return data  # the top file's typos: validation names each
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
@@ -62,15 +92,23 @@ def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]
 
 
 def load_raw(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
-    """The merged raw mapping of `path` and everything it extends."""
+    """The merged raw mapping of `path` and everything it extends (regular files
+    only: `trainlab.errors.read_user_file`)."""
     path = Path(path)
-    resolved = path.resolve()
+    source = f" (extended from {_chain[-1]})" if _chain else ""
+    try:
+        resolved = path.resolve(strict=True)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found{source}") from None
+    except RuntimeError:  # pathlib's word for ELOOP before Python 3.13
+        raise ConfigError(f"{path}: symlink loop{source}") from None
+    except OSError as e:
+        why = "symlink loop" if e.errno == errno.ELOOP else f"cannot read ({e.strerror or e})"
+        raise ConfigError(f"{path}: {why}{source}") from None
     if resolved in _chain:
         cycle = " -> ".join(str(p) for p in (*_chain, resolved))
         raise ConfigError(f"{path}: extends cycle: {cycle}")
-    if _chain and not resolved.exists():
-        raise ConfigError(f"{path}: file not found (extended from {_chain[-1]})")
-    data = _read_yaml_mapping(path)
+    data = _read_yaml_mapping(path, extended=bool(_chain))
     parent = data.pop(EXTENDS_KEY, None)
     if parent is None:
         return data
@@ -305,8 +343,6 @@ def load_config(
     anchor (`config_anchor`), so no path depends on the current directory.
     """
     path = Path(path)
-    if not path.exists():
-        raise ConfigError(f"{path}: file not found")
     raw = load_raw(path)
     raw.setdefault("name", path.stem)
     tracking = raw.setdefault("tracking", {})

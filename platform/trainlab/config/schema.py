@@ -37,6 +37,59 @@ NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.\-]*$"
 IMPORT_PATH = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 
 
+def module_on_path(module: str) -> bool:
+    """Whether the dotted `module` can be imported, found without importing it or
+    any package above it (importlib.util.find_spec imports the parents, running
+    their __init__.py): the top level through the installed finders, each level
+    below by its files in its package's folders (`_find_below`), or a module
+    already imported."""
+    import sys
+    from importlib.util import find_spec
+
+    if sys.modules.get(module) is not None:
+        return True  # imported already (also os.path: not a file below os)
+    parts = module.split(".")
+    search: list[str] | None = None
+    for depth, part in enumerate(parts, 1):
+        loaded = sys.modules.get(".".join(parts[:depth]))
+        if loaded is not None:
+            below = getattr(loaded, "__path__", None)
+        elif depth == 1:
+            spec = find_spec(part)  # a top-level name: asks the finders, imports nothing
+            if spec is None:
+                return False
+            below = spec.submodule_search_locations
+        else:
+            found, below = _find_below(part, search or [])
+            if not found:
+                return False
+        if depth < len(parts) and below is None:
+            return False  # a module, not a package: nothing below it
+        search = list(below) if below is not None else None
+    return True
+
+
+def _find_below(part: str, folders: list[str]) -> tuple[bool, list[str] | None]:
+    """Whether `part` is in a package whose folders are `folders`, as the import
+    system would find it, and where its own submodules are: (True, [folder]) for a
+    package (`part/__init__.py`), (True, None) for a module (`part.py`, `.pyc`, an
+    extension), (True, portions) for a namespace package (folders without
+    __init__.py), else (False, None)."""
+    import os
+    from importlib.machinery import all_suffixes
+
+    portions = []
+    for folder in folders:
+        base = os.path.join(folder, part)
+        if any(os.path.isfile(os.path.join(base, "__init__" + s)) for s in all_suffixes()):
+            return True, [base]
+        if any(os.path.isfile(base + s) for s in all_suffixes()):
+            return True, None
+        if os.path.isdir(base):
+            portions.append(base)
+    return (True, portions) if portions else (False, None)
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
@@ -270,13 +323,12 @@ class TrainConfig(Section):
     @field_validator("components")
     @classmethod
     def _components_importable(cls, paths: list[str]) -> list[str]:
-        """The module of each path must exist (found, not imported: no torch here)."""
-        from importlib.util import find_spec
-
+        """The module of each path must exist (found by its files, not imported:
+        reading a config runs no code of the packages it names)."""
         for path in paths:
             module = path.partition(":")[0]
             try:
-                found = find_spec(module) is not None
+                found = module_on_path(module)
             except (ImportError, ValueError):
                 found = False
             if not found:

@@ -5,17 +5,25 @@ Listing happens on the driver before any work, so a path that does not exist
 or a glob that matches nothing is a `UserError`, not an empty source. Reading
 happens in the workers (`open_bytes`), through pyarrow filesystems for URIs.
 Hidden files and folders (a name starting with ".") are skipped when a
-directory or glob is expanded, as a shell glob would.
+directory or glob is expanded, as a shell glob would. A local folder is walked
+without leaving it: a symlink below it that leads outside it (`up -> ..`, a link
+to /etc/shadow) or loops is skipped with one warning; a path the user names is
+read wherever it leads.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainlab.errors import UserError
+
+log = logging.getLogger("trainlab.data.prep")
 
 GLOB_CHARS = re.compile(r"[*?\[]")
 
@@ -147,7 +155,7 @@ def list_files(entry: str, root: Path, source_name: str) -> list[InputFile]:
     where = f"source {source_name!r}: {entry!r}"
     try:
         if GLOB_CHARS.search(target):
-            found = _expand_glob(filesystem, target)
+            found = _expand_glob(filesystem, target, where)
             if not found:
                 raise UserError(f"{where}: glob matches no files")
         else:
@@ -168,29 +176,93 @@ def _expand_plain(filesystem, target: str, where: str) -> list:  # noqa: ANN001
         raise UserError(f"{where}: path does not exist ({target})")
     if info.type == fs.FileType.File:
         return [info]
-    found = [
-        i
-        for i in filesystem.get_file_info(fs.FileSelector(target, recursive=True))
-        if i.type == fs.FileType.File and not _hidden_below(i.path, target)
-    ]
+    found = _files_below(filesystem, target, where)
     if not found:
         raise UserError(f"{where}: directory holds no files ({target})")
     return found
 
 
-def _expand_glob(filesystem, pattern: str) -> list:  # noqa: ANN001
+def _expand_glob(filesystem, pattern: str, where: str) -> list:  # noqa: ANN001
     from pyarrow import fs
 
     base = _glob_base(pattern)
     if filesystem.get_file_info(base).type != fs.FileType.Directory:
         return []
     regex = glob_to_regex(pattern)
-    selector = fs.FileSelector(base, recursive=True)
+    return [i for i in _files_below(filesystem, base, where) if regex.match(i.path)]
+
+
+def _files_below(filesystem, base: str, where: str) -> list:  # noqa: ANN001
+    """Every file below the directory `base`, hidden names skipped. A local folder
+    is walked without leaving it (`_walk_local`); a bucket has no symlinks."""
+    from pyarrow import fs
+
+    if isinstance(filesystem, fs.LocalFileSystem):
+        found, skipped = _walk_local(base)
+        if skipped:
+            log.warning(
+                "%s: skipped %d symlink%s leading outside %s or into a loop (first: %s)",
+                where,
+                len(skipped),
+                "" if len(skipped) == 1 else "s",
+                base,
+                skipped[0],
+            )
+        return found
     return [
         i
-        for i in filesystem.get_file_info(selector)
-        if i.type == fs.FileType.File and regex.match(i.path) and not _hidden_below(i.path, base)
+        for i in filesystem.get_file_info(fs.FileSelector(base, recursive=True))
+        if i.type == fs.FileType.File and not _hidden_below(i.path, base)
     ]
+
+
+@dataclass(frozen=True)
+class _LocalFile:
+    path: str
+    size: int
+    mtime_ns: int
+
+
+def _walk_local(base: str) -> tuple[list[_LocalFile], list[str]]:
+    """The regular files below the local folder `base` (hidden names skipped), and
+    the symlinks not followed, sorted: those leading outside `base` (`shadow.txt ->
+    /etc/shadow`, `up -> ..`) and those that loop. A symlink to a folder inside
+    `base` is not entered either: the walk reaches that folder by its own path."""
+    root = Path(base).resolve()
+    found: list[_LocalFile] = []
+    skipped: list[str] = []
+
+    def leaves(path: str) -> bool | None:
+        """Whether the symlink `path` leads outside `root` or loops; None: dangling."""
+        try:
+            return not Path(path).resolve(strict=True).is_relative_to(root)
+        except FileNotFoundError:
+            return None
+        except (OSError, RuntimeError):  # a loop (RuntimeError before Python 3.13)
+            return True
+
+    for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in dirnames:  # a symlink to a folder is listed here, never entered
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) and leaves(path):
+                skipped.append(path)
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            if name.startswith("."):
+                continue
+            away = leaves(path) if os.path.islink(path) else False
+            if away:
+                skipped.append(path)
+            if away is not False:
+                continue  # outside, a loop, or dangling (no file, as before)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # gone since it was listed
+            if stat.S_ISREG(st.st_mode):
+                found.append(_LocalFile(path, st.st_size, st.st_mtime_ns))
+    return found, sorted(skipped)
 
 
 def list_source_files(entries: list[str], root: Path, source_name: str) -> list[InputFile]:

@@ -215,6 +215,7 @@ def run_prep(
         out_dir = _staging_dir(store)
     else:
         out_dir = Path(out)
+        _refuse_users_folder(out_dir)
         _prepare_out_dir(out_dir)
     if on_checked is not None:
         on_checked()
@@ -237,7 +238,10 @@ def run_prep(
     ex = _make_executor(executor, this_node_only=store is not None)
     units = plan_units(inputs.sources, unit_bytes or default_unit_bytes(inputs.total_bytes))
     old_manifest = read_manifest(out_dir)
-    (out_dir / MANIFEST).unlink(missing_ok=True)  # from here on the directory is unfinished
+    # From here on the directory is unfinished; its work folder says it is a dataset
+    # being built (the next run completes it, `_refuse_users_folder`).
+    (out_dir / WORK_DIR).mkdir(exist_ok=True)
+    (out_dir / MANIFEST).unlink(missing_ok=True)
     if store is not None:
         old_manifest = _remove_store_manifest(store)
 
@@ -480,6 +484,32 @@ def _input_signature(
             "shard_target_mb": spec.shard_target_mb,
             "versions": {"tokenizers": tokenizers.__version__, "pyarrow": pyarrow.__version__},
         }
+    )
+
+
+def _refuse_users_folder(out_dir: Path) -> None:
+    """--out must be new, empty or a trainlab dataset (a manifest.json that parses as
+    one, or the work folder of an unfinished prep): prep overwrites tokenizer.json
+    and manifest.json there, so a folder of the user's is refused, nothing written."""
+    from trainlab.data.manifest import parse_manifest
+
+    if not out_dir.is_dir():
+        return  # new (or not a directory: `_prepare_out_dir` says so)
+    try:
+        if not any(out_dir.iterdir()) or (out_dir / WORK_DIR).is_dir():
+            return
+    except OSError as e:
+        raise UserError(f"--out {out_dir}: cannot list ({e.strerror or e})") from None
+    raw = read_manifest(out_dir)
+    if raw is not None:
+        try:
+            parse_manifest(raw, str(out_dir / MANIFEST))
+            return
+        except UserError:
+            pass
+    raise UserError(
+        f"--out {out_dir}: exists, is not empty and is not a trainlab dataset (no "
+        "manifest.json of one); choose an empty or new directory"
     )
 
 
