@@ -12,6 +12,9 @@ wrapper and `submit` (README "Failures" lists them for users).
      retried by a job retry: the same write would fail again
 - 75 the cluster lost processes or workers the run needed (EX_TEMPFAIL): a retry may succeed
 - 130 interrupted by the user (Ctrl-C / SIGINT): resume with the printed command
+- 143 stopped by SIGTERM (a scheduler, Kubernetes, a job runner): the same graceful
+     stop as Ctrl-C (at the next step, with a checkpoint when due); resume with the
+     printed command
 """
 
 from __future__ import annotations
@@ -23,3 +26,4 @@ STOPPED_BY_ALERT = 4
 STORAGE_FAULT = 74
 INFRASTRUCTURE = 75
 INTERRUPTED = 130
+TERMINATED = 143  # 128 + SIGTERM

@@ -130,6 +130,8 @@ def _run(args: list[str]) -> None:
         click.echo("aborted", err=True)
         sys.exit(130)
     except KeyboardInterrupt:
+        from trainlab.train.driver.interrupt import Interrupts
+
         click.echo("interrupted", err=True)
-        sys.exit(130)
+        sys.exit(Interrupts.exit_code())  # 130 after Ctrl-C, 143 after SIGTERM
     sys.exit(rv if isinstance(rv, int) else 0)

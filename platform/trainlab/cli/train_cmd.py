@@ -13,7 +13,7 @@ import sys
 import click
 
 from trainlab.cli.common import echo_json, json_option
-from trainlab.exitcodes import INTERRUPTED, STOPPED_BY_ALERT, STORAGE_FAULT
+from trainlab.exitcodes import STOPPED_BY_ALERT, STORAGE_FAULT
 from trainlab.runstatus import RunStatus
 
 # EX_TEMPFAIL: workers or nodes were lost beyond train.max_failures; a job retry may
@@ -142,10 +142,12 @@ def train(
             echo_json(summary)
         return 0
     if summary.get("status") == RunStatus.INTERRUPTED:
+        from trainlab.train.driver.interrupt import Interrupts
+
         _print_interrupted(summary)
         if as_json:
             echo_json(summary)
-        return INTERRUPTED
+        return Interrupts.exit_code()  # 130 after Ctrl-C, 143 after SIGTERM
     if smoke and not keep_smoke:
         summary = clean_up_rehearsal(summary)
     _print_done(summary)

@@ -161,3 +161,26 @@ def test_an_early_ctrl_c_of_a_run_without_any_checkpoint_saves_one(dataset, tmp_
     assert (summary["status"], summary["final_step"]) == ("interrupted", 14)
     assert summary["last_checkpoint"].endswith("step-00000014")
     assert "resume_step" not in summary and "dropped_steps" not in summary
+
+
+def test_sigterm_is_the_same_graceful_stop_and_exits_143(tmp_path, capsys):
+    """What a scheduler or Kubernetes sends first: the first SIGTERM asks the run to
+    stop at its next step boundary (as Ctrl-C does), a second stops at once, and
+    the command's exit code says which signal it was."""
+    from trainlab.exitcodes import INTERRUPTED, TERMINATED
+
+    (tmp_path / "logs").mkdir()
+    records = RunRecords(tmp_path)
+    with Interrupts() as interrupts:
+        interrupts.attach(tmp_path)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert records.interrupt_requested()
+        assert "SIGTERM: stopping after the next step" in capsys.readouterr().err
+        assert Interrupts.exit_code() == TERMINATED == 143
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    with Interrupts():
+        assert Interrupts.exit_code() == INTERRUPTED  # a new run starts without a signal

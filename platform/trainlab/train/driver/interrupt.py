@@ -21,6 +21,11 @@ block SIGINT, so only the driver sees it, and the driver decides:
 - a second Ctrl-C stops at once (`KeyboardInterrupt` in the driver, which marks
   the run interrupted at its newest valid checkpoint and shuts Ray down).
 
+SIGTERM (what a scheduler, Kubernetes or a job runner sends first) is the same
+graceful stop: the first stops at the next step boundary (with a checkpoint as
+above), a second stops at once; the command then exits 143 (128 + SIGTERM)
+instead of 130 (`exit_code`).
+
 Ray Train installs a SIGINT handler of its own (it aborts the worker group at
 once, and the run's records with it) when `fit()` runs on the main thread:
 `call_in_thread` runs it on another thread, so this handler stays in charge.
@@ -35,17 +40,23 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Any, TypeVar
 
+from trainlab.exitcodes import INTERRUPTED, TERMINATED
 from trainlab.train.records import RunRecords
 
 T = TypeVar("T")
 JOIN_POLL_S = 0.2
 
 
-class Interrupts:
-    """SIGINT handling for the duration of a `with` block (main thread only;
-    elsewhere, e.g. in a Tune trial, it does nothing)."""
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    active: Interrupts | None = None  # the one handling SIGINT now
+
+class Interrupts:
+    """SIGINT and SIGTERM handling for the duration of a `with` block (main thread
+    only; elsewhere, e.g. in a Tune trial, it does nothing)."""
+
+    active: Interrupts | None = None  # the one handling the signals now
+    # The signal that stopped the newest run of this process (None: none did).
+    last_signal: int | None = None
 
     def __init__(self) -> None:
         self.count = 0
@@ -56,9 +67,10 @@ class Interrupts:
 
     def __enter__(self) -> Interrupts:
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
             self._installed = True
             Interrupts.active = self
+            Interrupts.last_signal = None
         return self
 
     def __exit__(
@@ -68,7 +80,8 @@ class Interrupts:
         tb: TracebackType | None,
     ) -> None:
         if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
+            for sig, previous in self._previous.items():
+                signal.signal(sig, previous)
             self._installed = False
             Interrupts.active = None
 
@@ -101,22 +114,30 @@ class Interrupts:
         stepped = [a for a in self.records.first_steps() if a.get("session") == self.session]
         return bool(started) and len(stepped) >= len(started)
 
+    @staticmethod
+    def exit_code() -> int:
+        """What a stopped command exits with: 143 after SIGTERM, else 130."""
+        return TERMINATED if Interrupts.last_signal == signal.SIGTERM else INTERRUPTED
+
     def _handle(self, signum: int, frame: Any) -> None:
         self.count += 1
+        Interrupts.last_signal = signum
+        what = "SIGTERM" if signum == signal.SIGTERM else "interrupt"
+        again = "send SIGTERM" if signum == signal.SIGTERM else "press Ctrl-C"
         if self.records is None or self.count > 1:
             raise KeyboardInterrupt
         if not self.training():
             print(
-                "\ninterrupt: still starting (nothing trained since this start): stopping now",
+                f"\n{what}: still starting (nothing trained since this start): stopping now",
                 file=sys.stderr,
                 flush=True,
             )
             raise KeyboardInterrupt
         self.records.request_interrupt()
         print(
-            "\ninterrupt: stopping after the next step (with a checkpoint unless the newest "
+            f"\n{what}: stopping after the next step (with a checkpoint unless the newest "
             "is recent: train.checkpoint.on_interrupt_min_age_s); "
-            "press Ctrl-C again to stop at once",
+            f"{again} again to stop at once",
             file=sys.stderr,
             flush=True,
         )
