@@ -146,6 +146,40 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_resumes(ray_address, datas
     assert mlflow_status(runs_root) == [("FINISHED", "completed")]
 
 
+def test_sigterm_to_the_driver_stops_gracefully_and_exits_143(ray_address, dataset, tmp_path):
+    """SIGTERM to the driver alone (what a scheduler or Kubernetes sends first) is
+    the graceful stop of a first Ctrl-C: the run stops at the next step with a
+    checkpoint there, its summary and MLflow say interrupted, and the command
+    exits 143 without a traceback. (It used to die at once: exit 15, no summary.)"""
+    from trainlab.exitcodes import TERMINATED
+
+    runs_root = tmp_path / "runs"
+    cfg = tiny_config(
+        dataset,
+        train={
+            "total_steps": 40,
+            "log_interval": 2,
+            "eval_interval": 20,
+            "runs_root": str(runs_root),
+            "checkpoint": {"every_steps": 20, "on_interrupt_min_age_s": 0},
+        },
+        tracking={"system_metrics": False},
+    )
+    config = tmp_path / "exp.yaml"
+    config.write_text(to_yaml(cfg))
+    proc = start_train([str(config)], ray_address)
+    wait_for(runs_root / "*" / "*" / "logs" / "progress.json", proc)
+    os.kill(proc.pid, signal.SIGTERM)
+    code, out, err = finish(proc)
+    assert code == TERMINATED, err[-3000:]
+    summary = json.loads(out)
+    assert summary["status"] == "interrupted" and 2 <= summary["final_step"] < 40
+    assert summary["last_checkpoint"].endswith(f"step-{summary['final_step']:08d}")
+    assert "SIGTERM: stopping after the next step" in err
+    assert_no_traceback(err)
+    assert mlflow_status(runs_root) == [("KILLED", "interrupted")]
+
+
 def test_ctrl_c_during_startup_ends_at_once_and_says_what_it_waited_for(
     ray_address, dataset, tmp_path
 ):

@@ -85,6 +85,16 @@ class Interrupts:
             self._installed = False
             Interrupts.active = None
 
+    @classmethod
+    def reclaim(cls) -> None:
+        """Install the handlers again: `ray.init` installs a C-level SIGTERM handler
+        of its own (it prints "SIGTERM received" and kills the process), which
+        replaces this one. Called after Ray started; main thread only."""
+        active = cls.active
+        if active is not None and threading.current_thread() is threading.main_thread():
+            for sig in SIGNALS:
+                signal.signal(sig, active._handle)
+
     @property
     def requested(self) -> bool:
         return self.count > 0

@@ -374,6 +374,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     notes = StartupNotes()  # what it waits for, until the first step (stderr)
     notes.ray()
     ensure_ray(num_cpus=cfg.resource.local_num_cpus)
+    Interrupts.reclaim()  # Ray's own SIGTERM handler would end the driver at once
     _check_cluster(cfg)
     # Every node on its lock before any worker starts (else UserError, or recorded
     # drift with --allow-env-drift); writes the run's environment.json.
