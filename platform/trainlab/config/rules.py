@@ -124,8 +124,8 @@ def _layout_of_measured_arch(cfg: dict[str, Any]) -> Iterator[Problem]:
     arch = find_arch(m["arch"], m.get("code_dir"))
     if arch is None or not arch.measured:
         return
-    why = arch.tensor_parallel_refusal(m)
-    if (p["tp"] or 1) > 1 and why:
+    why = arch.tensor_parallel_refusal(m) if (p["tp"] or 1) > 1 else None
+    if why:
         yield Problem("parallel.tp", p["tp"], why)
     if (p["tp"] or 1) > 1 and p.get("sequence_parallel"):
         yield Problem(

@@ -29,7 +29,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from trainlab.models.base import ConfigIssue, ModelSpec
-from trainlab.models.measured import MeasuredArchitecture
+from trainlab.models.measured import MeasuredArchitecture, cross_document_issue
 
 if TYPE_CHECKING:
     import torch
@@ -222,11 +222,7 @@ class HFArchitecture(MeasuredArchitecture):
             )  # fmt: skip
         reason = self.isolates_documents(m, config)
         if reason and not m.get("cross_document_attention"):
-            yield ConfigIssue(
-                "model.arch", self.name,
-                f"{reason}, so packed documents would see each other; set "
-                "model.cross_document_attention: true to accept that for this run",
-            )  # fmt: skip
+            yield cross_document_issue(self.name, reason)
 
     def _config_issue(self, m: Mapping[str, Any], err: Exception) -> ConfigIssue:
         text = " ".join(str(err).split())
@@ -284,7 +280,10 @@ class HFArchitecture(MeasuredArchitecture):
     def tensor_parallel_plan(self, m: Any) -> dict[str, str] | None:
         """The family's own `base_model_tp_plan`, from the wrapper's root
         (`hf.model.` + its keys); embeddings and the output head stay replicated."""
-        config = self.hf_config(m if isinstance(m, Mapping) else _as_mapping(m))
+        try:
+            config = self.hf_config(m if isinstance(m, Mapping) else _as_mapping(m))
+        except Exception:  # noqa: BLE001 - invalid options: `check` reports them
+            return None
         plan = dict(getattr(config, "base_model_tp_plan", None) or {})
         return {f"hf.model.{k}": v for k, v in plan.items()} or None
 

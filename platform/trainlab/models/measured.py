@@ -93,6 +93,15 @@ class Measurement:
     num_blocks: int
 
 
+def cross_document_issue(arch: str, reason: str) -> ConfigIssue:
+    """The refusal of an architecture that cannot keep packed documents apart."""
+    return ConfigIssue(
+        "model.arch", arch,
+        f"{reason}, so packed documents would see each other; set "
+        "model.cross_document_attention: true to accept that for this run",
+    )  # fmt: skip
+
+
 class MeasuredArchitecture(Architecture):
     """An architecture known only by its `build`: counts, shapes, FLOPs and the
     activation term are measured (see the module docstring). Subclasses give

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainlab.models.base import Architecture, ConfigIssue, ModelSpec
-from trainlab.models.measured import MeasuredArchitecture
+from trainlab.models.measured import MeasuredArchitecture, cross_document_issue
 
 if TYPE_CHECKING:
     from torch import nn
@@ -120,11 +120,7 @@ class UserArchitecture(MeasuredArchitecture):
             yield from own(m)
         reason = self.isolates_documents(m)
         if reason and not m.get("cross_document_attention"):
-            yield ConfigIssue(
-                "model.arch", self.name,
-                f"{reason}, so packed documents would see each other; set "
-                "model.cross_document_attention: true to accept that for this run",
-            )  # fmt: skip
+            yield cross_document_issue(self.name, reason)
 
     def isolates_documents(self, m: Mapping[str, Any]) -> str | None:
         own = self._declared("isolates_documents")
