@@ -19,7 +19,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR := false
 
-.PHONY: setup lock test test-all test-fast lint demo bench clean gpu-wheels gpu-check notebook
+.PHONY: setup lock test test-all test-deps test-fast lint demo bench clean gpu-wheels gpu-check notebook
 
 setup: $(STAMP)
 
@@ -48,12 +48,20 @@ LOCK_ARGS ?=
 lock: $(STAMP)
 	$(PY) -m devtools.lock $(LOCK_ARGS)
 
-test: setup
+test: setup test-deps
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 # Everything, the `extended` tests included (see pyproject's pytest markers).
-test-all: setup
+test-all: setup test-deps
 	$(VENV)/bin/pytest -m 'extended or not extended' $(PYTEST_ARGS)
+
+# What the tests need beyond the lock: a real headless browser for the MLflow UI
+# test (Debian's chromium), installed with apt when absent; without it make test fails
+# (a test that skips on a fresh machine checks nothing there).
+test-deps:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  echo "test setup: installing chromium (Debian's package) for the MLflow UI test"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
 test-fast: setup
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)

@@ -122,7 +122,6 @@ SECTION_TITLES = r"""(lines => lines.flatMap((line, i) =>
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(chromium.CHROMIUM is None, reason=chromium.SKIP_REASON)
 def test_in_a_browser_an_experiment_opens_on_its_runs_and_a_run_on_its_loss(
     rank0, client, runs_root, tmp_path
 ):
