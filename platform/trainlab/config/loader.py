@@ -233,15 +233,24 @@ def _field_names(loc: tuple[Any, ...]) -> list[str]:
     return list(model.model_fields) if model is not None else []
 
 
+def suggest(name: str, known: list[str]) -> str | None:
+    """The known key a mistyped `name` most likely means: one that `name` extends
+    by a word (`lr_rate` -> `lr`, the longest such), else the closest spelling."""
+    words = [k for k in known if name.startswith(k + "_") or name.endswith("_" + k)]
+    if words:
+        return max(words, key=len)
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def _problems_from(err: ValidationError, prefix: tuple[Any, ...] = ()) -> list[Problem]:
     problems = []
     for e in field_errors(err, prefix):
         loc, _ = _walk(e.loc)
         where = ".".join(map(str, loc))
         if e.kind == "extra_forbidden":
-            known = _field_names(e.loc[:-1])
-            close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-            hint = f"; did you mean {'.'.join(map(str, (*loc[:-1], close[0])))!r}?" if close else ""
+            close = suggest(str(loc[-1]), _field_names(e.loc[:-1]))
+            hint = f"; did you mean {'.'.join(map(str, (*loc[:-1], close)))!r}?" if close else ""
             problems.append(Problem(where, e.value, f"unknown key{hint}"))
         elif e.kind == "union_tag_invalid":
             tags = sorted(_tagged_classes(_annotation(loc)))

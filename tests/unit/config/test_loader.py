@@ -345,3 +345,15 @@ def test_attention_kernels_are_not_the_experiment():
     assert len(set(hashes.values())) == 1, hashes
     other = load_config(RECIPES / "tiny.yaml", ["model.num_heads=8"])
     assert config_hash(other) != hashes["sdpa"]
+
+
+def test_a_key_with_a_word_added_suggests_the_key_not_a_lookalike():
+    """`train.lr_rate` means `train.lr` (difflib alone said `train.min_lr_ratio`);
+    a plain misspelling still gets the closest spelling."""
+    from trainlab.config.loader import suggest
+
+    train_keys = ["lr", "min_lr_ratio", "total_steps", "warmup_steps"]
+    assert suggest("lr_rate", train_keys) == "lr"
+    assert suggest("max_lr", train_keys) == "lr"
+    assert suggest("total_step", train_keys) == "total_steps"
+    assert suggest("zzz", train_keys) is None
