@@ -54,7 +54,7 @@ def main() -> int:
     val = summary["val_loss"]
     say(
         f"done in {time.time() - t0:.0f} s: status {summary['status']}, step "
-        f"{summary['final_step']}, loss {summary['final_loss']:.3f}, best val loss "
+        f"{summary['final_step']}, loss {summary['final_loss']:.3f}, val loss "
         f"{'-' if val is None else f'{val:.3f}'}, {summary['tokens_seen']:,} tokens, "
         f"{summary['restarts']} restart(s)"
     )
