@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 import click
 
@@ -230,7 +231,9 @@ def _print_complete(s: dict, total_steps: int) -> None:
 
 def clean_up_rehearsal(summary: dict) -> dict:
     """Delete the run directory of a smoke rehearsal that passed (its checkpoints
-    are the size of the real run's; its MLflow record stays); a failed one is kept
+    are the size of the real run's) and its MLflow run (deleted as MLflow deletes:
+    out of `runs`, `compare`, the UI and the notebooks, which would otherwise set a
+    6-step rehearsal beside the real runs); a failed one is kept, with its record,
     to diagnose. Returns the summary with `run_dir_removed`."""
     import shutil
     from pathlib import Path
@@ -243,12 +246,31 @@ def clean_up_rehearsal(summary: dict) -> dict:
     if not (passed and smoke and run_dir.name and (run_dir / "config.yaml").is_file()):
         return {**summary, "run_dir_removed": False}
     shutil.rmtree(run_dir)
+    _delete_record(run_dir)
     day = run_dir.parent
     if day.is_dir() and not any(day.iterdir()):
         day.rmdir()
     # Its checkpoints went with it: no path in the summary points at them.
     gone = {k: None for k in ("last_checkpoint", "best_checkpoint") if k in summary}
     return {**summary, **gone, "run_dir_removed": True}
+
+
+def _delete_record(run_dir: Path) -> None:
+    """Delete the MLflow run of the run directory `run_dir` (found by its run_key
+    in the store of its runs root), if the store has one."""
+    import logging
+
+    from trainlab.track.journal import run_key
+    from trainlab.track.store import client_for, tracking_uri
+
+    try:
+        client = client_for(tracking_uri(run_dir.parent.parent), flush_records=False)
+        ids = [e.experiment_id for e in client.search_experiments()]
+        key = run_key(str(run_dir))
+        for run in client.search_runs(ids, filter_string=f"tags.run_key = '{key}'"):
+            client.delete_run(run.info.run_id)
+    except Exception as e:  # noqa: BLE001 - the rehearsal passed; its record is secondary
+        logging.getLogger(__name__).warning("could not delete the rehearsal's MLflow run: %s", e)
 
 
 def _print_done(s: dict) -> None:

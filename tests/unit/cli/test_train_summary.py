@@ -81,3 +81,30 @@ def test_an_early_ctrl_c_says_what_it_keeps_and_what_it_drops(tmp_path, capsys):
         summary(run_dir, status="interrupted", final_step=0, last_checkpoint=None),
     )
     assert "kept:            nothing yet" in nothing and "dropped" not in nothing
+
+
+def test_a_removed_rehearsal_leaves_no_record_beside_the_real_runs(tmp_path, monkeypatch):
+    """A passed smoke rehearsal's MLflow run goes with its directory (it used to be
+    listed `completed` by `runs` and compared with the real run); the real run's
+    record stays."""
+    from trainlab.track.journal import run_key
+    from trainlab.track.store import client_for, tracking_uri
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    runs_root = tmp_path / "runs"
+    smoke_dir, real_dir = runs_root / "2026-12-05" / "tiny-smoke", runs_root / "2026-12-05" / "tiny"
+    client = client_for(tracking_uri(runs_root), flush_records=False)
+    exp = client.create_experiment("tiny")
+    ids = {}
+    for d in (smoke_dir, real_dir):
+        (d / "checkpoints").mkdir(parents=True)
+        (d / "config.yaml").write_text(f"name: {d.name}\n")
+        ids[d.name] = client.create_run(exp, tags={"run_key": run_key(str(d))}).info.run_id
+    checks = {"completed": True, "resumed_from_checkpoint": True}
+    done = train_cmd.clean_up_rehearsal(
+        summary(smoke_dir, name="tiny-smoke", final_step=6, smoke={"checks": checks})
+    )
+    assert done["run_dir_removed"]
+    assert client.get_run(ids["tiny-smoke"]).info.lifecycle_stage == "deleted"
+    assert client.get_run(ids["tiny"]).info.lifecycle_stage == "active"
+    assert [r.info.run_id for r in client.search_runs([exp])] == [ids["tiny"]]
