@@ -115,9 +115,14 @@ class HFArchitecture(MeasuredArchitecture):
         return CONFIG_MAPPING[self.model_type]
 
     @functools.cached_property
+    def defaults(self) -> dict[str, Any]:
+        """The config class's defaults."""
+        return self.config_class().to_dict()
+
+    @functools.cached_property
     def fields(self) -> set[str]:
         """The config class's own fields (its defaults' keys)."""
-        return set(self.config_class().to_dict()) - {"transformers_version", "_name_or_path"}
+        return set(self.defaults) - {"transformers_version", "_name_or_path"}
 
     def _aliases(self) -> dict[str, str]:
         """Family name -> standard name (gpt2: n_embd -> hidden_size)."""
@@ -136,21 +141,18 @@ class HFArchitecture(MeasuredArchitecture):
         if "num_key_value_heads" in kw and m.get("num_kv_heads") is None:
             kw["num_key_value_heads"] = m["num_heads"]
         ffn = m.get("ffn_hidden_size")
-        for name in (*FFN_FIELDS[:1], *EXPERT_FFN_FIELDS):
-            if self._has(name) and ffn is not None:
-                kw[name] = ffn
-        if not any(self._has(n) for n in FFN_FIELDS[:1]):
-            for name in FFN_FIELDS[1:]:
-                if self._has(name) and ffn is not None:
+        if ffn is not None:  # the MLP's width under the family's first name for it,
+            mlp = next((n for n in FFN_FIELDS if self._has(n)), None)  # and the experts'
+            for name in (mlp, *EXPERT_FFN_FIELDS):
+                if name and self._has(name):
                     kw[name] = ffn
-                    break
         if "head_dim" in self.fields:
             kw["head_dim"] = m["hidden_size"] // m["num_heads"]
         for name in NORM_EPS_FIELDS:
             if name in self.fields:
                 kw[name] = m["norm_eps"]
         if "rope_parameters" in self.fields:
-            defaults = self.config_class().to_dict().get("rope_parameters") or {}
+            defaults = self.defaults.get("rope_parameters") or {}
             if isinstance(defaults, dict) and "rope_theta" in defaults:
                 kw["rope_parameters"] = {**defaults, "rope_theta": m["rope_theta"]}
         elif "rope_theta" in self.fields:
