@@ -174,11 +174,28 @@ def stop(job_id: str, address: str | None, allow_plain_http: bool, as_json: bool
     else:
         click.echo(f"{job_id} {status}")
         if run is not None:
-            click.echo(
-                f"  run {run['run_dir']}: marked stopped at step {run['final_step']}; "
-                f"resume with: trainlab train {run['run_dir']} --resume"
-            )
+            click.echo(stopped_line(run))
     return 0
+
+
+def stopped_line(run: dict) -> str:
+    """What `trainlab stop` says of the run it ended: the step it reached and what a
+    resume keeps of it (the newest valid checkpoint's step, or nothing: step 0)."""
+    import re
+
+    where, step = run["run_dir"], run.get("final_step") or 0
+    last = run.get("last_checkpoint")
+    found = re.search(r"step-(\d+)$", str(last or "").rstrip("/"))
+    if found is None:
+        kept = "no checkpoint was kept: a resume starts at step 0"
+    else:
+        kept_step = int(found.group(1))
+        dropped = f", steps {kept_step + 1}-{step} are dropped" if step > kept_step else ""
+        kept = f"kept: its checkpoint at step {kept_step}{dropped}"
+    return (
+        f"  run {where}: marked stopped at step {step}; {kept}; "
+        f"resume with: trainlab train {where} --resume"
+    )
 
 
 def _end_stopped_run(info: object, job_id: str) -> dict | None:

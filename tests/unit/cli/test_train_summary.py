@@ -108,3 +108,17 @@ def test_a_removed_rehearsal_leaves_no_record_beside_the_real_runs(tmp_path, mon
     assert client.get_run(ids["tiny-smoke"]).info.lifecycle_stage == "deleted"
     assert client.get_run(ids["tiny"]).info.lifecycle_stage == "active"
     assert [r.info.run_id for r in client.search_runs([exp])] == [ids["tiny"]]
+
+
+def test_trainlab_stop_says_what_a_resume_keeps():
+    """`trainlab stop` used to print "marked stopped at step 20" with no checkpoint
+    behind it; a resume then started at step 0 without a word."""
+    from trainlab.cli.jobs_cmd import stopped_line
+
+    none = stopped_line({"run_dir": "/r/tiny", "final_step": 20, "last_checkpoint": None})
+    assert "marked stopped at step 20; no checkpoint was kept: a resume starts at step 0" in none
+    some = stopped_line(
+        {"run_dir": "/r/tiny", "final_step": 27, "last_checkpoint": "/r/tiny/checkpoints/step-00000020"}
+    )
+    assert "kept: its checkpoint at step 20, steps 21-27 are dropped" in some
+    assert some.endswith("resume with: trainlab train /r/tiny --resume")
