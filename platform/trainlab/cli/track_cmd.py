@@ -239,14 +239,14 @@ def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
     console = _console()
     console.print(table)
     console.print(
-        "val loss: the latest held-out evaluation; best val loss: the lowest of the run's",
+        "val loss: the latest held-out evaluation; best val loss: the lowest of the "
+        "run's evaluations",
         highlight=False,
     )
-    if len(rows) > 1 and differing:
+    if len(rows) > 1 and differing:  # the keys, once: the table names each with its values
         console.print(_differing_table(rows, differing))
-    if len(rows) > 1:
-        note = ", ".join(differing) if differing else "none: same config"
-        console.print(f"differing config keys (highlighted): {note}", highlight=False)
+    elif len(rows) > 1:
+        console.print("differing config keys: none (same config)", highlight=False)
 
 
 def _differing_table(rows: list[dict[str, Any]], differing: list[str]) -> Any:

@@ -106,8 +106,11 @@ def test_compare_table_highlights_differing_keys(runs_root, capsys):
     code, out, _ = trainlab(capsys, "compare", "--runs-root", str(runs_root))
     assert code == 0
     assert "base" in out and "hot" in out and "completed" in out
-    assert "differing config keys (highlighted): data.mix.code, train.lr" in out
-    assert "0.005" in out  # the differing values are columns
+    # The differing keys are said once, in their table with each run's value (they
+    # used to be listed a second time, "(highlighted)", even when piped).
+    table = out[out.index("differing config keys") :]
+    assert "data.mix.code" in table and "train.lr" in table and "0.005" in table
+    assert out.count("train.lr") == 1 and "(highlighted)" not in out
 
 
 def test_compare_csv(runs_root, capsys):

@@ -33,7 +33,7 @@ def test_compare_shows_the_latest_and_the_lowest_evaluation(runs_root, capsys):
         main(["compare", "--runs-root", str(runs_root)])
     out = capsys.readouterr().out
     assert "val loss" in out and "best val loss" in out and "4.3000" in out and "2.3000" in out
-    assert "val loss: the latest held-out evaluation; best val loss: the lowest" in out
+    assert "best val loss: the lowest of the run's evaluations" in out
 
 
 class Evals(Callback):
