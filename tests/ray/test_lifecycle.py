@@ -103,12 +103,9 @@ def last_heartbeat(runs_root: Path) -> float:
     return float(runs[0].data.tags.get("heartbeat", 0)) if runs else 0.0
 
 
-def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_resumes(ray_address, dataset, tmp_path):
-    """First Ctrl-C during training: stop at the next step boundary, checkpoint
-    (`on_interrupt_min_age_s: 0`: always), status `interrupted` in the summary and
-    MLflow (KILLED), the exact resume command, exit 130, no traceback. The printed
-    command then completes the run. (Without a checkpoint at the stop when the
-    newest is recent: tests/unit/train/test_interrupt.py.)"""
+def stoppable_run(dataset: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A 40-step run's runs root and config file, checkpointing at any stop
+    (`on_interrupt_min_age_s: 0`), for the stop tests below."""
     runs_root = tmp_path / "runs"
     cfg = tiny_config(
         dataset,
@@ -123,6 +120,16 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_resumes(ray_address, datas
     )
     config = tmp_path / "exp.yaml"
     config.write_text(to_yaml(cfg))
+    return runs_root, config
+
+
+def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_resumes(ray_address, dataset, tmp_path):
+    """First Ctrl-C during training: stop at the next step boundary, checkpoint
+    (`on_interrupt_min_age_s: 0`: always), status `interrupted` in the summary and
+    MLflow (KILLED), the exact resume command, exit 130, no traceback. The printed
+    command then completes the run. (Without a checkpoint at the stop when the
+    newest is recent: tests/unit/train/test_interrupt.py.)"""
+    runs_root, config = stoppable_run(dataset, tmp_path)
     proc = start_train([str(config)], ray_address)
     progress = wait_for(runs_root / "*" / "*" / "logs" / "progress.json", proc)
     os.killpg(proc.pid, signal.SIGINT)
@@ -153,20 +160,7 @@ def test_sigterm_to_the_driver_stops_gracefully_and_exits_143(ray_address, datas
     exits 143 without a traceback. (It used to die at once: exit 15, no summary.)"""
     from trainlab.exitcodes import TERMINATED
 
-    runs_root = tmp_path / "runs"
-    cfg = tiny_config(
-        dataset,
-        train={
-            "total_steps": 40,
-            "log_interval": 2,
-            "eval_interval": 20,
-            "runs_root": str(runs_root),
-            "checkpoint": {"every_steps": 20, "on_interrupt_min_age_s": 0},
-        },
-        tracking={"system_metrics": False},
-    )
-    config = tmp_path / "exp.yaml"
-    config.write_text(to_yaml(cfg))
+    runs_root, config = stoppable_run(dataset, tmp_path)
     proc = start_train([str(config)], ray_address)
     wait_for(runs_root / "*" / "*" / "logs" / "progress.json", proc)
     os.kill(proc.pid, signal.SIGTERM)
