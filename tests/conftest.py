@@ -88,3 +88,57 @@ def s3_env(s3_server, monkeypatch):
     bucket = f"ckpt-{time.monotonic_ns()}"
     s3.create_bucket(Bucket=bucket)
     return s3, bucket
+
+
+# --------------------------------------------------------------------------- GCS
+# A real Google Cloud Storage emulator (the gcp-storage-emulator package) on
+# 127.0.0.1, reached as Google's clients do: STORAGE_EMULATOR_HOST.
+
+
+@pytest.fixture(scope="session")
+def gcs_server():
+    """The emulator as a real HTTP server on 127.0.0.1 (objects in memory)."""
+    port = _free_port()
+    exe = Path(sys.executable).parent / "gcp-storage-emulator"
+    proc = subprocess.Popen(
+        [str(exe), "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/storage/v1/b?project=test", timeout=1)
+            break
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("gcp-storage-emulator did not start") from None
+            time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def make_gcs_bucket(server: str, prefix: str = "gcs") -> str:
+    """A new, empty bucket in the emulator at `server` (its JSON API)."""
+    import json as _json
+
+    bucket = f"{prefix}-{time.monotonic_ns()}"
+    req = urllib.request.Request(
+        f"{server}/storage/v1/b?project=test",
+        data=_json.dumps({"name": bucket}).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    urllib.request.urlopen(req, timeout=10).read()
+    return bucket
+
+
+@pytest.fixture
+def gcs_env(gcs_server, monkeypatch):
+    """STORAGE_EMULATOR_HOST set for this test, and a new bucket."""
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", gcs_server)
+    monkeypatch.setenv("GOOGLE_CLOUD_PROJECT", "test")
+    return make_gcs_bucket(gcs_server)

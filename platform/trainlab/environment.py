@@ -455,36 +455,11 @@ def run_fingerprint(
     return fp
 
 
-class _Dir:
-    """A local run directory with the few operations of a run location."""
-
-    def __init__(self, path: str | os.PathLike[str]):
-        self.local = Path(path)
-
-    def write_text(self, rel: str, text: str) -> None:
-        tmp = self.local / f".{rel}.tmp"
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(text)
-        tmp.replace(self.local / rel)
-
-    def read_text(self, rel: str) -> str | None:
-        try:
-            return (self.local / rel).read_text()
-        except FileNotFoundError:
-            return None
-
-
 def _location(run: Any) -> Any:
-    """Where the run's files go: a run location (trainlab.runloc) as given, a store
-    URI as one, a path as a local directory."""
-    if hasattr(run, "uri") and hasattr(run, "local"):  # a RunLocation (not a Path)
-        return run
-    text = os.fspath(run)
-    if "://" in text and not text.startswith("file://"):
-        from trainlab.runloc import RunLocation
+    """The run at `run` (a path, a store URI or a RunLocation) as a RunLocation."""
+    from trainlab.runloc import RunLocation
 
-        return RunLocation.of(text)
-    return _Dir(text.removeprefix("file://"))
+    return run if isinstance(run, RunLocation) else RunLocation.of(run)
 
 
 def write_run_environment(

@@ -27,186 +27,114 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 import threading
-import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainlab.fileutil import write_text_atomic
-from trainlab.storage import Storage, is_uri, resolve_storage, scratch_root
+from trainlab.location import APPENDS_SUFFIX, Location, locate
+from trainlab.storage import scratch_root
 
-APPENDS_SUFFIX = ".d"
+__all__ = ["APPENDS_SUFFIX", "LogShipper", "RunLocation", "local_runs_root", "ship_logs"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class RunLocation:
-    """A run's home. `uri`: the absolute path or the store URI (what records and
-    messages name); `local`: this node's directory for it (the run directory
-    itself when local, the working copy when in a store)."""
+    """A run's home. `home`: where its files are (trainlab.location; `uri` names it
+    in records and messages); `local`: this node's directory for it (the run
+    directory itself when on this machine's disk, the working copy when in a
+    store). Every file operation goes through `home`, whatever it is."""
 
-    uri: str
+    home: Location
     local: Path
-    storage: Storage | None = None  # set when the run lives in object storage
 
     @classmethod
-    def of(cls, where: str | os.PathLike[str], scratch_dir: str | None = None) -> RunLocation:
-        """The location of the run at `where` (a path, or a store URI)."""
-        return _location(os.fspath(where), scratch_dir)
+    def of(cls, where: str | os.PathLike[str] | Location, scratch_dir: str | None = None) -> RunLocation:
+        """The location of the run at `where` (a path, a store URI, a Location)."""
+        return _location(locate(where, what="run directory"), scratch_dir)
 
     @classmethod
-    def _make(cls, text: str, scratch_dir: str | None) -> RunLocation:
-        if not is_uri(text) or text.startswith("file://"):
-            path = Path(text.removeprefix("file://")).expanduser().absolute()
-            return cls(uri=str(path), local=path)
-        storage = resolve_storage(text)
-        if storage.kind == "local":
-            return cls(uri=storage.uri, local=Path(storage.path))
-        return cls(uri=storage.uri, local=working_copy(storage, scratch_dir), storage=storage)
+    def _make(cls, home: Location, scratch_dir: str | None) -> RunLocation:
+        if home.is_local:
+            return cls(home=home, local=home.local_path())
+        return cls(home=home, local=working_copy(home, scratch_dir))
+
+    @property
+    def uri(self) -> str:
+        return self.home.uri
 
     @property
     def remote(self) -> bool:
-        return self.storage is not None
+        """True when the run is not on this machine's disk (an object store): its
+        logs are shipped and its checkpoints staged through `local`."""
+        return not self.home.is_local
 
     @property
     def name(self) -> str:
-        return self.uri.rstrip("/").rsplit("/", 1)[-1]
+        return self.home.name
 
     def key(self, rel: str) -> str:
-        """The store path of `rel` (remote runs)."""
-        assert self.storage is not None
-        return self.storage.join(rel)
+        """The path inside the storage's filesystem of `rel`."""
+        return self.home.fs_path(rel)
 
     def uri_of(self, rel: str) -> str:
-        return f"{self.uri.rstrip('/')}/{rel.strip('/')}"
+        return self.home.uri_of(rel)
 
     # ------------------------------------------------------------------ files
 
     def read_bytes(self, rel: str) -> bytes | None:
-        """The file's content, or None when it does not exist."""
-        if self.storage is None:
-            try:
-                return (self.local / rel).read_bytes()
-            except (FileNotFoundError, NotADirectoryError):
-                return None
-        fs = self.storage.filesystem
-        try:
-            with fs.open_input_stream(self.key(rel)) as f:
-                return f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as e:  # pyarrow: "Path does not exist" is an OSError on S3
-            if "does not exist" in str(e) or "NoSuchKey" in str(e):
-                return None
-            raise
+        """The file's content, or None when it does not exist (a failed read of
+        another kind raises, trainlab.location.errors)."""
+        return self.home.read_or_none(rel)
 
     def read_text(self, rel: str) -> str | None:
-        data = self.read_bytes(rel)
-        return None if data is None else data.decode()
+        return self.home.read_text(rel)
 
     def write_text(self, rel: str, text: str) -> None:
         """Write the whole file at once: a reader sees the old or the new content."""
-        if self.storage is None:
-            path = self.local / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(path, text)
-            return
-        with self.storage.filesystem.open_output_stream(self.key(rel)) as out:
-            out.write(text.encode())
+        self.home.write_text(rel, text)
 
     def upload(self, src: Path, rel: str) -> None:
-        """Copy a local file to `rel` (remote runs; a local run's files are in place)."""
-        import shutil
-
-        assert self.storage is not None
-        with open(src, "rb") as f, self.storage.filesystem.open_output_stream(self.key(rel)) as out:
-            shutil.copyfileobj(f, out, 8 << 20)
+        """Copy a local file to `rel`."""
+        self.home.upload(src, rel)
 
     def exists(self, rel: str) -> bool:
-        if self.storage is None:
-            return (self.local / rel).exists()
-        from pyarrow import fs
-
-        info = self.storage.filesystem.get_file_info(self.key(rel))
-        if info.type != fs.FileType.NotFound:
-            return True
-        return bool(self.list(rel))  # S3 has no empty folders: one with objects exists
+        return self.home.exists(rel)
 
     def delete(self, rel: str) -> None:
         """Delete a file (no error when it is not there)."""
-        if self.storage is None:
-            with contextlib.suppress(FileNotFoundError):
-                (self.local / rel).unlink()
-            return
-        with contextlib.suppress(FileNotFoundError):
-            self.storage.filesystem.delete_file(self.key(rel))
+        self.home.delete(rel)
 
     def list(self, rel: str) -> list[str]:
         """Names directly inside folder `rel` (sorted; [] when there is none)."""
-        if self.storage is None:
-            d = self.local / rel
-            return sorted(p.name for p in d.iterdir()) if d.is_dir() else []
-        from pyarrow import fs
-
-        try:
-            entries = self.storage.filesystem.get_file_info(
-                fs.FileSelector(self.key(rel), allow_not_found=True)
-            )
-        except FileNotFoundError:
-            return []
-        return sorted(e.base_name for e in entries)
+        return self.home.list(rel)
 
     def is_empty(self) -> bool:
-        return not self.list("")
+        return self.home.is_empty()
 
     # ------------------------------------------------------------------ appends
 
     def append_jsonl(self, rel: str, records: list[dict[str, Any]]) -> None:
-        """Append records to a JSON-lines file. Local: O_APPEND writes of whole lines
-        (several processes may append; lines never interleave). Store: one object
-        per call under `{rel}.d/`."""
-        text = "".join(json.dumps(r) + "\n" for r in records)
-        if self.storage is None:
-            path = self.local / rel
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "a") as f:
-                f.write(text)
-            return
-        name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.jsonl"
-        self.write_text(f"{rel}{APPENDS_SUFFIX}/{name}", text)
+        """Append records to a JSON-lines file (several processes, several nodes)."""
+        self.home.append_jsonl(rel, records)
 
     def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
-        """The records of a JSON-lines file, oldest first; torn or foreign lines
-        are skipped."""
-        if self.storage is None:
-            text = self.read_text(rel) or ""
-        else:
-            folder = f"{rel}{APPENDS_SUFFIX}"
-            parts = [self.read_text(f"{folder}/{n}") for n in self.list(folder)]
-            text = "".join(p for p in parts if p)
-        out = []
-        for line in text.splitlines():
-            with contextlib.suppress(ValueError):
-                rec = json.loads(line)
-                if isinstance(rec, dict):
-                    out.append(rec)
-        return out
+        """The records of a JSON-lines file, oldest first; torn lines are skipped."""
+        return self.home.read_jsonl(rel)
 
 
 @functools.lru_cache(maxsize=64)
-def _location(text: str, scratch_dir: str | None) -> RunLocation:
-    return RunLocation._make(text, scratch_dir)
+def _location(home: Location, scratch_dir: str | None) -> RunLocation:
+    return RunLocation._make(home, scratch_dir)
 
 
-def working_copy(storage: Storage, scratch_dir: str | None = None) -> Path:
-    """This node's working copy of the store location `storage` (under scratch)."""
-    return scratch_root(scratch_dir) / "runs" / storage.path.strip("/")
+def working_copy(home: Location, scratch_dir: str | None = None) -> Path:
+    """This node's working copy of the store location `home` (under scratch)."""
+    return scratch_root(scratch_dir) / "runs" / home.path.strip("/")
 
 
 def local_runs_root(runs_root: str, scratch_dir: str | None = None) -> Path:
@@ -214,11 +142,8 @@ def local_runs_root(runs_root: str, scratch_dir: str | None = None) -> Path:
     layer leaves it): the root itself, or for a root in object storage its working
     copy on this node's scratch (where the embedded MLflow store of runs in the
     store lives: SQLite cannot live in object storage; docs/storage.md)."""
-    if is_uri(runs_root) and not runs_root.startswith("file://"):
-        storage = resolve_storage(runs_root)
-        if storage.kind != "local":
-            return working_copy(storage, scratch_dir)
-    return Path(runs_root.removeprefix("file://")).expanduser().absolute()
+    where = locate(runs_root, what="train.runs_root")
+    return where.local_path() if where.is_local else working_copy(where, scratch_dir)
 
 
 def ship_logs(loc: RunLocation, names: list[str] | None = None) -> list[str]:
@@ -226,7 +151,7 @@ def ship_logs(loc: RunLocation, names: list[str] | None = None) -> list[str]:
     it) that changed since they were last shipped; returns the names uploaded.
     Each log file has one writer (rank{r}.log, driver.log, ...), so copies from
     different nodes never collide. A local run's logs are already in place."""
-    if loc.storage is None:
+    if not loc.remote:
         return []
     logs = loc.local / "logs"
     if not logs.is_dir():

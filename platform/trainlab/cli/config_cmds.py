@@ -26,8 +26,9 @@ def check_mix_sources(cfg) -> None:  # noqa: ANN001 - ExperimentConfig
     from trainlab.data.manifest import load_manifest, resolve_dataset_dir
     from trainlab.data.mix import normalize_mix
     from trainlab.errors import UserError
+    from trainlab.location import locate
 
-    if "://" in cfg.data.path:
+    if not locate(cfg.data.path, what="data.path").is_local:  # one request less: train checks it
         return
     try:
         root = resolve_dataset_dir(cfg.data.path)

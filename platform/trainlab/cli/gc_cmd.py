@@ -311,10 +311,10 @@ def gc(
     """Delete old run directories and smoke rehearsals, keeping each run's last
     valid and best checkpoint (and its records) unless --force. The runs root may
     be in object storage (s3://bucket/prefix)."""
-    from trainlab.storage import is_uri
+    from trainlab.location import locate
 
     age, wanted = parse_age(older_than), parse_statuses(statuses)
-    if is_uri(runs_root) and not runs_root.startswith("file://"):
+    if not locate(runs_root, what="--runs-root").is_local:
         return _gc_in_store(runs_root, age, wanted, dry_run, force, as_json)
     root = Path(runs_root).expanduser().resolve()
     if not root.is_dir():

@@ -75,9 +75,8 @@ def _objects(loc: RunLocation) -> tuple[dict[str, int], float]:
     """Every object below the run (path -> bytes) and the newest one's time."""
     from pyarrow import fs
 
-    assert loc.storage is not None
     base = loc.key("").rstrip("/")
-    infos = loc.storage.filesystem.get_file_info(fs.FileSelector(base, recursive=True))
+    infos = loc.home.filesystem.get_file_info(fs.FileSelector(base, recursive=True))
     files = [i for i in infos if i.type == fs.FileType.File]
     newest = max((i.mtime.timestamp() for i in files if i.mtime), default=0.0)
     return {i.path[len(base) + 1 :]: int(i.size or 0) for i in files}, newest
@@ -160,8 +159,6 @@ def apply_store(actions: list[StoreAction]) -> list[tuple[StoreRun, str]]:
         if live is not None:
             skipped.append((action.run, live_reason(live)))
             continue
-        assert loc.storage is not None
-        fsys = loc.storage.filesystem
         store = CheckpointStore(loc)
         for rel in action.remove:
             step = ck.parse_step(rel.rsplit("/", 1)[-1]) if rel.startswith("checkpoints/") else None
@@ -170,11 +167,11 @@ def apply_store(actions: list[StoreAction]) -> list[tuple[StoreRun, str]]:
             elif rel == "":
                 for s in store.step_dirs():
                     store.delete(s)
-                fsys.delete_dir(loc.key("").rstrip("/"))
+                loc.home.delete_tree()
             elif rel in action.run.objects:
-                fsys.delete_file(loc.key(rel))
+                loc.home.delete(rel)
             else:
-                fsys.delete_dir(loc.key(rel))
+                loc.home.delete_tree(rel)
     return skipped
 
 

@@ -36,16 +36,14 @@ def config_key(cfg: Any) -> str:
 
 def _parent_run(cfg: Any, group_id: str, key: str, repeats: int) -> tuple[str | None, Any]:
     """The group's MLflow parent run (its id), in the config's experiment."""
-    from trainlab.storage import is_uri
+    from trainlab.runloc import local_runs_root
     from trainlab.track.experiments import get_or_create_experiment
     from trainlab.track.mlflow_cb import experiment_name
     from trainlab.track.store import artifact_location, client_for, tracking_uri
 
-    root = cfg.train.runs_root
-    if is_uri(root):  # a runs root in object storage: its working copy holds the store
-        from trainlab.runloc import local_runs_root
-
-        root = str(local_runs_root(root, cfg.resource.scratch_dir))
+    # The embedded store lives in the runs root, or in this machine's working copy
+    # of a runs root in object storage.
+    root = str(local_runs_root(cfg.train.runs_root, cfg.resource.scratch_dir))
     client = client_for(tracking_uri(root))
     exp_id = get_or_create_experiment(client, experiment_name(cfg), artifact_location(root))
     run = client.create_run(

@@ -166,9 +166,9 @@ def _config_of(config: str, run_dir: str | None, resume: bool) -> tuple[str, str
     from pathlib import Path
 
     from trainlab.errors import UserError
-    from trainlab.storage import is_uri
+    from trainlab.location import locate
 
-    if is_uri(config) and not config.startswith("file://"):
+    if not locate(config, what="CONFIG").is_local:
         return _config_in_store(config, run_dir, resume)
     path = Path(config)
     if not path.is_dir():

@@ -550,27 +550,31 @@ def _sequence_parallel(cfg: dict[str, Any]) -> Iterator[Problem]:
 
 
 def _location_form(key: str, value: str, local: str) -> Iterator[Problem]:
-    """A location `key` may hold: a local path (`local` says which), or
-    s3://bucket/prefix (trainlab.storage); any other scheme would be taken for
-    nothing readable later, credentials never go in it."""
+    """A location `key` may hold: a local path (`local` says which), s3:// or gs://
+    (trainlab.location); any other scheme would be taken for nothing readable
+    later, credentials never go in it."""
+    from trainlab.location import SCHEMES, credentials_problem, scheme_of
     from trainlab.redact import redact
-    from trainlab.storage import credentials_problem
 
-    if "://" not in value:
+    scheme = scheme_of(value)
+    if not scheme:
         return
-    scheme, _, rest = value.partition("://")
+    rest = value.partition("://")[2]
     if credentials_problem(value):
         yield Problem(key, redact(value), str(credentials_problem(value)))
-    elif scheme.lower() not in ("s3", "s3a", "file"):
-        yield Problem(
-            key, value, f"unsupported scheme {scheme!r}; give {local} or s3://bucket/prefix"
-        )
-    elif scheme.lower() != "file" and (not rest.split("/")[0] or "?" in rest):
+    elif scheme not in SCHEMES:
         yield Problem(
             key,
             value,
-            "expected s3://bucket/prefix (endpoint via AWS_ENDPOINT_URL, "
-            "credentials via AWS_* variables, never in the URI)",
+            f"unsupported scheme {scheme!r}; give {local}, s3://bucket/prefix or "
+            "gs://bucket/prefix",
+        )
+    elif not rest.split("/")[0] or "?" in rest:
+        yield Problem(
+            key,
+            value,
+            f"expected {scheme}://bucket/prefix (the endpoint and credentials come from "
+            "the store's environment variables, never the URI)",
         )
 
 

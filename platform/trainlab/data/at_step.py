@@ -30,10 +30,10 @@ def config_of(config_or_run_dir: str) -> tuple[str, Any]:
     file or run directory, or a run in object storage (`s3://.../DATE/NAME`: its
     config.yaml is read into this machine's working copy of it). The run is a
     path or a `trainlab.runloc.RunLocation`."""
+    from trainlab.location import locate
     from trainlab.runloc import RunLocation
-    from trainlab.storage import is_uri
 
-    if is_uri(config_or_run_dir) and not config_or_run_dir.startswith("file://"):
+    if not locate(config_or_run_dir, what="CONFIG_OR_RUN_DIR").is_local:
         loc = RunLocation.of(config_or_run_dir)
         try:
             text = loc.read_text("config.yaml")

@@ -82,7 +82,7 @@ def read_columns(manifest: Manifest, shard: Shard, columns: list[str]) -> Any:
 
     where = manifest.location
     try:
-        return pq.read_table(where.join(shard.file), columns=columns, filesystem=where.filesystem)
+        return pq.read_table(where.fs_path(shard.file), columns=columns, filesystem=where.filesystem)
     except (pa.ArrowException, OSError, KeyError) as e:
         raise UserError(
             f"{manifest.shard_path(shard)}: cannot read columns {columns} ({e})"

@@ -16,9 +16,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from trainlab.data.location import DatasetDir, dataset_dir
 from trainlab.errors import UserError
-from trainlab.storage import is_uri
+from trainlab.location import Location, StorageError, locate
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -45,7 +44,7 @@ class SourceInfo:
 class Manifest:
     """What `trainlab prep` wrote, checked. `sources` keeps the sources-YAML order."""
 
-    location: DatasetDir  # a local directory or s3://bucket/prefix
+    location: Location  # a local directory, s3:// or gs://
     fingerprint: str
     eos_id: int
     vocab_size: int
@@ -60,7 +59,7 @@ class Manifest:
         return self.location.uri
 
     def shard_path(self, shard: Shard) -> str:
-        """Where a shard is, for messages (read it with `location.open(shard.file)`)."""
+        """Where a shard is, for messages (read it with `location.open_input_file(shard.file)`)."""
         return self.location.uri_of(shard.file)
 
 
@@ -70,17 +69,17 @@ def repo_root() -> Path | None:
     return root if (root / "pyproject.toml").exists() else None
 
 
-def resolve_dataset_dir(path: str | os.PathLike[str], what: str = "data.path") -> DatasetDir:
-    """`data.path` as a dataset location holding a manifest. A URI (s3://) is looked
+def resolve_dataset_dir(path: str | os.PathLike[str], what: str = "data.path") -> Location:
+    """`data.path` as a dataset location holding a manifest. A URI (s3://, gs://) is looked
     up as it is (one request); a local path as given when absolute, else relative to
     the working directory, else to the repo root (where recipes say it lives)."""
     text = os.fspath(path)
-    where = dataset_dir(text, what)
+    where = locate(text, what=what)
     if not where.is_local:
         try:
             there = where.is_file(MANIFEST)
-        except UserError as e:  # the store could not be asked (endpoint, credentials)
-            raise UserError(f"{what} = {text!r}: {e.lines[0]}") from None
+        except StorageError as e:  # the store could not be asked (endpoint, credentials)
+            raise UserError(f"{what} = {text!r}: {where.unreachable(MANIFEST, e)}") from None
         if not there:
             raise UserError(
                 f"{what} = {str(path)!r}: no prepared dataset (no {where.uri_of(MANIFEST)}); "
@@ -94,7 +93,7 @@ def resolve_dataset_dir(path: str | os.PathLike[str], what: str = "data.path") -
         candidates.append(root / p)
     for c in candidates:
         if (c / MANIFEST).is_file():
-            return dataset_dir(c.resolve(), what)
+            return locate(c.resolve(), what=what)
     tried = ", ".join(str(c / MANIFEST) for c in candidates)
     raise UserError(
         f"{what} = {str(path)!r}: no prepared dataset (looked for {tried}); "
@@ -203,21 +202,25 @@ def parse_manifest(raw: Any, where: str) -> ManifestDoc:
         raise UserError(f"{where}: {loc or '(top level)'}{shown}: {message}"[:500]) from None
 
 
-def load_manifest(path: str | os.PathLike[str] | DatasetDir) -> Manifest:
-    """Parse DIR/manifest.json (DIR a local directory or s3:// URI, or a manifest
+def load_manifest(path: str | os.PathLike[str] | Location) -> Manifest:
+    """Parse DIR/manifest.json (DIR a local directory or a store URI, or a manifest
     file's path); raise UserError if missing or malformed."""
-    if isinstance(path, DatasetDir):
+    if isinstance(path, Location):
         where = path
     else:
         text = os.fspath(path).rstrip("/")
         if text.rsplit("/", 1)[-1] == MANIFEST:  # the manifest file itself
             text = text[: -len(MANIFEST)].rstrip("/") or "."
-        where = dataset_dir(text if is_uri(text) else Path(text).resolve(), "dataset")
+        where = locate(text, what="dataset")
+        if where.is_local:
+            where = locate(where.local_path().resolve())
     file = where.uri_of(MANIFEST)
     try:
         raw = json.loads(where.read_bytes(MANIFEST).decode("utf-8"))
     except FileNotFoundError:
         raise UserError(f"{file}: not found; run `trainlab prep` first") from None
+    except StorageError as e:
+        raise where.unreachable(MANIFEST, e) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UserError(f"{file}: cannot read manifest ({type(e).__name__}: {e})") from None
     doc = parse_manifest(raw, file)
@@ -253,6 +256,13 @@ def verify_shards(manifest: Manifest, checksums: bool = True) -> None:
     A shard changed after prep would silently change the stream under an unchanged
     fingerprint; checking the checksums (about 1 GB/s locally; the whole dataset is
     downloaded once from a store) rules that out."""
+    try:
+        _verify_shards(manifest, checksums)
+    except StorageError as e:  # the store could not be asked (endpoint, credentials)
+        raise manifest.location.unreachable("", e) from None
+
+
+def _verify_shards(manifest: Manifest, checksums: bool) -> None:
     where = manifest.location
     tok = manifest.tokenizer_file
     known = checksums and manifest.tokenizer_sha256 and where.is_file(tok)
@@ -276,13 +286,13 @@ def verify_shards(manifest: Manifest, checksums: bool = True) -> None:
                 raise UserError(f"{path}: {rows} rows, manifest says {shard.rows}")
 
 
-def sha256_of(where: DatasetDir, rel: str) -> str:
+def sha256_of(where: Location, rel: str) -> str:
     """sha256 of a file of the dataset, read in 8 MB pieces."""
     import hashlib
 
     h = hashlib.sha256()
     try:
-        with where.filesystem.open_input_stream(where.join(rel)) as f:
+        with where.filesystem.open_input_stream(where.fs_path(rel)) as f:
             while chunk := f.read(8 << 20):
                 h.update(chunk)
     except OSError as e:
@@ -290,12 +300,12 @@ def sha256_of(where: DatasetDir, rel: str) -> str:
     return h.hexdigest()
 
 
-def parquet_rows(where: DatasetDir, rel: str) -> int:
+def parquet_rows(where: Location, rel: str) -> int:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        with where.open(rel) as f:
+        with where.open_input_file(rel) as f:
             return pq.ParquetFile(f).metadata.num_rows
     except (pa.ArrowException, OSError) as e:
         raise UserError(f"{where.uri_of(rel)}: not a readable Parquet shard ({e})") from None

@@ -65,9 +65,9 @@ def locate(path: str | Path, step: int | None = None) -> Located:
     """The run directory, checkpoint and config that `path` (a run directory or a
     checkpoint directory, or a run in object storage) and `step` name; UserError
     when there is none."""
-    from trainlab.storage import is_uri
+    from trainlab.location import locate as locate_place
 
-    if is_uri(str(path)) and not str(path).startswith("file://"):
+    if not locate_place(path, what="the run").is_local:
         return _locate_in_store(str(path), step)
     p = Path(path).expanduser().resolve()
     if not p.is_dir():

@@ -11,15 +11,14 @@ trained as `tokens + [EOS]` with no BOS, so no template adds tokens: the ids
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
 
-from trainlab.data.location import DatasetDir
 from trainlab.data.manifest import MANIFEST, resolve_dataset_dir
 from trainlab.errors import UserError
 from trainlab.fileutil import sha256_file
+from trainlab.location import Location
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -39,7 +38,7 @@ def dataset_tokenizer(data_path: str, fingerprint: str | None) -> tuple[Path, st
             "tokenizer.json the model was trained with"
         )
     try:
-        path = where.local(rel) if where.is_local else _fetched(where, rel)
+        path = where.local_path(rel) if where.is_local else _fetched(where, rel)
     except FileNotFoundError:
         path = None
     if path is None or not path.is_file():
@@ -54,7 +53,7 @@ def dataset_tokenizer(data_path: str, fingerprint: str | None) -> tuple[Path, st
     return path, eos
 
 
-def _fetched(where: DatasetDir, rel: str) -> Path:
+def _fetched(where: Location, rel: str) -> Path:
     """A file of a dataset in object storage, copied under this node's scratch (by
     the dataset's location: the copy is checked against the manifest's sha256)."""
     import hashlib
@@ -63,10 +62,7 @@ def _fetched(where: DatasetDir, rel: str) -> Path:
 
     key = hashlib.sha256(where.uri.encode()).hexdigest()[:16]
     dest = scratch_root() / "datasets" / key / rel
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(where.read_bytes(rel))
-    os.replace(tmp, dest)
+    where.download(rel, dest)
     return dest
 
 

@@ -23,16 +23,17 @@ RESULT_PREFIX = "PROBE-RESULT: "
 EXIT_PROBLEMS = 3
 
 
-def check_node(data_dir: str, markers: list[tuple[str, str | None, str]]) -> dict[str, Any]:
-    """What one node sees (runs inside a Ray task on that node). `markers`:
-    (storage URI, S3 endpoint, marker file name) written by the head."""
+def check_node(data_dir: str, markers: list[tuple[str, str]]) -> dict[str, Any]:
+    """What one node sees (runs inside a Ray task on that node, with that node's
+    own store settings). `markers`: (storage URI, marker file name) written by
+    the head."""
     import socket
 
-    from trainlab.storage import is_uri, resolve_storage
+    from trainlab.location import locate
 
     problems = []
     manifest = os.path.join(data_dir, "manifest.json")
-    if is_uri(data_dir):  # object storage: this node's endpoint and credentials reach it?
+    if not locate(data_dir).is_local:  # a store: this node's endpoint and credentials reach it?
         problems += _dataset_in_store(data_dir)
     elif not os.path.isfile(manifest):
         problems.append(
@@ -41,12 +42,10 @@ def check_node(data_dir: str, markers: list[tuple[str, str | None, str]]) -> dic
         )
     elif not os.access(manifest, os.R_OK):
         problems.append(f"prepared data not readable: {manifest}")
-    for uri, endpoint_url, marker in markers:
+    for uri, marker in markers:
         try:
-            storage = resolve_storage(uri, endpoint_url=endpoint_url)
-            with storage.filesystem.open_input_stream(storage.join(marker)) as f:
-                if f.read() != marker.encode():
-                    problems.append(f"storage {uri}: marker differs on this node")
+            if locate(uri).read_bytes(marker) != marker.encode():
+                problems.append(f"storage {uri}: marker differs on this node")
         except (OSError, ValueError) as e:
             problems.append(
                 f"storage {uri} is not shared with this node: the marker written by the "
@@ -56,18 +55,21 @@ def check_node(data_dir: str, markers: list[tuple[str, str | None, str]]) -> dic
 
 
 def _dataset_in_store(uri: str) -> list[str]:
-    """A dataset in object storage as this node sees it (its own AWS_* variables)."""
-    from trainlab.data.location import dataset_dir
+    """A dataset in object storage as this node sees it (its own settings: endpoint,
+    credentials)."""
     from trainlab.errors import UserError
+    from trainlab.location import StorageError, locate
 
     try:
-        where = dataset_dir(uri)
+        where = locate(uri, what="data.path")
         if not where.is_file("manifest.json"):
             return [
                 f"prepared data not found: {where.uri_of('manifest.json')} does not exist "
                 "as seen from this node (run `trainlab prep SOURCES --out "
-                f"{where.uri}`, or check this node's AWS_ENDPOINT_URL)"
+                f"{where.uri}`, or check this node's store settings, e.g. AWS_ENDPOINT_URL)"
             ]
+    except StorageError as e:
+        return [f"prepared data not readable from this node: {where.unreachable('', e).lines[0]}"]
     except UserError as e:
         return [f"prepared data not readable from this node: {e.lines[0]}"]
     return []
@@ -76,13 +78,13 @@ def _dataset_in_store(uri: str) -> list[str]:
 def run(data_dir: str, storage_uris: list[str]) -> list[str]:
     """Probe every alive node; return the problems, each naming its node."""
     from trainlab.errors import UserError
-    from trainlab.storage import check_writable, resolve_storage
+    from trainlab.location import locate
 
-    storages = [resolve_storage(uri) for uri in dict.fromkeys(storage_uris)]
+    storages = [locate(uri) for uri in dict.fromkeys(storage_uris)]
     problems = []
     for storage in storages:
         try:
-            check_writable(storage)
+            storage.check_writable()
         except UserError as e:
             problems += [f"head node: {line}" for line in e.lines]
     if problems:
@@ -90,17 +92,16 @@ def run(data_dir: str, storage_uris: list[str]) -> list[str]:
     markers = []
     for storage in storages:
         marker = f".trainlab-probe-{uuid.uuid4().hex}"
-        with storage.filesystem.open_output_stream(storage.join(marker)) as f:
-            f.write(marker.encode())
+        storage.write_bytes(marker, marker.encode())
         markers.append((storage, marker))
     try:
-        return _probe_nodes(data_dir, [(s.uri, s.endpoint_url, m) for s, m in markers])
+        return _probe_nodes(data_dir, [(s.uri, m) for s, m in markers])
     finally:
         for storage, marker in markers:
-            storage.filesystem.delete_file(storage.join(marker))
+            storage.delete(marker)
 
 
-def _probe_nodes(data_dir: str, markers: list[tuple[str, str | None, str]]) -> list[str]:
+def _probe_nodes(data_dir: str, markers: list[tuple[str, str]]) -> list[str]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -87,8 +87,8 @@ def prepare(config: str, overrides: tuple[str, ...] | list[str], repo: Path) -> 
     paths absolute."""
     from trainlab.config import load_config, to_yaml
     from trainlab.config.loader import require_record
+    from trainlab.location import locate
     from trainlab.plan import plan, require_fit
-    from trainlab.storage import resolve_storage
 
     # Paths come back absolute (against the config's repository root), and --set
     # changes to what is trained name the run (config.loader).
@@ -106,7 +106,7 @@ def prepare(config: str, overrides: tuple[str, ...] | list[str], repo: Path) -> 
         plan=plan(cfg),
         config_yaml=to_yaml(_code_dir_in_copy(cfg, repo, config)),
         repo=repo,
-        storage_uris=[resolve_storage(loc).uri for loc in shared],
+        storage_uris=[locate(loc, what="train.runs_root").uri for loc in shared],
     )
 
 

@@ -31,8 +31,7 @@ def summary_is_current(run_dir: Path | str) -> bool:
 
         from trainlab.train.records import RunRecords
 
-        assert loc.storage is not None
-        info = loc.storage.filesystem.get_file_info(loc.key("run_summary.json"))
+        info = loc.home.filesystem.get_file_info(loc.key("run_summary.json"))
         if info.type != fs.FileType.File or info.mtime is None:
             return False
         started = [float(a.get("time") or 0.0) for a in RunRecords(loc).attempts()]

@@ -68,10 +68,9 @@ def end_wait_s() -> float:
 def run_key(run_dir: str) -> str:
     """Identity of a training run in MLflow: a hash of its absolute run directory
     (or of its URI, for a run in object storage)."""
-    from trainlab.storage import is_uri
+    from trainlab.location import locate
 
-    where = run_dir if is_uri(run_dir) else str(Path(run_dir).resolve())
-    return hashlib.sha256(where.encode()).hexdigest()[:32]
+    return hashlib.sha256(locate(run_dir).resolved().uri.encode()).hexdigest()[:32]
 
 
 def now_ms() -> int:

@@ -501,11 +501,11 @@ class MlflowCallback(Callback):
                 {"path": str(Path(ctx.manifest_path).resolve()), "artifact_path": "data"}
             )
         elif "://" in ctx.manifest_path:  # a dataset in object storage: its manifest's text
-            from trainlab.data.location import dataset_dir
             from trainlab.errors import UserError
+            from trainlab.location import locate
 
             try:
-                data = dataset_dir(ctx.manifest_path.rsplit("/", 1)[0]).read_bytes("manifest.json")
+                data = locate(ctx.manifest_path).read_bytes()
                 artifacts.append({"text": data.decode("utf-8"), "file": "data/manifest.json"})
             except (OSError, UserError, UnicodeDecodeError) as e:
                 log.warning("%s: not recorded (%s)", ctx.manifest_path, e)

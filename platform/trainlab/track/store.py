@@ -42,10 +42,8 @@ def _local_root(runs_root: str | os.PathLike[str]) -> Path:
     object storage its working copy on this machine (SQLite cannot live in a
     store; docs/storage.md)."""
     from trainlab.runloc import local_runs_root
-    from trainlab.storage import is_uri
 
-    text = os.fspath(runs_root)
-    return local_runs_root(text) if is_uri(text) else Path(text).resolve()
+    return local_runs_root(os.fspath(runs_root)).resolve()
 
 
 def artifact_location(runs_root: str | os.PathLike[str]) -> str | None:

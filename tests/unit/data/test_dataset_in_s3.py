@@ -111,12 +111,12 @@ def test_nothing_at_the_location_is_one_line_naming_data_path(s3_env, capsys):
 
 def test_another_scheme_is_refused_by_validate(capsys):
     with pytest.raises(SystemExit) as e:
-        main(["validate", str(TINY), "--set", "data.path=gs://bucket/ds"])
+        main(["validate", str(TINY), "--set", "data.path=hdfs://nn/ds"])
     assert e.value.code == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.endswith(
-        "data.path = 'gs://bucket/ds': unsupported scheme 'gs'; give a local directory "
-        "or s3://bucket/prefix"
+        "data.path = 'hdfs://nn/ds': unsupported scheme 'hdfs'; give a local directory, "
+        "s3://bucket/prefix or gs://bucket/prefix"
     )
 
 

@@ -194,11 +194,11 @@ def test_probe_names_what_a_node_cannot_see(tmp_path):
         d.mkdir()
     (data / "manifest.json").write_text("{}")
     (shared / ".trainlab-probe-a").write_text(".trainlab-probe-a")
-    seen = check_node(str(data), [(str(shared), None, ".trainlab-probe-a")])
+    seen = check_node(str(data), [(str(shared), ".trainlab-probe-a")])
     assert seen["problems"] == []
     seen = check_node(
         str(tmp_path / "nodata"),
-        [(str(shared), None, ".trainlab-probe-a"), (str(private), None, ".trainlab-probe-b")],
+        [(str(shared), ".trainlab-probe-a"), (str(private), ".trainlab-probe-b")],
     )
     assert len(seen["problems"]) == 2
     assert "nodata/manifest.json does not exist" in seen["problems"][0]

@@ -81,7 +81,7 @@ def test_a_tracking_uri_with_credentials_is_never_shipped_with_a_job(fake_env, m
 )
 def test_credentials_in_the_storage_url_are_refused_at_validation(tmp_path, url):
     from trainlab.config import load_config
-    from trainlab.storage import resolve_storage
+    from trainlab.location import locate
 
     config = tmp_path / "exp.yaml"
     config.write_text(f"name: exp\ntrain:\n  runs_root: {url}\n")
@@ -91,8 +91,8 @@ def test_credentials_in_the_storage_url_are_refused_at_validation(tmp_path, url)
     assert line.startswith(f"{config}: train.runs_root = 's3://***@bucket/runs': ")
     assert "credentials never go in a storage URL" in line and "AWS_ACCESS_KEY_ID" in line
     assert "fake-" not in line and "AKIAFAKE" not in line
-    with pytest.raises(UserError) as err:  # the library refuses it too (trainlab.storage)
-        resolve_storage(url)
+    with pytest.raises(UserError) as err:  # the library refuses it too (trainlab.location)
+        locate(url)
     assert "fake-" not in str(err.value) and "each node's own environment" in str(err.value)
 
 

@@ -277,7 +277,7 @@ def test_a_throttled_store_never_costs_a_committed_checkpoint(run, s3_env, s3_se
     committed" and delete every checkpoint.)"""
     from tests.faultproxy import FaultProxy
     from trainlab.exitcodes import STORAGE_FAULT
-    from trainlab.storage import StoreUnavailable
+    from trainlab.location import StoreUnavailable
 
     s3, bucket = s3_env
     _save(run, 10)

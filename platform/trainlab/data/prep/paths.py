@@ -3,7 +3,7 @@ to the sorted list of files it reads.
 
 Listing happens on the driver before any work, so a path that does not exist
 or a glob that matches nothing is a `UserError`, not an empty source. Reading
-happens in the workers (`open_bytes`), through pyarrow filesystems for URIs.
+happens in the workers (`open_bytes`), through trainlab.location for every kind.
 Hidden files and folders (a name starting with ".") are skipped when a
 directory or glob is expanded, as a shell glob would. A local folder is walked
 without leaving it: a symlink below it that leads outside it (`up -> ..`, a link
@@ -13,7 +13,6 @@ read wherever it leads.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import re
@@ -22,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainlab.errors import UserError
+from trainlab.location import locate
 
 log = logging.getLogger("trainlab.data.prep")
 
@@ -37,48 +37,9 @@ class InputFile:
     mtime_ns: int
 
 
-def is_uri(path: str) -> bool:
-    return "://" in path
-
-
-def _filesystem(scheme: str, bucket: str):  # noqa: ANN202 - pyarrow.fs.FileSystem
-    """The pyarrow filesystem for a bucket. S3 goes through `trainlab.storage`, so an
-    S3-compatible endpoint (AWS_ENDPOINT_URL) and credentials work as for run storage."""
-    from trainlab.storage import s3_endpoint
-
-    return _cached_filesystem(scheme, bucket, s3_endpoint() if scheme in ("s3", "s3a") else None)
-
-
-@functools.lru_cache(maxsize=16)
-def _cached_filesystem(scheme: str, bucket: str, endpoint: str | None):  # noqa: ANN202
-    from pyarrow import fs
-
-    if scheme in ("s3", "s3a"):
-        from trainlab.storage import resolve_storage
-
-        return resolve_storage(f"s3://{bucket}").filesystem
-    return fs.FileSystem.from_uri(f"{scheme}://{bucket}")[0]
-
-
-def _split_uri(location: str) -> tuple[object, str, str]:
-    """(filesystem, path inside it, `scheme://` prefix to rebuild locations)."""
-    from pyarrow import fs
-
-    scheme, _, rest = location.partition("://")
-    if scheme == "file":
-        return fs.LocalFileSystem(), "/" + rest.lstrip("/"), "file://"
-    bucket = rest.split("/", 1)[0]
-    return _filesystem(scheme, bucket), rest, f"{scheme}://"
-
-
 def open_bytes(location: str) -> bytes:
-    """The whole content of a file (local path or URI)."""
-    if not is_uri(location):
-        with open(location, "rb") as f:
-            return f.read()
-    filesystem, path, _ = _split_uri(location)
-    with filesystem.open_input_stream(path) as f:  # type: ignore[attr-defined]
-        return f.read()
+    """The whole content of a file (a local path or a store URI)."""
+    return locate(location, what="source file").read_bytes()
 
 
 def glob_to_regex(pattern: str) -> re.Pattern[str]:
@@ -142,17 +103,11 @@ def _hidden_below(path: str, base: str) -> bool:
 
 def list_files(entry: str, root: Path, source_name: str) -> list[InputFile]:
     """The files one `paths` entry names, sorted; UserError when there are none."""
-    from pyarrow import fs
-
-    if is_uri(entry):
-        filesystem, target, prefix = _split_uri(entry)
-    else:
-        filesystem, prefix = fs.LocalFileSystem(), ""
-        path = Path(entry).expanduser()
-        target = str(path if path.is_absolute() else (root / path).resolve())
-        if entry.endswith("/") and not target.endswith("/"):
-            target += "/"
     where = f"source {source_name!r}: {entry!r}"
+    place = locate(entry, what=where, base_dir=root).resolved()
+    filesystem, target = place.filesystem, place.path
+    if entry.endswith("/") and not target.endswith("/"):
+        target += "/"
     try:
         if GLOB_CHARS.search(target):
             found = _expand_glob(filesystem, target, where)
@@ -163,7 +118,7 @@ def list_files(entry: str, root: Path, source_name: str) -> list[InputFile]:
     except OSError as e:
         raise UserError(f"{where}: cannot list ({e})") from None
     return sorted(
-        InputFile(prefix + info.path if prefix else info.path, info.size or 0, info.mtime_ns or 0)
+        InputFile(place.backend.uri(info.path), info.size or 0, info.mtime_ns or 0)
         for info in found
     )
 

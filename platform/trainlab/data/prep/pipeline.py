@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import resource
 import shutil
@@ -49,7 +48,6 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
-from trainlab.data.location import DatasetDir, dataset_dir
 from trainlab.data.prep.cleaning import CLEANING_RULES, CLEANING_RULES_VERSION
 from trainlab.data.prep.dedup import lsh_bands, partition_bounds
 from trainlab.data.prep.executors import LocalExecutor, RayDataExecutor, Received
@@ -91,7 +89,7 @@ from trainlab.data.prep.units import SourceFiles, WorkUnit, plan_units
 from trainlab.data.prep.units import unit_target_bytes as default_unit_bytes
 from trainlab.data.prep.work import WORK_DIR, WorkDir
 from trainlab.errors import UserError, first_line
-from trainlab.storage import is_uri
+from trainlab.location import Location, StorageError, locate
 
 MB = 1 << 20
 TOKENIZER_FILE = "tokenizer.json"
@@ -291,27 +289,22 @@ def run_prep(
 # --------------------------------------------------------------------------- object storage
 
 
-def _store_of(out: str | Path) -> DatasetDir | None:
-    """--out as object storage (s3://), or None for a local directory (a file://
-    URI is one too). Any other scheme is a UserError naming --out."""
-    text = os.fspath(out)
-    if not is_uri(text):
-        return None
-    where = dataset_dir(text, "--out")
+def _store_of(out: str | Path) -> Location | None:
+    """--out as object storage (s3://, gs://), or None for a local directory (a
+    file:// URI is one too). Any other scheme is a UserError naming --out."""
+    where = locate(out, what="--out")
     return None if where.is_local else where
 
 
-def _check_store(store: DatasetDir) -> None:
+def _check_store(store: Location) -> None:
     """The bucket exists and takes writes (a probe file), before any work."""
-    from trainlab.storage import check_writable, resolve_storage
-
     try:
-        check_writable(resolve_storage(store.uri))
+        store.check_writable()
     except UserError as e:
         raise UserError(f"--out {store.uri}: {e.lines[0]}") from None
 
 
-def _staging_dir(store: DatasetDir) -> Path:
+def _staging_dir(store: Location) -> Path:
     """Where a dataset bound for `store` is built: this node's scratch area, one
     directory per location (a killed run's recorded units are found again)."""
     from trainlab.storage import scratch_root
@@ -322,7 +315,7 @@ def _staging_dir(store: DatasetDir) -> Path:
     return staging
 
 
-def _current_in_store(store: DatasetDir, input_signature: str) -> dict | None:
+def _current_in_store(store: Location, input_signature: str) -> dict | None:
     """The store's manifest if it was built from exactly these inputs and every file
     it lists is there (their checksums are verified where the dataset is read:
     `trainlab train`, `data inspect`); otherwise None (the dataset is rebuilt)."""
@@ -332,6 +325,8 @@ def _current_in_store(store: DatasetDir, input_signature: str) -> dict | None:
         raw = json.loads(store.read_bytes(MANIFEST).decode("utf-8"))
     except (FileNotFoundError, UnicodeDecodeError, ValueError):
         return None
+    except StorageError as e:
+        raise store.unreachable(MANIFEST, e) from None
     if not isinstance(raw, dict) or raw.get("input_signature") != input_signature:
         return None
     try:
@@ -342,27 +337,25 @@ def _current_in_store(store: DatasetDir, input_signature: str) -> dict | None:
     return doc.to_json() if all(store.is_file(f) for f in files) else None
 
 
-def _remove_store_manifest(store: DatasetDir) -> dict | None:
+def _remove_store_manifest(store: Location) -> dict | None:
     """Delete the store's manifest before anything there is overwritten; return it."""
     try:
         raw = json.loads(store.read_bytes(MANIFEST).decode("utf-8"))
     except (FileNotFoundError, UnicodeDecodeError, ValueError):
         raw = None
+    except StorageError as e:
+        raise store.unreachable(MANIFEST, e) from None
     try:
-        store.filesystem.delete_file(store.join(MANIFEST))
-    except FileNotFoundError:
-        pass
-    except OSError as e:
-        if store.is_file(MANIFEST):
-            raise store.unreachable(MANIFEST, e) from None
+        store.delete(MANIFEST)
+    except StorageError as e:
+        raise store.unreachable(MANIFEST, e) from None
     return raw if isinstance(raw, dict) else None
 
 
 UPLOAD_THREADS = 8
-UPLOAD_CHUNK = 16 << 20
 
 
-def _upload(staging: Path, store: DatasetDir, manifest: dict, old_manifest: dict | None) -> float:
+def _upload(staging: Path, store: Location, manifest: dict, old_manifest: dict | None) -> float:
     """Tokenizer and shards (in parallel), stale shards deleted, manifest.json last.
     Returns the seconds it took."""
     from concurrent.futures import ThreadPoolExecutor
@@ -378,34 +371,28 @@ def _upload(staging: Path, store: DatasetDir, manifest: dict, old_manifest: dict
     return time.perf_counter() - t
 
 
-def _upload_file(local: Path, store: DatasetDir, rel: str) -> None:
+def _upload_file(local: Path, store: Location, rel: str) -> None:
     """One file to the store, streamed (multipart for a big one: the object appears
     whole or not at all)."""
     try:
-        with open(local, "rb") as src, store.filesystem.open_output_stream(store.join(rel)) as dst:
-            while chunk := src.read(UPLOAD_CHUNK):
-                dst.write(chunk)
+        store.upload(local, rel)
     except OSError as e:
-        where = f" (endpoint {store.endpoint_url})" if store.endpoint_url else ""
+        where = f" ({store.backend.describe()})" if store.backend.describe() else ""
         raise UserError(
             f"--out {store.uri_of(rel)}{where}: upload failed ({first_line(e)}); the "
             "location has no manifest; run the same command again"
         ) from None
 
 
-def _remove_stale_in_store(store: DatasetDir, manifest: dict, old_manifest: dict | None) -> None:
+def _remove_stale_in_store(store: Location, manifest: dict, old_manifest: dict | None) -> None:
     """Shards of the source folders that the new manifest does not list (an earlier,
     bigger build)."""
-    from pyarrow import fs
-
     keep = listed_files(manifest)
     names = set(manifest["sources"]) | {f.split("/")[0] for f in listed_files(old_manifest)}
     for name in sorted(n for n in names if re.match(SOURCE_NAME_PATTERN, n)):
-        selector = fs.FileSelector(store.join(name), allow_not_found=True)
-        for info in store.filesystem.get_file_info(selector):
-            base = info.base_name
+        for base in store.list(name):
             if base.startswith("part-") and f"{name}/{base}" not in keep:
-                store.filesystem.delete_file(info.path)
+                store.delete(f"{name}/{base}")
 
 
 # --------------------------------------------------------------------------- checks

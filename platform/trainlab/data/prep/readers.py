@@ -15,7 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from trainlab.data.prep.cleaning import decode_utf8
-from trainlab.data.prep.paths import _split_uri, is_uri, open_bytes
+from trainlab.data.prep.paths import open_bytes
+from trainlab.location import locate
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,7 @@ def _jsonl_record(where: str, line: bytes, field: str) -> RawRecord:
 def _open_parquet(location: str):  # noqa: ANN202 - pyarrow.parquet.ParquetFile
     import pyarrow.parquet as pq
 
-    if not is_uri(location):
-        return pq.ParquetFile(location)
-    filesystem, path, _ = _split_uri(location)
-    return pq.ParquetFile(filesystem.open_input_file(path))  # type: ignore[attr-defined]
+    return pq.ParquetFile(locate(location, what="source file").open_input_file())
 
 
 def _read_parquet(location: str, field: str) -> Iterator[RawRecord]:

@@ -50,15 +50,9 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.errors import UserError, first_line
+from trainlab.location import Absent, Corrupt, StorageError, read_retrying
 from trainlab.runloc import RunLocation
-from trainlab.storage import (
-    Absent,
-    Corrupt,
-    StorageError,
-    UnsafePath,
-    read_retrying,
-    resolve_inside,
-)
+from trainlab.storage import UnsafePath, resolve_inside
 from trainlab.train import checkpoint as ck
 
 log = logging.getLogger(__name__)
@@ -87,9 +81,8 @@ class CheckpointStore:
     """The checkpoints of one remote run (`loc.remote`)."""
 
     def __init__(self, loc: RunLocation):
-        assert loc.storage is not None, "a run in object storage"
         self.loc = loc
-        self.fs = loc.storage.filesystem
+        self.fs = loc.home.filesystem
         self.root = loc.key("checkpoints")
         self.local_root = loc.local / "checkpoints"
 
@@ -126,14 +119,16 @@ class CheckpointStore:
 
     def _uri(self, path: str) -> str:
         """The URI of a store path (for messages)."""
-        storage = self.loc.storage
-        return storage.uri_of(path.removeprefix(storage.path.rstrip("/")))
+        return self.loc.home.backend.uri(path)
 
     # ------------------------------------------------------------------ listing
 
     def step_dirs(self) -> list[int]:
         """Every step folder in the store, committed or not, oldest first."""
-        steps = (ck.parse_step(e.base_name) for e in self._names(self.root))
+        names = read_retrying(
+            lambda: self.loc.home.list("checkpoints"), f"listing {self._uri(self.root)}"
+        )
+        steps = (ck.parse_step(name) for name in names)
         return sorted(s for s in steps if s is not None)
 
     def commit_state(self, step: int) -> ck.CheckpointInfo | StorageError:
@@ -259,7 +254,7 @@ class CheckpointStore:
         `SaveAbandoned` when a rank reported a failed upload or the time is up."""
         base, deadline, delay = self._dir(step), time.monotonic() + timeout_s, 0.05
         while True:
-            names = {e.base_name for e in self._names(base)}
+            names = {e.base_name for e in self._names(base)}  # files: listed on every store
             failed = sorted(n for n in names if n.startswith(FAILED))
             if failed:
                 why = self._read_json(f"{base}/{failed[0]}").get("error", "?")

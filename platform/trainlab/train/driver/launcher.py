@@ -207,17 +207,15 @@ def _lock_new(
 def _check_store(loc: RunLocation) -> None:
     """The runs root in object storage answers (write, read back, delete a probe),
     before anything of the run is written; else UserError naming it."""
-    from trainlab.storage import check_writable, resolve_storage
-
-    check_writable(resolve_storage(loc.uri.rsplit("/", 2)[0]))
+    loc.home.parent.parent.check_writable()
 
 
 def _ray_storage(loc: RunLocation) -> dict[str, Any]:
     """Ray Train's own bookkeeping (`storage_path`): next to the run, in the store
     for a run in object storage, so no node needs a shared disk."""
-    if loc.storage is None:
+    if not loc.remote:
         return {"storage_path": str(loc.local / "ray")}
-    return {"storage_path": loc.key("ray"), "storage_filesystem": loc.storage.filesystem}
+    return {"storage_path": loc.key("ray"), "storage_filesystem": loc.home.filesystem}
 
 
 def _driver_log(run_dir: Path) -> None:
@@ -471,9 +469,8 @@ def _remove_refused(loc: RunLocation) -> None:
     import shutil
 
     shutil.rmtree(loc.local, ignore_errors=True)  # the run, or this node's copy of it
-    if loc.storage is not None:
-        with contextlib.suppress(FileNotFoundError):
-            loc.storage.filesystem.delete_dir(loc.key(""))
+    if loc.remote:
+        loc.home.delete_tree()
         return
     with contextlib.suppress(OSError):  # another run is there: it stays
         loc.local.parent.rmdir()

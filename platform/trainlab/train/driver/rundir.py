@@ -42,9 +42,9 @@ import yaml
 from trainlab.config import ExperimentConfig, config_hash, to_yaml
 from trainlab.config.loader import identity_diff
 from trainlab.errors import UserError
+from trainlab.location import locate
 from trainlab.runloc import RunLocation
 from trainlab.runstatus import RunStatus
-from trainlab.storage import is_uri, resolve_storage
 from trainlab.train.records import RunRecords
 
 EXTEND_KEY = "train.total_steps"
@@ -76,9 +76,8 @@ def _checkout() -> Path | None:
 
 def root_location(cfg: ExperimentConfig, base_dir: Path | None = None) -> str:
     """The runs root as a location: a store URI as written, else `runs_root`."""
-    if is_uri(cfg.train.runs_root) and not cfg.train.runs_root.startswith("file://"):
-        return resolve_storage(cfg.train.runs_root).uri
-    return str(runs_root(cfg, base_dir))
+    where = locate(cfg.train.runs_root, what="train.runs_root")
+    return str(runs_root(cfg, base_dir)) if where.is_local else where.uri
 
 
 def _join(root: str, *parts: str) -> str:
@@ -87,8 +86,7 @@ def _join(root: str, *parts: str) -> str:
 
 def _taken(where: str) -> bool:
     """A run directory (or store prefix) that already holds something."""
-    loc = RunLocation.of(where)
-    return not loc.is_empty() if loc.remote else Path(where).exists()
+    return locate(where).exists()
 
 
 def new_run_dir(
@@ -101,7 +99,7 @@ def new_run_dir(
     while _taken(candidate):
         n += 1
         candidate = _join(day, f"{cfg.name}-{n}")
-    return candidate if is_uri(candidate) else Path(candidate)
+    return Path(candidate) if locate(candidate).is_local else candidate
 
 
 def latest_run_dir(cfg: ExperimentConfig, base_dir: Path | None = None) -> Path | str:
@@ -128,15 +126,12 @@ def latest_run_dir(cfg: ExperimentConfig, base_dir: Path | None = None) -> Path 
 def _latest_in_store(cfg: ExperimentConfig, root: str) -> str:
     from pyarrow import fs
 
-    store = RunLocation.of(root)
-    assert store.storage is not None
+    store = locate(root)
     found = []
-    for day in store.list(""):
+    for day in store.list():
         for name in store.list(day):
             if _is_run_of(name, cfg.name):
-                info = store.storage.filesystem.get_file_info(
-                    store.key(f"{day}/{name}/config.yaml")
-                )
+                info = store.filesystem.get_file_info(store.fs_path(f"{day}/{name}/config.yaml"))
                 if info.type == fs.FileType.File:
                     found.append((info.mtime_ns or 0, day, name))
     if not found:
@@ -162,13 +157,8 @@ def choose_run_dir(
     is the run directory or, for a run in object storage, its URI."""
     scratch = cfg.resource.scratch_dir
     if run_dir is not None:
-        text = str(run_dir)
-        if is_uri(text) and not text.startswith("file://"):
-            return RunLocation.of(resolve_storage(text).uri, scratch)
-        path = Path(text.removeprefix("file://")).expanduser()
-        return RunLocation.of(
-            (path if path.is_absolute() else (base_dir or Path.cwd()) / path).resolve(), scratch
-        )
+        where = locate(run_dir, what="--run-dir", base_dir=base_dir).resolved()
+        return RunLocation.of(where, scratch)
     if resume:
         return RunLocation.of(latest_run_dir(cfg, base_dir), scratch)
     return RunLocation.of(new_run_dir(cfg, base_dir), scratch)

@@ -16,7 +16,7 @@ import pytest
 import trainlab.data.prep.pipeline as pipeline
 from tests.unit.data.prep.test_idempotence import make_corpus
 from trainlab.cli import main
-from trainlab.data.location import dataset_dir
+from trainlab.location import locate
 from trainlab.data.prep import run_prep
 from trainlab.errors import UserError
 
@@ -51,8 +51,8 @@ def test_prep_to_s3_writes_the_dataset_and_nothing_local(s3_env, tmp_path, scrat
     stored = json.loads(s3.get_object(Bucket=bucket, Key="prepared/manifest.json")["Body"].read())
     assert stored == m
     # The shards are plain Parquet, readable from the store with the manifest's rows.
-    where = dataset_dir(f"s3://{bucket}/prepared")
-    rows = [pq.read_table(where.join(f), filesystem=where.filesystem).num_rows for f in shards]
+    where = locate(f"s3://{bucket}/prepared")
+    rows = [pq.read_table(where.fs_path(f), filesystem=where.filesystem).num_rows for f in shards]
     assert rows == [s["rows"] for s in m["sources"]["code"]["shards"]]
     assert not any(scratch.rglob("*.parquet"))  # the staging copy is gone once uploaded
     # The same inputs again: up to date, from the store's manifest.
@@ -101,7 +101,7 @@ def test_an_unreachable_bucket_is_one_line_before_any_work(s3_env, tmp_path, scr
     assert line.startswith("--out s3://no-such-bucket-here/ds: ") and "not writable" in line
 
 
-@pytest.mark.parametrize("out", ["gs://bucket/ds", "hdfs://namenode/ds"])
+@pytest.mark.parametrize("out", ["hdfs://namenode/ds", "ftp://host/ds"])
 def test_an_unsupported_scheme_is_refused_in_one_line(tmp_path, monkeypatch, capsys, out):
     sources = make_corpus(tmp_path)
     monkeypatch.chdir(tmp_path)
@@ -111,7 +111,7 @@ def test_an_unsupported_scheme_is_refused_in_one_line(tmp_path, monkeypatch, cap
     assert e.value.code == 2
     scheme = out.split(":")[0]
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"error: --out = '{out}': unsupported scheme '{scheme}'; give a local directory "
-        "or s3://bucket/prefix"
+        f"error: --out = '{out}': unsupported scheme '{scheme}'; give a filesystem path, "
+        "s3://bucket/prefix or gs://bucket/prefix"
     ]
     assert set(os.listdir(tmp_path)) == before

@@ -116,11 +116,11 @@ def test_listing_sorts_dedups_and_skips_hidden(tmp_path):
         "b/1.txt",
         "b/2.txt",
     ]
-    # file:// URIs go through pyarrow's filesystem layer, like s3:// and gs://.
+    # A file:// URI names the same files as their path.
     uri_files = list_source_files([f"file://{tmp_path}/b/*.txt"], tmp_path, "s")
     assert [f.location for f in uri_files] == [
-        f"file://{tmp_path}/b/1.txt",
-        f"file://{tmp_path}/b/2.txt",
+        f"{tmp_path}/b/1.txt",
+        f"{tmp_path}/b/2.txt",
     ]
 
 

@@ -1,5 +1,5 @@
-"""Shared storage for runs and checkpoints: paths and S3, the latter against a
-real S3-compatible server (moto's) on 127.0.0.1."""
+"""Runs roots and datasets in storage: paths, S3 (against a real S3-compatible
+server, moto's, on 127.0.0.1) and the filesystem Ray Train is given."""
 
 from __future__ import annotations
 
@@ -8,17 +8,18 @@ import os
 import pytest
 
 from trainlab.errors import UserError
-from trainlab.jobs.localcluster import free_port
-from trainlab.storage import check_writable, resolve_storage
+from trainlab.location import locate
 
 
 def test_local_paths_resolve_against_the_base(tmp_path):
-    s = resolve_storage("runs", base_dir=tmp_path)
-    assert (s.kind, s.path, s.is_shared) == ("local", str(tmp_path / "runs"), False)
-    kwargs = s.run_config_kwargs()
-    assert kwargs["storage_path"] == str(tmp_path / "runs")
-    assert resolve_storage(f"file://{tmp_path}/x").path == str(tmp_path / "x")
-    check_writable(s)
+    where = locate("runs", base_dir=tmp_path)
+    assert (where.is_local, where.path, where.uri) == (
+        True,
+        str(tmp_path / "runs"),
+        str(tmp_path / "runs"),
+    )
+    assert locate(f"file://{tmp_path}/x").path == str(tmp_path / "x")
+    where.check_writable()
     assert (tmp_path / "runs").is_dir() and not list((tmp_path / "runs").iterdir())
 
 
@@ -32,29 +33,27 @@ def test_read_only_storage_is_a_user_error(tmp_path):
         ro.mkdir(mode=0o500)
         target = ro / "runs"
     with pytest.raises(UserError, match="not writable"):
-        check_writable(resolve_storage(target))
+        locate(target).check_writable()
 
 
-@pytest.mark.parametrize("bad", ["gs://bucket/x", "s3://", "s3://b/p?endpoint=x", "  "])
+@pytest.mark.parametrize("bad", ["hdfs://nn/x", "s3://", "s3://b/p?endpoint=x", "  "])
 def test_unsupported_locations_are_refused(bad):
     with pytest.raises(UserError):
-        resolve_storage(bad)
+        locate(bad)
 
 
 def test_s3_storage_round_trips_through_the_endpoint(s3_env, s3_server):
     s3, bucket = s3_env
-    s = resolve_storage(f"s3://{bucket}/trainlab/runs")
-    assert (s.kind, s.path, s.endpoint_url, s.is_shared) == (
-        "s3",
+    where = locate(f"s3://{bucket}/trainlab/runs")
+    assert (where.is_local, where.path, where.describe()) == (
+        False,
         f"{bucket}/trainlab/runs",
-        s3_server,
-        True,
+        f"s3://{bucket}/trainlab/runs (endpoint {s3_server})",
     )
-    check_writable(s)
+    where.check_writable()
     # What Ray Train does with RunConfig(storage_path, storage_filesystem): write
     # a checkpoint directory through the filesystem, then list and read it back.
-    kw = s.run_config_kwargs()
-    fs, root = kw["storage_filesystem"], kw["storage_path"]
+    fs, root = where.filesystem, where.path
     fs.create_dir(f"{root}/tiny/checkpoints/step-00000020")
     with fs.open_output_stream(f"{root}/tiny/checkpoints/step-00000020/model.pt") as f:
         f.write(b"weights")
@@ -69,10 +68,10 @@ def test_s3_storage_round_trips_through_the_endpoint(s3_env, s3_server):
 
 def test_s3_problems_name_the_location(s3_env):
     with pytest.raises(UserError, match=r"s3://no-such-bucket/x .*not writable"):
-        check_writable(resolve_storage("s3://no-such-bucket/x"))
+        locate("s3://no-such-bucket/x").check_writable()
 
 
-def test_an_explicit_endpoint_wins_over_the_environment(s3_env, s3_server, monkeypatch):
-    s3, bucket = s3_env
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
-    check_writable(resolve_storage(f"s3://{bucket}/p", endpoint_url=s3_server))
+def test_gcs_problems_name_the_location(gcs_env, gcs_server):
+    with pytest.raises(UserError, match=r"gs://no-such-bucket/x \(emulator .*not writable"):
+        locate("gs://no-such-bucket/x").check_writable()
+    locate(f"gs://{gcs_env}/x").check_writable()

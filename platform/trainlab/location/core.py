@@ -1,0 +1,389 @@
+"""`Location`: a place (a folder or an object prefix) on one backend, and the
+few operations trainlab needs there; `Backend`: how one kind of storage does
+them.
+
+A backend is a pyarrow filesystem plus what differs between kinds of storage
+for real:
+
+- *atomic replace*: a local file is written beside its name and renamed; an
+  object store's PUT is atomic by itself;
+- *append*: a local file takes O_APPEND writes of whole lines from several
+  processes; an object store has no append, so an appended "file" there is a
+  folder of one object per append (`{name}.d/{time_ns}-{random}.jsonl`), read
+  back in name order: appends from different nodes never overwrite each other;
+- *folders*: a local folder exists by itself; in an object store a "folder" is
+  there when an object below it is.
+
+Every other operation is the same code on every backend. Errors come out with
+their kind (trainlab.location.errors): `Absent`, `Corrupt`, `Unavailable`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from trainlab.errors import UserError, first_line
+from trainlab.location.errors import Absent, StorageError, storage_error
+from trainlab.redact import redact
+
+APPENDS_SUFFIX = ".d"
+
+
+class Backend:
+    """One kind of storage. Subclasses set `scheme` ("" for the local disk) and make
+    the pyarrow filesystem; the local disk overrides the operations it does faster
+    or differently (trainlab.location.local)."""
+
+    scheme: str = ""
+    local: bool = False
+    # What to check when the storage cannot be reached (said in errors).
+    settings_hint: str = ""
+
+    def make_filesystem(self) -> Any:  # pragma: no cover - each backend has its own
+        raise NotImplementedError
+
+    @functools.cached_property
+    def filesystem(self) -> Any:
+        """The pyarrow filesystem (made on first use: pyarrow is not imported to
+        validate a config)."""
+        return self.make_filesystem()
+
+    def uri(self, path: str) -> str:
+        return f"{self.scheme}://{path}"
+
+    def describe(self) -> str:
+        """Where requests go, for messages (an endpoint override), or ""."""
+        return ""
+
+    # -------------------------------------------------------- what differs by kind
+
+    def read(self, path: str) -> bytes:
+        with self.filesystem.open_input_stream(path) as f:
+            return f.read()
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        with self.filesystem.open_output_stream(path) as out:  # one PUT: atomic
+            out.write(data)
+
+    def append(self, path: str, text: str) -> None:
+        name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.jsonl"
+        self.write_atomic(f"{path}{APPENDS_SUFFIX}/{name}", text.encode())
+
+    def read_appended(self, path: str) -> str:
+        folder = f"{path}{APPENDS_SUFFIX}"
+        parts = []
+        for name in self.list(folder):
+            with contextlib.suppress(FileNotFoundError):
+                parts.append(self.read(f"{folder}/{name}").decode(errors="replace"))
+        return "".join(parts)
+
+    def exists(self, path: str) -> bool:
+        from pyarrow import fs
+
+        if self.filesystem.get_file_info(path).type != fs.FileType.NotFound:
+            return True
+        return bool(self.list(path))  # no empty folders: one with objects exists
+
+    def make_dirs(self, path: str) -> None:
+        """Nothing to do: an object store has no folders."""
+
+    # -------------------------------------------------------- the same everywhere
+
+    def list(self, path: str) -> list[str]:
+        from pyarrow import fs
+
+        try:
+            entries = self.filesystem.get_file_info(fs.FileSelector(path, allow_not_found=True))
+        except FileNotFoundError:
+            return []
+        return sorted(e.base_name for e in entries)
+
+    def walk(self, path: str) -> list[tuple[str, int]]:
+        from pyarrow import fs
+
+        sel = fs.FileSelector(path, recursive=True, allow_not_found=True)
+        base = path.rstrip("/") + "/"
+        return sorted(
+            (e.path.removeprefix(base), int(e.size or 0))
+            for e in self.filesystem.get_file_info(sel)
+            if e.type == fs.FileType.File
+        )
+
+    def file_size(self, path: str) -> int | None:
+        from pyarrow import fs
+
+        info = self.filesystem.get_file_info(path)
+        return int(info.size or 0) if info.type == fs.FileType.File else None
+
+    def delete_file(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.filesystem.delete_file(path)
+
+    def delete_tree(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.filesystem.delete_dir(path)
+
+    def upload(self, src: Path, path: str) -> str:
+        """Copy a local file to `path`; returns its sha256 (hashed on the way)."""
+        h = hashlib.sha256()
+        with open(src, "rb") as f, self.filesystem.open_output_stream(path) as out:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+                out.write(chunk)
+        return h.hexdigest()
+
+    def download(self, path: str, dst: Path) -> None:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.part-{uuid.uuid4().hex[:8]}")
+        try:
+            with self.filesystem.open_input_stream(path) as f, open(tmp, "wb") as out:
+                shutil.copyfileobj(f, out, 8 << 20)
+            tmp.replace(dst)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Location:
+    """A folder (or object prefix) on a backend. `path` is inside the backend's
+    filesystem: an absolute local path, or `bucket/prefix`. `uri` names it for
+    people and records (the local path itself, or `s3://bucket/prefix`).
+
+    Names below it (`rel`) are relative POSIX paths; one read from a file someone
+    else wrote (a manifest's shard names) is checked by `child`/`fs_path`: no
+    `..`, not absolute."""
+
+    backend: Backend
+    path: str
+
+    # ------------------------------------------------------------------ naming
+
+    @property
+    def uri(self) -> str:
+        return self.backend.uri(self.path)
+
+    def __str__(self) -> str:
+        return self.uri
+
+    @property
+    def is_local(self) -> bool:
+        """True for this machine's disk (a local or shared mount)."""
+        return self.backend.local
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def parent(self) -> Location:
+        head = self.path.rstrip("/").rsplit("/", 1)[0]
+        return Location(self.backend, head or "/")
+
+    @property
+    def filesystem(self) -> Any:
+        """The pyarrow filesystem (for pyarrow readers and Ray Train's RunConfig)."""
+        return self.backend.filesystem
+
+    def fs_path(self, rel: str = "") -> str:
+        """The path inside the filesystem of `rel`, a name below this location."""
+        if not rel:
+            return self.path
+        parts = PurePosixPath(rel).parts
+        if rel.startswith(("/", "~")) or ".." in parts or "\\" in rel or "\x00" in rel:
+            raise UserError(f"{self.uri}: name {rel!r} leads outside it")
+        return "/".join([self.path.rstrip("/"), rel.strip("/")])
+
+    def uri_of(self, rel: str = "") -> str:
+        return self.backend.uri(self.fs_path(rel))
+
+    def child(self, rel: str) -> Location:
+        return Location(self.backend, self.fs_path(rel))
+
+    def __truediv__(self, rel: str) -> Location:
+        return self.child(rel)
+
+    def local_path(self, rel: str = "") -> Path:
+        """`rel` as a Path: only for a location on this machine's disk."""
+        if not self.is_local:
+            raise ValueError(f"{self.uri} is not on this machine's disk")
+        return Path(self.fs_path(rel))
+
+    def resolved(self) -> Location:
+        """The same place with a local path's symlinks resolved (a store has none)."""
+        if not self.is_local:
+            return self
+        import os
+
+        return Location(self.backend, os.path.realpath(self.path))
+
+    def describe(self) -> str:
+        """The URI, with the endpoint requests go to when one is set."""
+        extra = self.backend.describe()
+        return f"{self.uri}{f' ({extra})' if extra else ''}"
+
+    # ------------------------------------------------------------------ reads
+
+    @contextlib.contextmanager
+    def _kinds(self, rel: str) -> Iterator[None]:
+        """Any failure below as a storage error of its kind, naming the URI."""
+        try:
+            yield
+        except StorageError:
+            raise
+        except UserError:
+            raise
+        except Exception as err:  # noqa: BLE001 - classified
+            raise storage_error(err, self.uri_of(rel)) from err
+
+    def read_bytes(self, rel: str = "") -> bytes:
+        """The whole file; `Absent` when it is not there, `Unavailable` when the
+        storage did not answer."""
+        with self._kinds(rel):
+            return self.backend.read(self.fs_path(rel))
+
+    def read_or_none(self, rel: str = "") -> bytes | None:
+        """The whole file, or None when it is not there (other failures raise)."""
+        try:
+            return self.read_bytes(rel)
+        except Absent:
+            return None
+
+    def read_text(self, rel: str = "") -> str | None:
+        """The file's text, or None when it is not there."""
+        data = self.read_or_none(rel)
+        return None if data is None else data.decode()
+
+    def read_json(self, rel: str = "") -> Any:
+        """The parsed file; `Absent` or `Corrupt` (it does not parse) otherwise."""
+        data = self.read_bytes(rel)
+        with self._kinds(rel):
+            return json.loads(data)
+
+    def open_input_file(self, rel: str = "") -> Any:
+        """A random-access file (Parquet reads only the byte ranges it needs)."""
+        with self._kinds(rel):
+            return self.filesystem.open_input_file(self.fs_path(rel))
+
+    def exists(self, rel: str = "") -> bool:
+        with self._kinds(rel):
+            return self.backend.exists(self.fs_path(rel))
+
+    def is_file(self, rel: str) -> bool:
+        return self.size(rel) is not None
+
+    def size(self, rel: str) -> int | None:
+        """The file's size in bytes, or None when there is no file."""
+        with self._kinds(rel):
+            return self.backend.file_size(self.fs_path(rel))
+
+    def list(self, rel: str = "") -> list[str]:
+        """Names directly inside folder `rel` (sorted; [] when there is none)."""
+        with self._kinds(rel):
+            return self.backend.list(self.fs_path(rel))
+
+    def walk(self, rel: str = "") -> list[tuple[str, int]]:
+        """Every file below `rel`: (name relative to `rel`, size), sorted."""
+        with self._kinds(rel):
+            return self.backend.walk(self.fs_path(rel))
+
+    def is_empty(self) -> bool:
+        return not self.list()
+
+    # ------------------------------------------------------------------ writes
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write the whole file at once: a reader sees the old or the new content."""
+        with self._kinds(rel):
+            path = self.fs_path(rel)
+            self.backend.make_dirs(path.rsplit("/", 1)[0])
+            self.backend.write_atomic(path, data)
+
+    def write_text(self, rel: str, text: str) -> None:
+        self.write_bytes(rel, text.encode())
+
+    def write_json(self, rel: str, obj: Any) -> None:
+        self.write_bytes(rel, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+    def make_dirs(self, rel: str = "") -> None:
+        with self._kinds(rel):
+            self.backend.make_dirs(self.fs_path(rel))
+
+    def delete(self, rel: str) -> None:
+        """Delete a file (no error when it is not there)."""
+        with self._kinds(rel):
+            self.backend.delete_file(self.fs_path(rel))
+
+    def delete_tree(self, rel: str = "") -> None:
+        """Delete a folder and everything below it (no error when it is not there)."""
+        with self._kinds(rel):
+            self.backend.delete_tree(self.fs_path(rel))
+
+    def upload(self, src: Path, rel: str) -> str:
+        """Copy the local file `src` to `rel`; returns its sha256."""
+        with self._kinds(rel):
+            path = self.fs_path(rel)
+            self.backend.make_dirs(path.rsplit("/", 1)[0])
+            return self.backend.upload(src, path)
+
+    def download(self, rel: str, dst: Path) -> None:
+        """Copy `rel` to the local file `dst` (whole or not at all)."""
+        with self._kinds(rel):
+            self.backend.download(self.fs_path(rel), dst)
+
+    # ------------------------------------------------------------------ records
+
+    def append_jsonl(self, rel: str, records: list[dict[str, Any]]) -> None:
+        """Append records to a JSON-lines file; appends from several processes (on
+        several nodes, for an object store) never overwrite or tear each other."""
+        text = "".join(json.dumps(r) + "\n" for r in records)
+        with self._kinds(rel):
+            self.backend.append(self.fs_path(rel), text)
+
+    def read_jsonl(self, rel: str) -> list[dict[str, Any]]:
+        """The records of a JSON-lines file, oldest first; torn or foreign lines
+        are skipped."""
+        with self._kinds(rel):
+            text = self.backend.read_appended(self.fs_path(rel))
+        out = []
+        for line in text.splitlines():
+            with contextlib.suppress(ValueError):
+                rec = json.loads(line)
+                if isinstance(rec, dict):
+                    out.append(rec)
+        return out
+
+    # ------------------------------------------------------------------ checks
+
+    def check_writable(self) -> None:
+        """Write, read back and delete a small probe file; a UserError naming the
+        location and the cause when any step fails (a missing bucket, no
+        permission, an unreachable endpoint, a read-only mount)."""
+        probe = f".trainlab-probe-{uuid.uuid4().hex}"
+        payload = b"trainlab storage probe"
+        try:
+            self.write_bytes(probe, payload)
+            back = self.read_bytes(probe)
+            self.delete(probe)
+        except (OSError, ValueError) as e:
+            first = redact(first_line(e))
+            raise UserError(f"storage {self.describe()} is not writable: {first}") from None
+        if back != payload:
+            raise UserError(f"storage {self.uri}: a probe file read back differently")
+
+    def unreachable(self, rel: str, error: BaseException) -> UserError:
+        """A one-line error for storage that could not be read."""
+        hint = f"; check {self.backend.settings_hint}" if self.backend.settings_hint else ""
+        return UserError(
+            f"{self.uri_of(rel)}{f' ({self.backend.describe()})' if self.backend.describe() else ''}"
+            f": cannot read ({redact(first_line(error))}){hint}"
+        )

@@ -1,0 +1,114 @@
+"""What a read or write of storage that did not succeed means: its kind.
+
+- *absent*: the object or file is not there;
+- *corrupt*: it is there and does not parse or match its checksum;
+- *unavailable*: timeouts, 5xx, throttling, refused connections: it may well be
+  there.
+
+Only absent or corrupt may make a checkpoint invalid; nothing is ever deleted on
+a read that did not succeed. `read_retrying` retries an unavailable read with
+backoff, as S3 clients do, then raises `StoreUnavailable` (exit 74).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from trainlab.errors import UserError, first_line
+from trainlab.exitcodes import STORAGE_FAULT
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class StorageError(OSError):
+    """A read or write of storage that did not succeed, with its kind."""
+
+    kind = "unavailable"
+
+
+class Absent(StorageError, FileNotFoundError):
+    """The object or file is not there (also a FileNotFoundError)."""
+
+    kind = "absent"
+
+
+class Corrupt(StorageError):
+    """It is there, and does not parse or does not match its checksum."""
+
+    kind = "corrupt"
+
+
+class Unavailable(StorageError):
+    """Storage did not answer as it should (timeout, 5xx, throttling, a refused
+    connection): the object may well be there."""
+
+    kind = "unavailable"
+
+
+class StoreUnavailable(UserError):
+    """Storage stayed unavailable through every retry: the command stops, nothing
+    was changed (exit 74, the storage code; run it again when the store answers)."""
+
+    exit_code = STORAGE_FAULT
+
+
+# How pyarrow's filesystems (and the SDKs below them) say "not there".
+_ABSENT_MARKS = ("path does not exist", "nosuchkey", "no such key", "not found", "404",
+                 "no such file", "does not exist", "nosuchbucket")  # fmt: skip
+
+
+def storage_error(err: BaseException, what: str) -> StorageError:
+    """`err`, raised while reading or writing `what`, as a storage error of its kind."""
+    if isinstance(err, StorageError):
+        return err
+    text = first_line(str(err)) or type(err).__name__
+    if isinstance(err, FileNotFoundError | NotADirectoryError):
+        return Absent(f"{what}: not there")
+    if isinstance(err, ValueError | UnicodeDecodeError | json.JSONDecodeError):
+        return Corrupt(f"{what}: {text}")
+    lowered = text.lower()
+    if isinstance(err, OSError) and any(m in lowered for m in _ABSENT_MARKS):
+        return Absent(f"{what}: not there ({text})")
+    return Unavailable(f"{what}: {text}")
+
+
+# Retries of an unavailable read: delays in seconds (about 30 s in all), or
+# TRAINLAB_STORE_RETRY_S seconds in all when set (tests shorten it).
+RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
+
+
+def _retry_delays() -> tuple[float, ...]:
+    total = os.environ.get("TRAINLAB_STORE_RETRY_S")
+    if total is None:
+        return RETRY_DELAYS
+    scale = float(total) / sum(RETRY_DELAYS)
+    return tuple(d * scale for d in RETRY_DELAYS)
+
+
+def read_retrying(read: Callable[[], T], what: str) -> T:
+    """`read()`, retried with backoff while storage is unavailable; an absent or
+    corrupt result raises its kind at once (`Absent`, `Corrupt`), and storage that
+    stays unavailable raises `StoreUnavailable` naming what could not be read."""
+    delays = _retry_delays()
+    for attempt in range(len(delays) + 1):
+        try:
+            return read()
+        except Exception as err:  # noqa: BLE001 - classified below
+            kind = storage_error(err, what)
+            if not isinstance(kind, Unavailable):
+                raise kind from err
+            if attempt == len(delays):
+                raise StoreUnavailable(
+                    f"{kind}: storage unavailable through {attempt + 1} tries over "
+                    f"{sum(delays):.0f} s; nothing was changed: run the command again when "
+                    "it answers"
+                ) from err
+            log.warning("%s (try %d; retrying in %.1f s)", kind, attempt + 1, delays[attempt])
+            time.sleep(delays[attempt])
+    raise AssertionError("unreachable")

@@ -1,0 +1,115 @@
+"""This machine's disk (a local folder or a shared mount such as NFS) as a backend.
+
+Its operations go through `os` directly: no pyarrow import for a config's
+validation, O_APPEND for appends, a temporary file and a rename for an atomic
+replace. pyarrow's LocalFileSystem is there for the readers that take a
+filesystem (Parquet, Ray Train).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+from trainlab.location.core import Backend
+
+
+class LocalDisk(Backend):
+    scheme = ""
+    local = True
+
+    def make_filesystem(self) -> Any:
+        from pyarrow import fs
+
+        return fs.LocalFileSystem()
+
+    def uri(self, path: str) -> str:
+        return path
+
+    def read(self, path: str) -> bytes:
+        with open(path, "rb") as f:
+            return f.read()
+
+    def write_atomic(self, path: str, data: bytes) -> None:
+        target = Path(path)
+        tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            tmp.write_bytes(data)
+            tmp.replace(target)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def append(self, path: str, text: str) -> None:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:  # O_APPEND: whole lines from several processes
+            f.write(text)
+
+    def read_appended(self, path: str) -> str:
+        try:
+            with open(path, errors="replace") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return ""
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def make_dirs(self, path: str) -> None:
+        os.makedirs(path, exist_ok=True)
+
+    def list(self, path: str) -> list[str]:
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def walk(self, path: str) -> list[tuple[str, int]]:
+        root = Path(path)
+        if not root.is_dir():
+            return []
+        return sorted(
+            (p.relative_to(root).as_posix(), p.stat().st_size)
+            for p in root.rglob("*")
+            if p.is_file() and not p.is_symlink()
+        )
+
+    def file_size(self, path: str) -> int | None:
+        return os.path.getsize(path) if os.path.isfile(path) else None
+
+    def delete_file(self, path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+    def delete_tree(self, path: str) -> None:
+        shutil.rmtree(path, ignore_errors=True)
+
+    def upload(self, src: Path, path: str) -> str:
+        h = hashlib.sha256()
+        target = Path(path)
+        tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(src, "rb") as f, open(tmp, "wb") as out:
+                while chunk := f.read(8 << 20):
+                    h.update(chunk)
+                    out.write(chunk)
+            tmp.replace(target)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return h.hexdigest()
+
+    def download(self, path: str, dst: Path) -> None:
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dst.with_name(f".{dst.name}.part-{uuid.uuid4().hex[:8]}")
+        try:
+            shutil.copyfile(path, tmp)
+            tmp.replace(dst)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+LOCAL = LocalDisk()

@@ -1,0 +1,123 @@
+"""The location contract: every backend (this machine's disk, S3 through moto's
+server, Google Cloud Storage through its emulator) does the same operations
+with the same results, and says what went wrong by kind."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from trainlab.errors import UserError
+from trainlab.location import (
+    Absent,
+    Corrupt,
+    Location,
+    StoreUnavailable,
+    Unavailable,
+    check,
+    locate,
+    read_retrying,
+)
+
+
+@pytest.fixture(params=["local", "s3", "gs"])
+def place(request, tmp_path) -> Location:
+    if request.param == "local":
+        return locate(tmp_path / "place")
+    if request.param == "s3":
+        _, bucket = request.getfixturevalue("s3_env")
+        return locate(f"s3://{bucket}/place")
+    bucket = request.getfixturevalue("gcs_env")
+    return locate(f"gs://{bucket}/place")
+
+
+def test_files_round_trip_on_every_backend(place, tmp_path):
+    assert place.read_or_none("a.json") is None and not place.exists("a.json")
+    place.write_json("a.json", {"x": 1})
+    assert place.read_json("a.json") == {"x": 1}
+    place.write_text("a.json", '{"x": 2}')  # replaced whole
+    assert place.read_json("a.json") == {"x": 2} and place.size("a.json") == 8
+    place.write_bytes("sub/deeper/b.bin", b"\x00\x01")
+    assert place.exists("sub") and place.exists("sub/deeper/b.bin")
+    assert place.list() == ["a.json", "sub"] and place.list("nothing") == []
+    assert place.walk() == [("a.json", 8), ("sub/deeper/b.bin", 2)]
+    assert place.child("sub").walk() == [("deeper/b.bin", 2)]
+    src = tmp_path / "src.bin"
+    src.write_bytes(b"payload" * 1000)
+    import hashlib
+
+    assert place.upload(src, "up/src.bin") == hashlib.sha256(src.read_bytes()).hexdigest()
+    place.download("up/src.bin", tmp_path / "back" / "x.bin")
+    assert (tmp_path / "back" / "x.bin").read_bytes() == src.read_bytes()
+    with place.open_input_file("up/src.bin") as f:
+        assert f.read(7) == b"payload"
+    place.delete("a.json")
+    place.delete("a.json")  # twice: no error
+    place.delete_tree("sub")
+    assert place.list() == ["up"] and not place.exists("sub/deeper/b.bin")
+
+
+def test_appends_from_many_writers_are_all_kept_in_order(place):
+    def writer(i: int) -> None:
+        for j in range(5):
+            place.append_jsonl("logs/events.jsonl", [{"w": i, "j": j}])
+
+    threads = [threading.Thread(target=writer, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    got = place.read_jsonl("logs/events.jsonl")
+    assert sorted((r["w"], r["j"]) for r in got) == [(i, j) for i in range(4) for j in range(5)]
+    for i in range(4):  # each writer's own records in its order
+        assert [r["j"] for r in got if r["w"] == i] == list(range(5))
+    assert place.read_jsonl("logs/none.jsonl") == []
+
+
+def test_errors_have_kinds(place):
+    with pytest.raises(Absent) as absent:
+        place.read_bytes("missing.json")
+    assert isinstance(absent.value, FileNotFoundError) and "missing.json" in str(absent.value)
+    place.write_text("bad.json", "{not json")
+    with pytest.raises(Corrupt, match="bad.json"):
+        place.read_json("bad.json")
+    with pytest.raises(UserError, match="leads outside"):
+        place.read_bytes("../escape")
+
+
+def test_a_store_that_does_not_answer_is_unavailable_not_absent(monkeypatch):
+    """A refused connection is never taken for a missing object; read_retrying
+    gives up with StoreUnavailable (exit 74) after its retries."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing listens
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    monkeypatch.setenv("TRAINLAB_STORE_RETRY_S", "0.1")
+    where = locate("s3://bucket/runs")
+    with pytest.raises(Unavailable):
+        where.read_bytes("checkpoint.json")
+    with pytest.raises(StoreUnavailable) as e:
+        read_retrying(lambda: where.read_bytes("checkpoint.json"), "checkpoint.json")
+    assert e.value.exit_code == 74
+
+
+def test_what_a_user_writes_becomes_one_location(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert locate("runs").uri == str(tmp_path / "runs")
+    assert locate("file://" + str(tmp_path / "x")).uri == str(tmp_path / "x")
+    assert locate("x", base_dir="/srv").uri == "/srv/x"
+    assert locate("s3://b/p/").uri == "s3://b/p" and locate("s3a://b").uri == "s3://b"
+    assert (
+        locate("gs://b/p").uri == "gs://b/p" and locate("gs://b/p").child("q").uri == "gs://b/p/q"
+    )
+    assert locate("s3://b/p").parent.uri == "s3://b"
+    for bad, msg in [
+        ("hdfs://nn/x", "unsupported scheme 'hdfs'"),
+        ("s3://user:secret@b/x", "credentials never go in a storage URL"),
+        ("s3:///x", "no bucket"),
+        ("", "empty"),
+    ]:
+        with pytest.raises(UserError, match=msg) as e:
+            locate(bad, what="train.runs_root")
+        assert "train.runs_root" in str(e.value) and "secret" not in str(e.value)
+    check("gs://b/x", "data.path")  # no network needed
