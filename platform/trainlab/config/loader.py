@@ -548,6 +548,8 @@ def identity_dict(cfg: ExperimentConfig) -> dict[str, Any]:
         # trained; recorded as sdpa, the default before `auto`, so runs started
         # before it keep their hash and resume.
         d["model"]["attention"] = "sdpa"
+    if d["model"].get("moe") is None:
+        d["model"].pop("moe", None)  # dense: the hash of before model.moe existed
     if not d["train"].get("components"):
         d["train"].pop("components", None)  # none: the hash of before they existed
     optimizer = d["train"].pop("optimizer")

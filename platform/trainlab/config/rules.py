@@ -111,6 +111,32 @@ def _arch_checks(cfg: dict[str, Any]) -> Iterator[Problem]:
             yield Problem(issue.path, issue.value, issue.rule)
 
 
+@rule("model")
+def _moe(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """model.moe's own problems (trainlab.models.moe.moe_checks)."""
+    from trainlab.models.moe import moe_checks
+
+    for issue in moe_checks(cfg["model"]):
+        yield Problem(issue.path, issue.value, issue.rule)
+
+
+@rule("parallel", "model")
+def _moe_layout(cfg: dict[str, Any]) -> Iterator[Problem]:
+    """What an MoE model does not run with yet (docs/moe.md)."""
+    p, moe = cfg["parallel"], cfg["model"].get("moe")
+    if not moe:
+        return
+    for dim in ("tp", "pp"):
+        if (p[dim] or 1) > 1:
+            yield Problem(f"parallel.{dim}", p[dim], "not with model.moe yet (docs/moe.md)")
+    if p["activation_checkpointing"] != "none":
+        yield Problem(
+            "parallel.activation_checkpointing", p["activation_checkpointing"],
+            "not with model.moe yet: a recomputed forward would count the router's "
+            "step statistics twice (docs/moe.md)",
+        )  # fmt: skip
+
+
 @rule("parallel", "model")
 def _layout_of_measured_arch(cfg: dict[str, Any]) -> Iterator[Problem]:
     """An architecture brought by the user (hf:TYPE, MODULE:NAME) is parallelized

@@ -97,6 +97,38 @@ class Section(BaseModel):
 # --------------------------------------------------------------------------- model
 
 
+class MoERouterConfig(Section):
+    # The experts' scores: softmax over experts (Switch, Mixtral, Qwen3-MoE) or a
+    # sigmoid per expert (DeepSeek-V3).
+    score: Literal["softmax", "sigmoid"] = "softmax"
+    # Rescale the chosen top_k experts' weights to sum 1.
+    normalize_top_k: bool = True
+
+
+class MoEConfig(Section):
+    """Mixture of experts on a SwiGLU family (docs/moe.md): MoE layers replace
+    the MLP of every `every_n_layers`-th block after `first_dense_layers`."""
+
+    num_experts: int = Field(8, ge=2, le=4096)
+    # Routed experts per token (token choice).
+    top_k: int = Field(2, ge=1, le=256)
+    # One expert's hidden width; null = model.ffn_hidden_size.
+    expert_ffn_hidden_size: int | None = Field(None, ge=8, le=1_048_576)
+    # Experts every token goes through besides its routed ones (width: that many experts').
+    shared_experts: int = Field(0, ge=0, le=64)
+    first_dense_layers: int = Field(0, ge=0, le=1024)
+    every_n_layers: int = Field(1, ge=1, le=1024)
+    router: MoERouterConfig = Field(default_factory=MoERouterConfig)
+    # Load balancing: an auxiliary loss (Switch), a per-expert routing bias moved once
+    # per optimizer step from the step's counts (aux-loss-free, DeepSeek-V3), or none.
+    balance: Literal["aux_loss", "bias", "none"] = "aux_loss"
+    aux_loss_coef: float = Field(0.01, ge=0.0, le=10.0)
+    bias_update_rate: float = Field(0.001, gt=0.0, le=1.0)
+    # Rows an expert takes per forward: capacity_factor x tokens x top_k / num_experts
+    # (assignments past it are dropped); null = dropless.
+    capacity_factor: float | None = Field(None, gt=0.0, le=64.0)
+
+
 class ModelConfig(Section):
     """A decoder-only LM. `arch` names a trainlab family (one file each in
     trainlab/models/archs/: `gpt2`: learned positions, LayerNorm, GELU MLP,
@@ -133,6 +165,8 @@ class ModelConfig(Section):
     # Accept an architecture that cannot keep packed documents apart (layers that
     # carry state along the row): its documents see each other in this run.
     cross_document_attention: bool = False
+    # Mixture of experts (docs/moe.md); null: a dense model.
+    moe: MoEConfig | None = None
 
     @field_validator("arch")
     @classmethod

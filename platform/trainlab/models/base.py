@@ -37,6 +37,9 @@ class ModelSpec(Protocol):
     options: dict[str, Any]
     code_dir: str | None
     cross_document_attention: bool
+    # model.moe (trainlab.models.moe), None for a dense model; read with getattr
+    # (a spec made elsewhere may not have it).
+    moe: Any
 
     @property
     def head_dim(self) -> int: ...
@@ -171,6 +174,11 @@ class Architecture:
         """Parameters a block has besides norms, projections and MLP (none here)."""
         return []
 
+    def moe_param_shapes(self, m: ModelSpec, prefix: str, layer: int) -> list[ParamShape] | None:
+        """The parameters of block `layer`'s MoE layer (`prefix`.mlp.*), or None
+        when that block has a dense MLP (always, for a family without MoE)."""
+        return None
+
     def param_shapes(self, m: ModelSpec) -> list[ParamShape]:
         """Every parameter tensor `build(m)` creates, in `model.parameters()` order.
         Must add up to `count_params(m).total` (the planner checks)."""
@@ -200,6 +208,10 @@ class Architecture:
             shapes += linear(f"{pre}.attn.out", h, h, i)
             shapes += [ParamShape(f"{pre}.{n}", s, i) for n, s in self.layer_extra_params(m)]
             shapes += norm(f"{pre}.mlp_norm", i)
+            moe = self.moe_param_shapes(m, pre, i)
+            if moe is not None:
+                shapes += moe
+                continue
             if self.mlp_tensors >= 4:
                 shapes += linear(f"{pre}.mlp.gate", f, h, i) + linear(f"{pre}.mlp.up", f, h, i)
             else:

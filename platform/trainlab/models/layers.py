@@ -220,10 +220,12 @@ class TransformerLM(nn.Module):
         residual_std = std / math.sqrt(2 * self.cfg.num_layers)
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
-                is_residual = name.endswith(("attn.out", "mlp.proj"))
+                is_residual = name.endswith(("attn.out", "mlp.proj", "mlp.shared.proj"))
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
+            elif hasattr(module, "init_weights"):  # stacked weights (MoE experts)
+                module.init_weights(std, residual_std)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
             elif isinstance(module, nn.LayerNorm | RMSNorm):

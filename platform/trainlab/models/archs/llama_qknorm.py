@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from trainlab.models.archs.llama import Llama
-from trainlab.models.registry import ModelSpec, ParamCount, StepDtypes, register_arch
+from trainlab.models.registry import ModelSpec, StepDtypes, register_arch
 
 if TYPE_CHECKING:
     from trainlab.models.layers import NormFactory
@@ -34,17 +34,8 @@ class LlamaQKNorm(Llama):
         return super().attention_saved_bytes(m, d, seq_len) + norms
 
     def layer_extra_params(self, m: ModelSpec) -> list[tuple[str, tuple[int, ...]]]:
+        """The q_norm and k_norm weights of one block (Llama.count_params counts them)."""
         return [("attn.q_norm.weight", (m.head_dim,)), ("attn.k_norm.weight", (m.head_dim,))]
-
-    def count_params(self, m: ModelSpec) -> ParamCount:
-        base = super().count_params(m)
-        qk_norms = 2 * m.head_dim  # q_norm and k_norm weights of one block
-        return ParamCount.of(
-            m,
-            per_layer=base.per_layer + qk_norms,
-            final_norm=base.final_norm,
-            position=base.position,
-        )
 
     def qk_norm(self, m: ModelSpec) -> NormFactory | None:
         from trainlab.models.layers import RMSNorm

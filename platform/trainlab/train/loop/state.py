@@ -24,6 +24,7 @@ from torch import nn
 
 from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.models import arch_of, build_model
+from trainlab.models.moe.layer import moe_layers
 from trainlab.train.loop.rng import capture_rng, restore_rng, seed_everything, set_deterministic
 from trainlab.train.parallel import build_optimizer, parallelize, uses_zero1
 from trainlab.train.parallel.distributed import DistEnv
@@ -97,6 +98,10 @@ class ModelState:
         self.optimizers = [build_optimizer(part, cfg, env) for part in self.parts]
         self.optimizer = self.optimizers[0]
         self.scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
+        # The MoE layers (model.moe) whose router statistics and balance the step
+        # finishes (trainlab.models.moe.layer), and the last step's statistics.
+        self.moe_layers = [layer for part in self.parts for layer in moe_layers(part)]
+        self.moe_stats: torch.Tensor | None = None
         fsdp = cfg.parallel.strategy == "fsdp" and env.distributed
         self.sharded = fsdp or self.parallel.sharded
         # Dropout differs per model replica, reproducibly; the ranks of one

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.data import IGNORE_INDEX, Batch
 from trainlab.models.loss import chunked_cross_entropy
+from trainlab.models.moe.layer import finish_step
 from trainlab.train.loop.schedule import lr_at
 from trainlab.train.parallel import clip_grad_norm, gradient_sync
 
@@ -168,6 +169,8 @@ def train_step_tensors(
     mine = sum((b["labels"] != IGNORE_INDEX).sum() for b in tensors)
     labelled = m.env.dp_sum(torch.as_tensor(mine, dtype=torch.float64, device=device))
     scale = (m.env.dp_size / labelled.clamp(min=1.0) * loss_factor).float()
+    for layer in m.moe_layers:  # the aux loss is averaged over the step's tokens too
+        layer.loss_scale = scale
     chunk = cfg.train.loss_chunk_tokens
     total = torch.zeros((), device=device)
     scaler, model = m.scaler, m.model
@@ -208,6 +211,9 @@ def train_step_tensors(
             optimizer.step()
     for optimizer in m.optimizers:
         optimizer.zero_grad(set_to_none=True)
+    if m.moe_layers:  # once per optimizer step, from the whole step's routing
+        rate = cfg.model.moe.bias_update_rate
+        m.moe_stats = finish_step(m.moe_layers, m.env.dp_sum, rate, device)
     return total.detach(), norm.detach()
 
 
