@@ -114,6 +114,14 @@ def _print_plan(name: str, p, traced: dict | None = None) -> None:  # noqa: ANN0
     t.add_column(justify="right")
     lay = p.parallel
     t.add_row("parameters", f"{p.num_params:,} ({p.num_params / 1e9:.3f} B)")
+    if p.num_params_active:
+        t.add_row("active parameters", f"{p.num_params_active:,} per token")
+    if p.moe:
+        states = sum(p.moe["experts_bytes_per_device"].values())
+        t.add_row(
+            "routed experts",
+            f"{p.moe['experts_params']:,} params, {states / GiB:.3f} GiB/device of model state",
+        )
     t.add_row("world size", str(p.world_size))
     t.add_row(
         "layout",

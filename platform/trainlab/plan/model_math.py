@@ -155,11 +155,13 @@ def activation_bytes(
 def flops_per_token(m: ModelConfig, seq_len: int) -> float:
     """Training FLOPs per token, PaLM (Chowdhery et al. 2022, appendix B):
     6*N + 12*L*H*Q*T, with N the parameters that take part in matmuls (all but
-    the lookup tables, the output projection included even when tied), L
+    the lookup tables, the output projection included even when tied; of an
+    MoE only the active ones: its router, shared and top_k routed experts), L
     layers, H heads, Q head dim, T sequence length."""
     arch = arch_of(m)
     if arch.measured:  # counted on the model (trainlab.models.measured)
         return arch.flops_per_token(m, seq_len)
     pc = count_params(m)
     n_matmul = pc.non_embedding + (pc.embedding if m.tie_embeddings else 0)
+    n_matmul -= pc.total - arch.active_params(m)  # an MoE: the experts a token skips
     return 6 * n_matmul + 12 * m.num_layers * m.num_heads * m.head_dim * seq_len

@@ -117,6 +117,9 @@ class Plan:
     elastic: dict[str, dict[str, Any]] | None = None
     # An MoE's parameters one token goes through (None: dense, all of them).
     num_params_active: int | None = None
+    # An MoE's routed experts: their parameters and their share of the memory per
+    # device (moe_share); None for a dense model.
+    moe: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         mem = {k: int(round(v)) for k, v in self.memory_per_device_bytes.items()}
@@ -144,6 +147,7 @@ class Plan:
             "checkpoint_bytes_per_param": round(self.checkpoint_bytes_per_param, 4),
             "notes": self.notes,
             **({"elastic": self.elastic} if self.elastic is not None else {}),
+            **({"moe": self.moe} if self.moe is not None else {}),
         }
 
 
@@ -566,6 +570,29 @@ def _active_params(m: Any, total: int) -> int | None:
     return active if active != total else None
 
 
+def moe_share(cfg: ExperimentConfig, memory: dict[str, float]) -> dict[str, Any] | None:
+    """The routed experts of an MoE (model.moe): their parameters (all layers), the
+    parameters of one expert, and the bytes of their weights, gradients and
+    optimizer state per device, DDP's gradient buckets (communication) included
+    (the experts' fraction of each of those terms: every model state is sharded or
+    replicated alike at parallel.ep 1). None for a dense model."""
+    from trainlab.models.moe import moe_layer_count, moe_params
+
+    m = cfg.model
+    if m.moe is None:
+        return None
+    parts = moe_params(m.moe, m.hidden_size, m.ffn_hidden_size)
+    routed = parts["routed"] * moe_layer_count(m.moe, m.num_layers)
+    share = routed / count_params(m).total
+    states = ("parameters", "gradients", "optimizer", "communication")
+    return {
+        "experts_params": routed,
+        "expert_params": parts["expert"],
+        "experts_share_of_params": round(share, 6),
+        "experts_bytes_per_device": {k: int(round(memory.get(k, 0.0) * share)) for k in states},
+    }
+
+
 def _plan_fixed(cfg: ExperimentConfig) -> Plan:
     m, r = cfg.model, cfg.resource
     pc = count_params(m)
@@ -643,6 +670,7 @@ def _plan_fixed(cfg: ExperimentConfig) -> Plan:
     return Plan(
         num_params=pc.total,
         num_params_active=_active_params(m, pc.total),
+        moe=moe_share(cfg, chosen.memory),
         params_breakdown=pc.as_dict(),
         optimizer=cfg.train.optimizer.name,
         checkpoint_bytes_per_param=_checkpoint_bytes_per_param(cfg),

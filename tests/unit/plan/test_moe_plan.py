@@ -1,0 +1,53 @@
+"""The planner on an MoE (model.moe): total and active parameters as the built
+model has them, FLOPs per token from the active ones, the routed experts'
+share of the memory per device."""
+
+from __future__ import annotations
+
+from trainlab.config import ExperimentConfig
+from trainlab.models import build_model
+from trainlab.plan import flops_per_token, plan
+
+
+def cfg(**moe) -> ExperimentConfig:
+    return ExperimentConfig.model_validate(
+        {
+            "name": "moe",
+            "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "vocab_size": 512,
+                      "max_seq_len": 64, "ffn_hidden_size": 128,
+                      "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 32,
+                              "first_dense_layers": 1, **moe}},
+            "data": {"seq_len": 64, "micro_batch_size": 2},
+            "parallel": {"strategy": "ddp"},
+        }
+    )  # fmt: skip
+
+
+def test_plan_counts_total_active_and_the_experts_share():
+    c = cfg()
+    p = plan(c).to_json()
+    model = build_model(c.model)
+    params = dict(model.named_parameters())
+    experts = sum(t.numel() for n, t in params.items() if ".experts." in n)
+    assert p["num_params"] == sum(t.numel() for t in params.values())
+    # one token runs 2 of the 8 experts of the one MoE layer
+    per_expert = params["layers.1.mlp.experts.gate"][0].numel() * 3
+    assert p["num_params_active"] == p["num_params"] - 6 * per_expert
+    moe = p["moe"]
+    assert moe["experts_params"] == experts and moe["expert_params"] == per_expert
+    mem = p["memory_per_device_bytes"]
+    share = experts / p["num_params"]
+    assert moe["experts_bytes_per_device"]["parameters"] == round(mem["parameters"] * share)
+    assert moe["experts_bytes_per_device"]["parameters"] == 4 * experts  # fp32, replicated
+
+
+def test_flops_follow_the_active_parameters():
+    """More experts at the same top_k: more parameters, the same expert FLOPs per
+    token (only the router grows: hidden x the extra experts); a larger top_k:
+    6 FLOPs per extra active parameter."""
+    few, many, wider = cfg(num_experts=4), cfg(num_experts=16), cfg(num_experts=16, top_k=4)
+    f = [flops_per_token(c.model, 64) for c in (few, many, wider)]
+    assert plan(many).num_params > plan(few).num_params
+    assert f[1] - f[0] == 6 * 64 * (16 - 4)  # the router's extra rows
+    per_expert = 3 * 64 * 32
+    assert f[2] - f[1] == 6 * 2 * per_expert
