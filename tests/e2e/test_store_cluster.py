@@ -3,11 +3,12 @@
 The local multi-node cluster (`trainlab cluster up --worker-nodes 2
 --scratch-per-node`): three raylets on this machine, each with its own trainlab
 scratch directory (TRAINLAB_SCRATCH_DIR of every process it starts), and an
-S3-compatible server on 127.0.0.1 (moto's) holding the runs root and the
-prepared dataset. A 2-worker run (each worker takes 2 of a node's 3 CPUs, so
+object store on 127.0.0.1 holding the runs root and the prepared dataset: an
+S3-compatible server (moto's), and a Google Cloud Storage emulator (the same
+test, `gs://`). A 2-worker run (each worker takes 2 of a node's 3 CPUs, so
 the two sit on different raylets) is cut off with its cluster after its first
 checkpoint (or a later one); every scratch directory is deleted and the cluster started again;
-`trainlab train s3://.../RUN --resume` then ends bitwise equal to an
+`trainlab train s3://.../RUN --resume` (or gs://) then ends bitwise equal to an
 uninterrupted run of the same config, and nothing of the run exists outside
 the store and the scratch directories.
 """
@@ -42,32 +43,42 @@ def _trainlab(*args: str, env: dict, timeout: float = TIMEOUT_S) -> subprocess.C
     )
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory, s3_server):
-    """The environment every command runs with (isolated trainlab home, the S3
-    server's endpoint and test credentials), a bucket holding a prepared dataset,
-    and the driver's own scratch directory."""
+class Bucket:
+    """One bucket of the store under test, seen from the test (not through trainlab)."""
+
+    def __init__(self, scheme: str, name: str, client):  # noqa: ANN001
+        self.scheme, self.name, self.client = scheme, name, client
+
+    def uri(self, key: str = "") -> str:
+        return f"{self.scheme}://{self.name}/{key}".rstrip("/")
+
+    def key_of(self, uri: str) -> str:
+        return uri.removeprefix(f"{self.scheme}://{self.name}/")
+
+    def keys(self, prefix: str) -> list[str]:
+        if self.scheme == "s3":
+            pages = self.client.list_objects_v2(Bucket=self.name, Prefix=prefix)
+            return sorted(o["Key"] for o in pages.get("Contents", []))
+        return sorted(f"{prefix.rstrip('/')}/{rel}" for rel, _ in self.client.child(prefix).walk())
+
+    def read(self, key: str) -> bytes:
+        if self.scheme == "s3":
+            return self.client.get_object(Bucket=self.name, Key=key)["Body"].read()
+        return self.client.read_bytes(key)
+
+    def upload(self, path: Path, key: str) -> None:
+        if self.scheme == "s3":
+            self.client.upload_file(str(path), self.name, key)
+        else:
+            self.client.upload(path, key)
+
+
+def _s3_bucket(env: dict, s3_server: str) -> Bucket:
     import boto3
 
-    from devtools.datasets import write_stdlib_dataset
-
-    base = tmp_path_factory.mktemp("store-cluster")
-    env = {
-        **os.environ,
-        "TRAINLAB_HOME": str(base / "home"),
-        "TRAINLAB_SCRATCH_DIR": str(base / "driver-scratch"),
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_ENDPOINT_URL": s3_server,
-    }
-    for var in (
-        "AWS_ENDPOINT_URL_S3",
-        "AWS_PROFILE",
-        "RAY_ADDRESS",
-        "MLFLOW_TRACKING_URI",
-        "RAY_AUTH_MODE",
-    ):
-        env.pop(var, None)
+    env.update(
+        AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_ENDPOINT_URL=s3_server
+    )
     s3 = boto3.client(
         "s3",
         region_name="us-east-1",
@@ -75,14 +86,58 @@ def world(tmp_path_factory, s3_server):
         aws_access_key_id="testing",
         aws_secret_access_key="testing",
     )
-    bucket = f"store-{time.monotonic_ns()}"
-    s3.create_bucket(Bucket=bucket)
+    name = f"store-{time.monotonic_ns()}"
+    s3.create_bucket(Bucket=name)
+    return Bucket("s3", name, s3)
+
+
+def _gs_bucket(env: dict, gcs_server: str) -> Bucket:
+    from tests.conftest import make_gcs_bucket
+    from trainlab.location import Location
+    from trainlab.location.gcs import GCS
+
+    env.update(STORAGE_EMULATOR_HOST=gcs_server, GOOGLE_CLOUD_PROJECT="test")
+    name = make_gcs_bucket(gcs_server, "store")
+    return Bucket("gs", name, Location(GCS(gcs_server, "test"), name))
+
+
+# The uninterrupted run's summary, made once in the first store tested.
+REFERENCE: dict = {}
+
+
+@pytest.fixture(scope="module", params=["s3", "gs"])
+def world(request, tmp_path_factory):
+    """The environment every command runs with (isolated trainlab home, the store's
+    endpoint and test credentials), a bucket holding a prepared dataset, and the
+    driver's own scratch directory."""
+    from devtools.datasets import write_stdlib_dataset
+
+    base = tmp_path_factory.mktemp(f"store-cluster-{request.param}")
+    env = {
+        **os.environ,
+        "TRAINLAB_HOME": str(base / "home"),
+        "TRAINLAB_SCRATCH_DIR": str(base / "driver-scratch"),
+    }
+    for var in (
+        "AWS_ENDPOINT_URL",
+        "AWS_ENDPOINT_URL_S3",
+        "AWS_PROFILE",
+        "STORAGE_EMULATOR_HOST",
+        "RAY_ADDRESS",
+        "MLFLOW_TRACKING_URI",
+        "RAY_AUTH_MODE",
+    ):
+        env.pop(var, None)
+    if request.param == "s3":
+        bucket = _s3_bucket(env, request.getfixturevalue("s3_server"))
+    else:
+        bucket = _gs_bucket(env, request.getfixturevalue("gcs_server"))
     local = base / "prepared"
     write_stdlib_dataset(local, code_docs=40, prose_docs=120, vocab_size=2048)
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
-        s3.upload_file(str(path), bucket, f"data/{path.relative_to(local).as_posix()}")
+        bucket.upload(path, f"data/{path.relative_to(local).as_posix()}")
     shutil.rmtree(local)  # the store's copy is the only one
-    return {"env": env, "s3": s3, "bucket": bucket, "base": base}
+    return {"env": env, "bucket": bucket, "base": base}
 
 
 def _up(env: dict) -> dict:
@@ -98,14 +153,14 @@ def _down(env: dict) -> None:
     assert down.returncode == 0, down.stderr[-2000:]
 
 
-def _sets(bucket: str, runs: str) -> list[str]:
+def _sets(bucket: Bucket, runs: str) -> list[str]:
     items = [
-        f"data.path=s3://{bucket}/data",
+        f"data.path={bucket.uri('data')}",
         "data.mix={code: 0.6, docs: 0.4}",
         "data.micro_batch_size=4",
         "model.vocab_size=2048",
         "resource.cpus_per_worker=2",
-        f"train.runs_root=s3://{bucket}/{runs}",
+        f"train.runs_root={bucket.uri(runs)}",
         "train.total_steps=8",
         "train.warmup_steps=1",
         "train.log_interval=1",
@@ -118,12 +173,11 @@ def _sets(bucket: str, runs: str) -> list[str]:
     return [a for item in items for a in ("--set", item)]
 
 
-def _committed(s3, bucket: str, prefix: str) -> list[str]:
-    keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
-    return sorted(k for k in keys if k.endswith("/checkpoint.json"))
+def _committed(bucket: Bucket, prefix: str) -> list[str]:
+    return [k for k in bucket.keys(prefix) if k.endswith("/checkpoint.json")]
 
 
-def _submit(env: dict, dashboard: str, bucket: str, runs: str, follow: bool) -> dict:
+def _submit(env: dict, dashboard: str, bucket: Bucket, runs: str, follow: bool) -> dict:
     """`trainlab submit` of the tiny recipe with the runs root in the store: the
     driver runs as a job on the head node (its scratch is the head's)."""
     args = ["submit", "trainers/recipes/tiny.yaml", *_sets(bucket, runs), "--address", dashboard]
@@ -132,13 +186,12 @@ def _submit(env: dict, dashboard: str, bucket: str, runs: str, follow: bool) -> 
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _summary(s3, bucket: str, run_uri: str) -> dict:
-    key = f"{run_uri.removeprefix(f's3://{bucket}/')}/run_summary.json"
-    return json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+def _summary(bucket: Bucket, run_uri: str) -> dict:
+    return json.loads(bucket.read(f"{bucket.key_of(run_uri)}/run_summary.json"))
 
 
 def test_a_run_in_the_store_resumes_on_a_fresh_cluster_bitwise(world):
-    env, s3, bucket = world["env"], world["s3"], world["bucket"]
+    env, bucket = world["env"], world["bucket"]
     state = _up(env)
     dashboard = state["dashboard_url"]
     scratches = [Path(n["scratch_dir"]) for n in state["nodes"]] + [
@@ -146,25 +199,28 @@ def test_a_run_in_the_store_resumes_on_a_fresh_cluster_bitwise(world):
     ]
     assert len({str(s) for s in scratches}) == 4 and all(str(s) for s in scratches)
     try:
-        # The uninterrupted reference, in its own prefix.
-        ref = _submit(env, dashboard, bucket, "ref", follow=True)
-        assert ref["status"] == "SUCCEEDED" and ref["run_dir"].startswith(f"s3://{bucket}/ref/")
-        expected = _summary(s3, bucket, ref["run_dir"])
+        # The uninterrupted reference, in its own prefix: one for every store (the
+        # same config on the same data trains the same model wherever it is kept).
+        expected = REFERENCE.get("summary")
+        if expected is None:
+            ref = _submit(env, dashboard, bucket, "ref", follow=True)
+            assert ref["status"] == "SUCCEEDED" and ref["run_dir"].startswith(bucket.uri("ref/"))
+            expected = REFERENCE["summary"] = _summary(bucket, ref["run_dir"])
         # The run cut off with its whole cluster after its first checkpoint.
         job = _submit(env, dashboard, bucket, "runs", follow=False)
         run_uri = job["run_dir"]
-        assert run_uri.startswith(f"s3://{bucket}/runs/")
+        assert run_uri.startswith(bucket.uri("runs/"))
         deadline = time.monotonic() + TIMEOUT_S
-        while not _committed(s3, bucket, "runs/"):
+        while not _committed(bucket, "runs/"):
             assert time.monotonic() < deadline, "no checkpoint committed in time"
             time.sleep(0.5)
     finally:
         _down(env)
-    assert not _summary_exists(s3, bucket, run_uri)  # it never finished
+    assert not _summary_exists(bucket, run_uri)  # it never finished
     # The cluster goes down a few seconds after the first commit is seen; the run
     # may have committed another checkpoint meanwhile: the resume starts at the newest.
     newest = max(
-        int(k.rsplit("/", 2)[1].removeprefix("step-")) for k in _committed(s3, bucket, "runs/")
+        int(k.rsplit("/", 2)[1].removeprefix("step-")) for k in _committed(bucket, "runs/")
     )
     assert 2 <= newest < 8, newest
     # Every node's scratch (and the driver's) is gone; a fresh cluster.
@@ -189,14 +245,14 @@ def test_a_run_in_the_store_resumes_on_a_fresh_cluster_bitwise(world):
     finally:
         _down(env)
     assert status == "SUCCEEDED", logs[-3000:]
-    got = _summary(s3, bucket, run_uri)
+    got = _summary(bucket, run_uri)
     assert got["run_dir"] == run_uri and got["status"] == "completed"
     assert got["start_step"] == newest and got["final_step"] == 8
     assert got["weights_sha256"] == expected["weights_sha256"]
     assert got["final_loss"] == expected["final_loss"]
     # The records are in the store: the attempts, the summary, each rank's log.
-    key = run_uri.removeprefix(f"s3://{bucket}/")
-    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix=key)["Contents"]}
+    key = bucket.key_of(run_uri)
+    keys = set(bucket.keys(key))
     assert {f"{key}/run_summary.json", f"{key}/config.yaml", f"{key}/logs/rank0.log",
             f"{key}/logs/rank1.log", f"{key}/logs/driver.log"} <= keys  # fmt: skip
     assert len([k for k in keys if "/logs/attempts.jsonl.d/" in k]) >= 2
@@ -212,6 +268,5 @@ def test_a_run_in_the_store_resumes_on_a_fresh_cluster_bitwise(world):
     assert not outside, outside
 
 
-def _summary_exists(s3, bucket: str, run_uri: str) -> bool:
-    key = f"{run_uri.removeprefix(f's3://{bucket}/')}/run_summary.json"
-    return bool(s3.list_objects_v2(Bucket=bucket, Prefix=key).get("Contents"))
+def _summary_exists(bucket: Bucket, run_uri: str) -> bool:
+    return f"{bucket.key_of(run_uri)}/run_summary.json" in bucket.keys(bucket.key_of(run_uri))

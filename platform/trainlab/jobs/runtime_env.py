@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.errors import UserError
+from trainlab.location import SETTINGS_ENV_VARS
 
 # Excluded wherever they appear (gitignore syntax).
 EXCLUDE_ANYWHERE = (
@@ -55,10 +56,7 @@ DEFAULT_MAX_PACKAGE_BYTES = 512 * 1024 * 1024
 # Environment variables forwarded to the job when set here (none of them secret).
 FORWARDED_ENV_VARS = (
     "MLFLOW_TRACKING_URI",
-    "AWS_ENDPOINT_URL",
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_REGION",
-    "AWS_DEFAULT_REGION",
+    *SETTINGS_ENV_VARS,  # the stores' endpoints, regions, projects (trainlab.location)
     # --allow-env-drift (trainlab.environment: the job's node check records, not stops)
     "TRAINLAB_ALLOW_ENV_DRIFT",
 )

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 from trainlab.errors import UserError
 from trainlab.location.core import APPENDS_SUFFIX, Backend, Location
+from trainlab.location import gcs, s3
 from trainlab.location.errors import (
     Absent,
     Corrupt,
@@ -39,6 +40,7 @@ from trainlab.redact import redact, url_credentials
 
 __all__ = [
     "APPENDS_SUFFIX",
+    "SETTINGS_ENV_VARS",
     "Absent",
     "Backend",
     "Corrupt",
@@ -56,6 +58,10 @@ __all__ = [
 # Scheme -> the backend module (imported on first use: pyarrow and each SDK's
 # settings are not needed to validate a config).
 SCHEMES = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
+# The stores' settings that are no secret (endpoints, regions, projects): a run's
+# driver forwards them to its workers and a submitted job to its driver.
+# Credentials are never forwarded: each node has its own (docs/security.md).
+SETTINGS_ENV_VARS = (*s3.SETTINGS_ENV_VARS, *gcs.SETTINGS_ENV_VARS)
 SUPPORTED_FORMS = "a filesystem path, s3://bucket/prefix or gs://bucket/prefix"
 CREDENTIALS_ELSEWHERE = (
     "credentials never go in a storage URL (it is recorded in config.yaml and MLflow "

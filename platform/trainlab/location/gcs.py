@@ -22,6 +22,7 @@ from trainlab.redact import redact
 EMULATOR_ENV_VAR = "STORAGE_EMULATOR_HOST"
 PROJECT_ENV_VARS = ("GOOGLE_CLOUD_PROJECT", "GCLOUD_PROJECT")
 SCHEMES = ("gs", "gcs")
+SETTINGS_ENV_VARS = (EMULATOR_ENV_VAR, *PROJECT_ENV_VARS)
 CREDENTIALS_HINT = "GOOGLE_APPLICATION_CREDENTIALS (or the node's service account)"
 # How long the client retries a request that failed for a transient reason; the
 # callers above retry with their own backoff (trainlab.location.errors).

@@ -34,6 +34,7 @@ from typing import Any
 
 from trainlab.config import ExperimentConfig
 from trainlab.errors import UserError
+from trainlab.location import SETTINGS_ENV_VARS
 from trainlab.plan import plan, require_fit, resolve_layout
 from trainlab.runloc import LogShipper, RunLocation
 from trainlab.runstatus import RunStatus
@@ -160,13 +161,18 @@ def check_resumable(
 
 
 def forwarded_env(cfg: ExperimentConfig | None = None) -> dict[str, str]:
-    """The driver's MLFLOW_*, TRAINLAB_*, AWS_* settings minus every secret
+    """The driver's MLFLOW_*, TRAINLAB_*, AWS_* settings and the stores' (trainlab.location
+    SETTINGS_ENV_VARS) minus every secret
     (trainlab.redact.shareable_env): no credential names, no URL with credentials,
     not the variables the alert hooks name (tracking.alerts)."""
     from trainlab.redact import shareable_env
 
     hooks = cfg.tracking.alerts.secret_env_names() if cfg is not None else []
-    env = {k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k.startswith(FORWARDED_ENV_PREFIXES) or k in SETTINGS_ENV_VARS
+    }
     env.pop(SCRATCH_ENV_VAR, None)  # each node's own (trainlab.storage.scratch_root)
     return shareable_env(env, also_secret=hooks)
 
