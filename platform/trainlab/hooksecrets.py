@@ -20,6 +20,11 @@ config files or logs (docs/security.md). The channel:
    worker puts them into its environment before it builds the alert sinks
    (`for_workers`, `apply_in_worker`).
 
+The same channel carries the MLflow tracking server's credentials
+(`TRACKING_CREDENTIALS`: MLflow's own variables, set where the run starts)
+to the worker that writes the run's records (rank 0), wherever Ray places it:
+`stage_for_job` and `for_workers` always add them to the hooks' names.
+
 Fernet (`cryptography`, AES-128-CBC plus HMAC-SHA256) authenticates the
 ciphertext: a file encrypted for another cluster's token is refused, not
 misread.
@@ -40,6 +45,18 @@ log = logging.getLogger("trainlab.hooksecrets")
 # Relative to the job's working_dir (its current directory).
 SECRETS_FILE = ".trainlab/hook-secrets.bin"
 _KDF_INFO = b"trainlab alert hook secrets v1"
+# The tracking server's credentials (MLflow's variables; docs/tracking-teams.md).
+TRACKING_CREDENTIALS = (
+    "MLFLOW_TRACKING_USERNAME",
+    "MLFLOW_TRACKING_PASSWORD",
+    "MLFLOW_TRACKING_TOKEN",
+)
+
+
+def _with_tracking(names: Iterable[str]) -> list[str]:
+    """`names` and the tracking server's credential variables."""
+    names = list(names)
+    return names + [n for n in TRACKING_CREDENTIALS if n not in names]
 
 
 def _fernet(token: str) -> Any:
@@ -78,13 +95,14 @@ def stage_for_job(working_dir: Path, names: Iterable[str], token: str | None) ->
     """Write the set variables among `names` into the staged `working_dir`, encrypted
     for the cluster whose token is `token`. Returns the names carried (logged by the
     caller; never the values). Without a token nothing is carried: the job's nodes
-    then need the variables in their own environment (warned)."""
-    values = present(names)
+    then need the variables in their own environment (warned). The tracking
+    server's credentials (TRACKING_CREDENTIALS) go with them when set."""
+    values = present(_with_tracking(names))
     if not values:
         return []
     if not token:
         log.warning(
-            "alert hook variables %s are not carried to the job: no cluster auth token "
+            "secret variables %s are not carried to the job: no cluster auth token "
             "to encrypt them with; set them in the environment of the cluster's nodes",
             ", ".join(sorted(values)),
         )
@@ -120,8 +138,9 @@ def load_submitted(cwd: Path | None = None) -> list[str]:
 
 def for_workers(names: Iterable[str]) -> Any:
     """An object-store reference to the set variables among `names` (None when
-    none is set): the train loop config carries the reference, not the values."""
-    values = present(names)
+    none is set): the train loop config carries the reference, not the values.
+    The tracking server's credentials (TRACKING_CREDENTIALS) go with them when set."""
+    values = present(_with_tracking(names))
     if not values:
         return None
     import ray

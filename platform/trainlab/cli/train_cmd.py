@@ -120,6 +120,11 @@ def train(
     cfg = load_config(config, overrides, name_from_overrides=not (run_dir or extend))
     if not smoke:
         require_record(cfg, config, "trainlab train")
+    # A tracking server that refuses this environment's credentials: said now, before
+    # any worker is placed (an unreachable one is not an error: the journal waits).
+    from trainlab.track.server import check_credentials
+
+    check_credentials()
     if allow_env_drift:  # trainlab.environment.check_nodes records the drift instead
         os.environ["TRAINLAB_ALLOW_ENV_DRIFT"] = "1"
     if repeats is not None:

@@ -25,8 +25,10 @@ def tune(config: str, overrides: tuple[str, ...], search: tuple[str, ...], sampl
          metric: str, max_concurrent: int | None, seed: int, as_json: bool) -> int:
     """Search data-mix weights of CONFIG with Ray Tune; one trial = one trainlab run."""
     from trainlab.raycluster import command_log, route_ray_output
+    from trainlab.track.server import check_credentials
     from trainlab.tune import parse_search, run_search
 
+    check_credentials()  # a tracking server refusing them: said before any trial starts
     route_ray_output(command_log("tune"))  # the terminal keeps trainlab's lines
     dims = parse_search(search)
     result = run_search(config, overrides, dims, samples=samples, metric=metric,

@@ -37,6 +37,7 @@ from trainlab.track.journal import (  # noqa: F401 - run_key re-exported
 from trainlab.track.store import (
     artifact_location,
     client_for,
+    fail_fast_on_outage,
     tracking_uri,
 )
 from trainlab.train.loop.callbacks import Callback, RunContext
@@ -468,6 +469,7 @@ class MlflowCallback(Callback):
         scratch = self.cfg.resource.scratch_dir
         runs_root = self.runs_root or str(local_runs_root(self.cfg.train.runs_root, scratch))
         self.tracking_uri = tracking_uri(runs_root)
+        fail_fast_on_outage(self.tracking_uri)  # the journal retries, not MLflow's client
         self._journal = Journal(str(RunLocation.of(run_dir, scratch).local))
         self._flusher = Flusher(
             self._journal, self._connect, self.tracking_uri, on_start=self._store_ready

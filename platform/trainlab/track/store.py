@@ -54,6 +54,32 @@ def artifact_location(runs_root: str | os.PathLike[str]) -> str | None:
     return (_local_root(runs_root) / ARTIFACTS_DIR).as_uri()
 
 
+def is_server(uri: str) -> bool:
+    """A tracking server (MLFLOW_TRACKING_URI=http(s)://...), not a store on disk."""
+    return uri.startswith(("http://", "https://"))
+
+
+# A run's records reach a server through its journal, which retries by itself
+# (trainlab.track.journal.retry_s): MLflow's own retries of a request (7, with
+# back-off: about 4 minutes) would hold a run's flusher, heartbeat and end that
+# long on an outage. The user's own settings of these variables are kept.
+# MLflow's client also prints each ended run's server link on stdout: not in a
+# run's output.
+FAIL_FAST_HTTP = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "20",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+
+
+def fail_fast_on_outage(uri: str) -> None:
+    """In a process that records a run into the server `uri`: a request that finds
+    the server down fails at once (the journal keeps the record, FAIL_FAST_HTTP)."""
+    if is_server(uri):
+        for key, value in FAIL_FAST_HTTP.items():
+            os.environ.setdefault(key, value)
+
+
 def is_embedded(uri: str) -> bool:
     return uri.startswith("sqlite:///")
 

@@ -26,6 +26,10 @@ CHECKED_HERE = {"plan", "runs", "compare", "gc", "cluster status"}
 # parses their whole stdout as JSON.
 PARSED_WHOLE_ELSEWHERE = {
     "train": "tests/ray/test_lifecycle.py",
+    "tracking up": "tests/unit/track/test_tracking_server.py",
+    "tracking down": "tests/unit/track/test_tracking_server.py",
+    "tracking status": "tests/unit/track/test_tracking_server.py",
+    "tracking import": "tests/unit/track/test_tracking_server.py",
 }
 # Run with --json by these tests, which parse the last stdout line (the same
 # `trainlab.cli.main` path makes the rest of stdout go to stderr).

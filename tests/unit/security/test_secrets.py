@@ -123,7 +123,13 @@ def test_hook_variables_travel_to_a_job_encrypted_for_its_cluster(
 
     names = ["TRAINLAB_MY_HOOK", "TRAINLAB_ALERT_WEBHOOK", "TRAINLAB_UNSET_HOOK"]
     carried = hooksecrets.stage_for_job(tmp_path, names, token="cluster-token-1")
-    assert carried == ["TRAINLAB_ALERT_WEBHOOK", "TRAINLAB_MY_HOOK"]  # names only
+    # names only; the tracking server's credentials (MLflow's variables) go the same way
+    assert carried == [
+        "MLFLOW_TRACKING_PASSWORD",
+        "MLFLOW_TRACKING_TOKEN",
+        "TRAINLAB_ALERT_WEBHOOK",
+        "TRAINLAB_MY_HOOK",
+    ]
     staged = tmp_path / hooksecrets.SECRETS_FILE
     assert stat.S_IMODE(staged.stat().st_mode) == 0o600
     for f in tmp_path.rglob("*"):

@@ -1,0 +1,328 @@
+"""A team's tracking server (issue 40): `trainlab tracking up` starts a real
+PostgreSQL (this machine's initdb/pg_ctl, a throwaway directory, free ports)
+and a real `mlflow server` with MLflow's basic auth; nothing is mocked. One
+server per module: every test here shares it (its start costs ~10 s).
+
+Checked: what `up --json` says and the owner-only credential files; an
+unauthenticated REST request is refused; a signed-in client's run lands in
+PostgreSQL's runs/metrics tables; a training run's records (params, metrics,
+artifacts) reach the server through the real callbacks with no credential in
+any record; an outage (server down mid-run, the run ending while it is down,
+then `up` again on the same directory and port) loses and doubles nothing;
+a server refusing the credentials stops `trainlab train` before it starts;
+`tracking import` copies an embedded store, idempotently, metrics identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.unit.track.conftest import FakeRank0, tiny_config
+from trainlab.track.server import postgres_available
+
+REPO = Path(__file__).resolve().parents[3]
+
+pytestmark = pytest.mark.skipif(
+    not postgres_available(),
+    reason="PostgreSQL's server binaries (initdb, pg_ctl) are not on this machine "
+    "(`make test-deps` installs them)",
+)
+
+
+def trainlab(*args: str, env: dict[str, str] | None = None, timeout: float = 240):
+    return subprocess.run(
+        [sys.executable, "-m", "trainlab", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+class Server:
+    def __init__(self, dir: Path, port: int, env: dict[str, str]):
+        self.dir, self.port, self.env = dir, port, env
+        self.info: dict = {}
+
+    def up(self) -> dict:
+        out = trainlab("tracking", "up", "--dir", str(self.dir), "--port", str(self.port),
+                       "--json", env=self.env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        self.info = json.loads(out.stdout)
+        return self.info
+
+    def up_again(self) -> dict:
+        """`up` again on the same directory and port (in this process: no start-up)."""
+        from trainlab.track.server import server_up
+
+        state = server_up(self.dir, port=self.port)
+        assert state.info() == self.info
+        return self.info
+
+    def down(self) -> dict:
+        out = trainlab("tracking", "down", "--dir", str(self.dir), "--json", env=self.env)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout)
+
+    @property
+    def password(self) -> str:
+        return Path(self.info["password_file"]).read_text().strip()
+
+    def client_env(self) -> dict[str, str]:
+        return {
+            "MLFLOW_TRACKING_URI": self.info["uri"],
+            "MLFLOW_TRACKING_USERNAME": self.info["username"],
+            "MLFLOW_TRACKING_PASSWORD": self.password,
+        }
+
+    def sql(self, query: str, *args: object) -> list[tuple]:
+        import psycopg2
+
+        db_password = Path(self.info["database_password_file"]).read_text().strip()
+        con = psycopg2.connect(self.info["database_uri"], password=db_password)
+        try:
+            with con.cursor() as cur:
+                cur.execute(query, args)
+                return cur.fetchall()
+        finally:
+            con.close()
+
+
+@pytest.fixture(scope="module")
+def server():
+    from trainlab.track.server import free_port
+
+    # Under /tmp, not pytest's tmp dir: run as root, the database runs as `postgres`,
+    # which must be able to enter the directory (pytest's base is root's alone).
+    root = Path(tempfile.mkdtemp(prefix="trainlab-tracking-test-"))
+    root.chmod(0o711)  # (mkdtemp's is 0700) entered, not listed
+    env = {"TRAINLAB_HOME": str(root / "home"), "MLFLOW_TRACKING_URI": ""}
+    srv = Server(root / "server", free_port(), env)
+    try:
+        srv.up()
+        yield srv
+    finally:
+        from trainlab.track.server import server_down
+
+        server_down(srv.dir)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def signed_in(server, monkeypatch):
+    for k, v in server.client_env().items():
+        monkeypatch.setenv(k, v)
+    return server
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """`trainlab ARGS` in this process (the real command line; no interpreter start-up)."""
+    from trainlab.cli import main
+
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    out = capsys.readouterr()
+    return int(exit_.value.code or 0), out.out, out.err
+
+
+def _mode(path: str | Path) -> int:
+    return stat.S_IMODE(Path(path).stat().st_mode)
+
+
+def test_up_says_where_it_is_and_keeps_its_credentials_owner_only(server):
+    info = server.info
+    assert info["uri"] == f"http://127.0.0.1:{server.port}"
+    assert info["username"] == "admin"
+    assert info["database_uri"].startswith("postgresql://trainlab@127.0.0.1:")
+    for key in ("password_file", "database_password_file"):
+        assert _mode(info[key]) == 0o600 and Path(info[key]).read_text().strip()
+    secrets = [server.password, Path(info["database_password_file"]).read_text().strip()]
+    # Never in what it prints, its state, its settings, its logs or its command lines.
+    texts = [json.dumps(info)]
+    texts += [p.read_text(errors="replace") for p in server.dir.glob("*.json")]
+    texts += [p.read_text(errors="replace") for p in server.dir.glob("*.ini")]
+    texts += [p.read_text(errors="replace") for p in (server.dir / "logs").iterdir()]
+    pid = json.loads((server.dir / "server.json").read_text())["pid"]
+    texts.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
+    for text in texts:
+        assert not any(s in text for s in secrets)
+    out = trainlab("tracking", "status", "--dir", str(server.dir), "--json", env=server.env)
+    status = json.loads(out.stdout)
+    assert status["answers"] and status["mlflow_running"] and status["database_running"]
+    # Loopback only: both servers listen on 127.0.0.1.
+    pg_port = int(info["database_uri"].rsplit(":", 1)[1].split("/")[0])
+    listening = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    local = {line.split()[1] for line in listening if line.split()[3] == "0A"}
+    for port in (server.port, pg_port):
+        assert f"0100007F:{port:04X}" in local and f"00000000:{port:04X}" not in local
+
+
+def test_unauthenticated_requests_are_refused_and_a_signed_in_run_lands_in_postgres(server):
+    url = f"{server.info['uri']}/api/2.0/mlflow/experiments/search?max_results=1"
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(url, timeout=10)
+    assert err.value.code == 401
+    wrong = urllib.request.Request(url, headers={"Authorization": "Basic YWRtaW46bm9wZQ=="})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(wrong, timeout=10)
+    assert err.value.code == 401
+
+    code = (
+        "import mlflow; c = mlflow.MlflowClient(); "
+        "e = c.create_experiment('signed-in'); r = c.create_run(e); "
+        "[c.log_metric(r.info.run_id, 'loss', 1.0 / s, step=s) for s in (1, 2, 3)]; "
+        "print(r.info.run_id)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, **server.client_env()}, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    run_id = out.stdout.split()[-1]
+    assert server.sql("SELECT count(*) FROM runs WHERE run_uuid = %s", run_id) == [(1,)]
+    assert server.sql(
+        "SELECT step, value FROM metrics WHERE run_uuid = %s AND key = 'loss' ORDER BY step",
+        run_id,
+    ) == [(1, 1.0), (2, 0.5), (3, 1 / 3)]
+
+
+def _loss_steps(server: Server, run_id: str) -> list[int]:
+    rows = server.sql(
+        "SELECT step FROM metrics WHERE run_uuid = %s AND key = 'loss' ORDER BY step", run_id
+    )
+    return [r[0] for r in rows]
+
+
+def test_a_runs_records_reach_the_server_and_survive_its_outage(
+    signed_in, tmp_path, monkeypatch, capsys
+):
+    """The real callbacks of a run's rank 0 write into the server; it goes down
+    mid-run (training never waits on it), the run ends while it is down (its
+    records wait in the journal), `up` again on the same directory and port
+    brings the same records back, and `track-flush` writes what waited: every
+    step once, the params, the artifacts, and no credential anywhere."""
+    from mlflow import MlflowClient
+
+    from trainlab.track.journal import Journal
+
+    server = signed_in
+    monkeypatch.setenv("TRAINLAB_STORE_RETRY_S", "0.2")
+    monkeypatch.setenv("TRAINLAB_STORE_END_WAIT_S", "2")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+    runs_root = tmp_path / "runs"
+    r0 = FakeRank0(tiny_config(runs_root), runs_root)
+    r0.start()
+    sent = r0.steps(1, 30)
+    assert r0.callbacks.callbacks[0].flush(60) == 0
+    run_id = r0.callbacks.callbacks[0].run_id
+    assert _loss_steps(server, run_id) == sorted(sent)
+    assert not (runs_root / "mlflow.db").exists()  # no per-machine store
+
+    server.down()
+    t0 = time.monotonic()
+    sent |= r0.steps(31, 60)
+    assert time.monotonic() - t0 < 10  # logging never waits on the server
+    summary = {"name": r0.cfg.name, "status": "completed", "final_step": 60}
+    r0.callbacks.on_run_end(summary)
+    assert time.monotonic() - t0 < 30  # nor does the run's end (bounded wait)
+    assert summary["records_pending"] > 0
+    assert Journal(r0.run_dir).pending_count() == summary["records_pending"]
+
+    assert server.up_again()["uri"] == f"http://127.0.0.1:{server.port}"  # same records
+    assert _loss_steps(server, run_id) == sorted(s for s in sent if s <= 30)
+    code, out, err = cli(capsys, "track-flush", str(r0.run_dir), "--runs-root", str(runs_root))
+    assert code == 0 and "the store has them all" in out, err[-2000:]
+    assert Journal(r0.run_dir).pending_count() == 0
+    assert _loss_steps(server, run_id) == sorted(sent)  # every step, once
+
+    client = MlflowClient()
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.tags["status"] == "completed"
+    assert run.data.params["train.total_steps"] == "60"
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"config.yaml", "plan.json", "run_summary.json", "loss_curve.png"} <= artifacts
+    assert run.info.artifact_uri.startswith("mlflow-artifacts:/")
+    stored = list(Path(server.info["artifacts"]).rglob(f"{run_id}/artifacts/config.yaml"))
+    assert len(stored) == 1  # the server wrote it into its artifact root
+
+    # No credential in any record: params, tags, artifacts, the journal.
+    password = server.password
+    assert not any(password in v for v in [*run.data.params.values(), *run.data.tags.values()])
+    assert password not in Path(client.download_artifacts(run_id, "config.yaml")).read_text()
+    for path in r0.run_dir.rglob("*"):
+        if path.is_file():
+            assert password.encode() not in path.read_bytes(), path
+
+
+def test_a_server_refusing_the_credentials_stops_train_before_anything_starts(
+    signed_in, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
+    config = str(REPO / "trainers/recipes/tiny.yaml")
+    code, _, err = cli(capsys, "train", config, "--set", f"train.runs_root={tmp_path}")
+    assert code == 2, err[-2000:]
+    (line,) = err.strip().splitlines()
+    assert line.startswith("error: MLFLOW_TRACKING_URI http://127.0.0.1:")
+    assert "refused the credentials" in line and "MLFLOW_TRACKING_PASSWORD" in line
+    assert "not-the-password" not in err
+    assert list(tmp_path.iterdir()) == []  # no run directory, no store, no worker
+
+
+def test_import_copies_an_embedded_history_once_with_identical_metrics(
+    signed_in, tmp_path, capsys
+):
+    from mlflow import MlflowClient
+
+    db = tmp_path / "old" / "mlflow.db"
+    db.parent.mkdir()
+    old = MlflowClient(f"sqlite:///{db}")
+    exp = old.create_experiment("past", artifact_location=(tmp_path / "art").as_uri())
+    ids = []
+    for i in range(2):
+        run = old.create_run(exp, run_name=f"past-{i}", tags={"purpose": "history"})
+        rid = run.info.run_id
+        old.log_param(rid, "train.lr", str(0.001 * (i + 1)))
+        for step in range(1, 21):
+            old.log_metric(rid, "loss", 5.0 / step + i, step=step, timestamp=1_700_000_000_000 + step)
+        (tmp_path / "notes.txt").write_text(f"run {i}")
+        old.log_artifact(rid, str(tmp_path / "notes.txt"))
+        old.set_terminated(rid, "FINISHED", end_time=1_700_000_100_000)
+        ids.append(rid)
+
+    code, out, err = cli(capsys, "tracking", "import", "--from", f"sqlite:///{db}", "--json")
+    assert code == 0, err[-2000:]
+    first = json.loads(out)
+    assert (first["copied"], first["skipped"]) == (2, 0)
+    code, out, err = cli(capsys, "tracking", "import", "--from", str(db.parent), "--json")
+    second = json.loads(out)
+    assert (second["copied"], second["skipped"]) == (0, 2)
+    assert second["runs"] == first["runs"]
+
+    new = MlflowClient()
+    for rid in ids:
+        copy = new.get_run(first["runs"][rid])
+        assert copy.info.run_name == old.get_run(rid).info.run_name
+        assert copy.info.status == "FINISHED" and copy.info.end_time == 1_700_000_100_000
+        assert copy.data.params == old.get_run(rid).data.params
+        assert copy.data.tags["purpose"] == "history"
+
+        def history(client, run_id):
+            return [(m.step, m.timestamp, m.value) for m in client.get_metric_history(run_id, "loss")]
+
+        assert history(new, copy.info.run_id) == history(old, rid)
+        notes = Path(new.download_artifacts(copy.info.run_id, "notes.txt")).read_text()
+        assert notes.startswith("run ")
+    code, _, err = cli(capsys, "tracking", "import", "--from", str(tmp_path / "nowhere"))
+    assert code == 2 and err.startswith("error: --from ") and len(err.splitlines()) == 1
