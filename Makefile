@@ -56,12 +56,17 @@ test-all: setup test-deps
 	$(VENV)/bin/pytest -m 'extended or not extended' $(PYTEST_ARGS)
 
 # What the tests need beyond the lock: a real headless browser for the MLflow UI
-# test (Debian's chromium), installed with apt when absent; without it make test fails
-# (a test that skips on a fresh machine checks nothing there).
+# test (Debian's chromium) and PostgreSQL's server binaries for the tracking server
+# tests (initdb/pg_ctl, on PATH or under /usr/lib/postgresql/*/bin, as
+# trainlab.track.server looks), installed with apt when absent; without them make
+# test fails (a test that skips on a fresh machine checks nothing there).
 test-deps:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
 	  echo "test setup: installing chromium (Debian's package) for the MLflow UI test"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	@command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || { \
+	  echo "test setup: installing postgresql (Debian's package) for the tracking server tests"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; }
 
 test-fast: setup
 	$(VENV)/bin/pytest tests/unit $(PYTEST_ARGS)
