@@ -24,8 +24,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from trainlab.errors import UserError
-from trainlab.location.core import APPENDS_SUFFIX, Backend, Location
 from trainlab.location import gcs, s3
+from trainlab.location.core import APPENDS_SUFFIX, Backend, Location
 from trainlab.location.errors import (
     Absent,
     Corrupt,

@@ -125,6 +125,14 @@ class Backend:
         info = self.filesystem.get_file_info(path)
         return int(info.size or 0) if info.type == fs.FileType.File else None
 
+    def modified(self, path: str) -> float | None:
+        from pyarrow import fs
+
+        info = self.filesystem.get_file_info(path)
+        if info.type == fs.FileType.NotFound or info.mtime is None:
+            return None
+        return info.mtime.timestamp()
+
     def delete_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.filesystem.delete_file(path)
@@ -285,6 +293,12 @@ class Location:
         """The file's size in bytes, or None when there is no file."""
         with self._kinds(rel):
             return self.backend.file_size(self.fs_path(rel))
+
+    def modified(self, rel: str = "") -> float | None:
+        """When the file (or a local folder) was last written (seconds since the
+        epoch), or None when it is not there."""
+        with self._kinds(rel):
+            return self.backend.modified(self.fs_path(rel))
 
     def list(self, rel: str = "") -> list[str]:
         """Names directly inside folder `rel` (sorted; [] when there is none)."""

@@ -81,6 +81,12 @@ class LocalDisk(Backend):
     def file_size(self, path: str) -> int | None:
         return os.path.getsize(path) if os.path.isfile(path) else None
 
+    def modified(self, path: str) -> float | None:
+        try:
+            return os.stat(path).st_mtime
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def delete_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)

@@ -76,7 +76,7 @@ def test_run_directory_records_absolute_paths_from_another_cwd(repo, tmp_path, m
     """The recorded config.yaml of a run holds absolute paths, wherever it started."""
     monkeypatch.chdir(tmp_path)
     cfg = load_config(repo / "configs/exp/a.yaml")
-    run = rundir.new_run_dir(cfg)
+    run = rundir.new_run_dir(cfg).local_path()
     assert run.is_relative_to(repo / "out/runs") and not (tmp_path / "out").exists()
     rundir.write_run_files(run, cfg, {})
     recorded = rundir.read_run_config(run)
@@ -121,9 +121,9 @@ def test_override_name_is_short_unique_and_deterministic():
 def test_new_runs_are_named_after_their_changes_and_keep_the_sequence(repo, tmp_path):
     cfg = load_config(repo / "configs/exp/a.yaml", ["train.lr=1e-3"], name_from_overrides=True)
     assert cfg.name == "exp_lr-1e-3"
-    first = rundir.new_run_dir(cfg)
+    first = rundir.new_run_dir(cfg).local_path()
     first.mkdir(parents=True)
-    second = rundir.new_run_dir(cfg)
+    second = rundir.new_run_dir(cfg).local_path()
     assert (first.name, second.name) == ("exp_lr-1e-3", "exp_lr-1e-3-2")
     assert first.parent.parent == repo / "out/runs"
     # a resume keeps the run's name: --set does not rename it

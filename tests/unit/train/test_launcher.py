@@ -26,10 +26,10 @@ def dataset(tmp_path_factory):
 def test_new_run_dirs_are_dated_absolute_and_never_reused(dataset, tmp_path):
     cfg = tiny_config(dataset)
     day = dt.date(2026, 3, 1)
-    first = rundir.new_run_dir(cfg, tmp_path, day)
+    first = rundir.new_run_dir(cfg, tmp_path, day).local_path()
     assert first == tmp_path / "runs" / "2026-03-01" / "unit" and first.is_absolute()
     first.mkdir(parents=True)
-    second = rundir.new_run_dir(cfg, tmp_path, day)
+    second = rundir.new_run_dir(cfg, tmp_path, day).local_path()
     assert second.name == "unit-2"
     second.mkdir()
     assert rundir.new_run_dir(cfg, tmp_path, day).name == "unit-3"

@@ -283,7 +283,7 @@ def _run(
     path = loc.local  # the run directory, or this node's working copy of a run in a store
     # Every process reads the runs root as the driver resolved it (a config built in
     # code may give it relative to `base_dir`): its MLflow store is that root's.
-    root = rundir.root_location(cfg, base_dir)
+    root = rundir.root_location(cfg, base_dir).resolved().uri
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"runs_root": root})})
     if loc.remote:
         _check_store(loc)
@@ -297,7 +297,7 @@ def _run(
     # Locked before the first write into it; a new run's directory is made only
     # after the checks below pass, so a refused start leaves nothing behind.
     new = run_dir is None and not (resume and not smoke)  # a name chosen just now
-    locked = not loc.is_empty() if loc.remote else path.exists()
+    locked = loc.home.exists()
     if locked and new:  # another start took the name meanwhile: the next free one
         loc = _lock_new(lock, loc, cfg, base_dir)
         path = loc.local

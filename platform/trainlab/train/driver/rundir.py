@@ -42,7 +42,7 @@ import yaml
 from trainlab.config import ExperimentConfig, config_hash, to_yaml
 from trainlab.config.loader import identity_diff
 from trainlab.errors import UserError
-from trainlab.location import locate
+from trainlab.location import Location, locate, scheme_of
 from trainlab.runloc import RunLocation
 from trainlab.runstatus import RunStatus
 from trainlab.train.records import RunRecords
@@ -74,70 +74,45 @@ def _checkout() -> Path | None:
     return root if (root / "pyproject.toml").is_file() else None
 
 
-def root_location(cfg: ExperimentConfig, base_dir: Path | None = None) -> str:
-    """The runs root as a location: a store URI as written, else `runs_root`."""
-    where = locate(cfg.train.runs_root, what="train.runs_root")
-    return str(runs_root(cfg, base_dir)) if where.is_local else where.uri
-
-
-def _join(root: str, *parts: str) -> str:
-    return "/".join([root.rstrip("/"), *parts])
-
-
-def _taken(where: str) -> bool:
-    """A run directory (or store prefix) that already holds something."""
-    return locate(where).exists()
+def root_location(cfg: ExperimentConfig, base_dir: Path | None = None) -> Location:
+    """The runs root: a store location as written, a path anchored by `runs_root`."""
+    if scheme_of(cfg.train.runs_root):
+        return locate(cfg.train.runs_root, what="train.runs_root")
+    return locate(runs_root(cfg, base_dir))
 
 
 def new_run_dir(
     cfg: ExperimentConfig, base_dir: Path | None = None, today: dt.date | None = None
-) -> Path | str:
-    """A new run's location for today: `{name}`, else `{name}-2`, `{name}-3`, ...
-    (a path, or a URI for a runs root in object storage)."""
-    day = _join(root_location(cfg, base_dir), (today or dt.date.today()).isoformat())
-    candidate, n = _join(day, cfg.name), 1
-    while _taken(candidate):
+) -> Location:
+    """A new run's location for today: `{name}`, else `{name}-2`, `{name}-3`, ..."""
+    day = root_location(cfg, base_dir).child((today or dt.date.today()).isoformat())
+    candidate, n = day.child(cfg.name), 1
+    while candidate.exists():  # a run directory (or store prefix) holding something
         n += 1
-        candidate = _join(day, f"{cfg.name}-{n}")
-    return Path(candidate) if locate(candidate).is_local else candidate
+        candidate = day.child(f"{cfg.name}-{n}")
+    return candidate
 
 
-def latest_run_dir(cfg: ExperimentConfig, base_dir: Path | None = None) -> Path | str:
+def latest_run_dir(cfg: ExperimentConfig, base_dir: Path | None = None) -> Location:
     """The most recent run named `{name}` or `{name}-N` (by its config.yaml's time)."""
     root = root_location(cfg, base_dir)
-    if RunLocation.of(root).remote:
-        return _latest_in_store(cfg, root)
-    root_path = Path(root)
-    candidates = [
-        p for p in root_path.glob(f"*/{cfg.name}*") if p.is_dir() and _is_run_of(p.name, cfg.name)
-    ]
-    if not candidates:
-        raise UserError(f"--resume: no earlier run named {cfg.name!r} under {root}")
-    return max(
-        candidates,
-        key=lambda p: (
-            (p / "config.yaml").stat().st_mtime
-            if (p / "config.yaml").exists()
-            else p.stat().st_mtime
-        ),
-    )
-
-
-def _latest_in_store(cfg: ExperimentConfig, root: str) -> str:
-    from pyarrow import fs
-
-    store = locate(root)
     found = []
-    for day in store.list():
-        for name in store.list(day):
-            if _is_run_of(name, cfg.name):
-                info = store.filesystem.get_file_info(store.fs_path(f"{day}/{name}/config.yaml"))
-                if info.type == fs.FileType.File:
-                    found.append((info.mtime_ns or 0, day, name))
+    for day in root.list():
+        for name in root.list(day):
+            if not _is_run_of(name, cfg.name):
+                continue
+            run = root.child(f"{day}/{name}")
+            # A run is known by its config.yaml; a run folder without one yet (a
+            # start that was cut short) by the folder's own time.
+            when = run.modified("config.yaml")
+            if when is None and run.list():
+                when = run.modified()
+            if when is not None:
+                found.append((when, day, name))
     if not found:
         raise UserError(f"--resume: no earlier run named {cfg.name!r} under {root}")
     _, day, name = max(found)
-    return _join(root, day, name)
+    return root.child(f"{day}/{name}")
 
 
 def _is_run_of(dirname: str, name: str) -> bool:
@@ -173,14 +148,9 @@ def check_usable(loc: RunLocation) -> None:
     """A run directory given by the user (`--run-dir`) must be new, empty, or a
     trainlab run directory; anything else (a folder of the user's files, the
     repository) is refused before anything is written into it."""
-    if loc.remote:
-        names = loc.list("")
-    elif loc.local.exists():
-        if not loc.local.is_dir():
-            raise UserError(f"--run-dir {loc.uri}: a file, not a directory")
-        names = [p.name for p in loc.local.iterdir()]
-    else:
-        return
+    if loc.home.is_file(""):
+        raise UserError(f"--run-dir {loc.uri}: a file, not a directory")
+    names = loc.list("")
     if not names or "config.yaml" in names or set(names) <= OWN_ENTRIES:
         return
     shown = ", ".join(sorted(names)[:3]) + (", ..." if len(names) > 3 else "")

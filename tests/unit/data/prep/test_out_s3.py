@@ -16,9 +16,9 @@ import pytest
 import trainlab.data.prep.pipeline as pipeline
 from tests.unit.data.prep.test_idempotence import make_corpus
 from trainlab.cli import main
-from trainlab.location import locate
 from trainlab.data.prep import run_prep
 from trainlab.errors import UserError
+from trainlab.location import locate
 
 
 def keys(s3, bucket: str, prefix: str) -> set[str]:
@@ -115,3 +115,27 @@ def test_an_unsupported_scheme_is_refused_in_one_line(tmp_path, monkeypatch, cap
         "s3://bucket/prefix or gs://bucket/prefix"
     ]
     assert set(os.listdir(tmp_path)) == before
+
+
+def test_prep_to_gcs_is_the_same_dataset_and_reads_back(gcs_env, tmp_path, scratch, monkeypatch):
+    """gs:// takes a dataset as s3:// does (trainlab.location): manifest last, the
+    same fingerprint as a local prep of the same inputs, and `load_manifest` with
+    every shard verified by checksum from the store."""
+    from trainlab.data.manifest import load_manifest, resolve_dataset_dir, verify_shards
+
+    sources = make_corpus(tmp_path)
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    uri = f"gs://{gcs_env}/prepared"
+    result = run_prep(sources, uri, executor="local")
+    assert result.out_dir == uri and not result.up_to_date and list(work.iterdir()) == []
+    where = locate(uri)
+    shards = [s["file"] for s in result.manifest["sources"]["code"]["shards"]]
+    assert {rel for rel, _ in where.walk()} == {"manifest.json", "tokenizer.json", *shards}
+    assert where.read_json("manifest.json") == result.manifest
+    manifest = load_manifest(resolve_dataset_dir(uri))
+    verify_shards(manifest, checksums=True)
+    assert run_prep(sources, uri, executor="local").up_to_date
+    local = run_prep(sources, tmp_path / "local", executor="local")
+    assert local.manifest["fingerprint"] == result.manifest["fingerprint"]

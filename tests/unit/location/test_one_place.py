@@ -1,0 +1,54 @@
+"""Schemes are known in one place (trainlab.location): the rest of the library
+holds a Location and calls its operations. What still decides "this machine's
+disk or an object store?" outside that package is counted here, like the import
+graph's cycles: a new decision is a deliberate change of this number, and the
+number only goes down.
+
+What is counted: a test of `.remote` (a run in a store: its working copy,
+shipped logs, staged checkpoints) or `.is_local`, a `://` test on a string, a
+pyarrow filesystem class named outside the location package.
+"""
+
+from __future__ import annotations
+
+import re
+
+from tests.conftest import REPO
+
+SOURCE = REPO / "platform" / "trainlab"
+DECISION = re.compile(
+    r"\.remote\b(?!\()|\.is_local\b|\"://\" in|is_uri\(|scheme_of\(|startswith\(\(?\"(?:s3|gs|file)"
+    r"|LocalFileSystem|S3FileSystem|GcsFileSystem"
+)
+# Where the count stood when the location package landed (the walk from
+# `train.runs_root` to a checkpoint write is in docs/layers.md).
+MOST = 40
+
+
+def decisions() -> list[str]:
+    found = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        rel = path.relative_to(SOURCE).as_posix()
+        if rel.startswith("location/"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if DECISION.search(code) and "ray.remote" not in code:
+                found.append(f"{rel}:{n}: {line.strip()}")
+    return found
+
+
+def test_local_or_store_is_decided_in_few_places():
+    found = decisions()
+    assert len(found) <= MOST, "\n".join(found)
+
+
+def test_no_second_scheme_parser():
+    """Nothing but trainlab.location splits a URI into scheme and bucket."""
+    offenders = [
+        f"{p.relative_to(SOURCE)}"
+        for p in SOURCE.rglob("*.py")
+        if not p.relative_to(SOURCE).as_posix().startswith("location/")
+        and re.search(r"def is_uri|def _split_uri|FileSystem\.from_uri", p.read_text())
+    ]
+    assert offenders == []
