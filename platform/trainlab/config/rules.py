@@ -125,10 +125,22 @@ def _moe_layout(cfg: dict[str, Any]) -> Iterator[Problem]:
     """What an MoE model does not run with yet (docs/moe.md)."""
     p, moe = cfg["parallel"], cfg["model"].get("moe")
     if not moe:
+        if (p.get("ep") or 1) > 1:
+            yield Problem("parallel.ep", p["ep"], "needs model.moe (experts to split)")
         return
     for dim in ("tp", "pp"):
         if (p[dim] or 1) > 1:
             yield Problem(f"parallel.{dim}", p[dim], "not with model.moe yet (docs/moe.md)")
+    ep, dp = p.get("ep") or 1, p["dp"]
+    if ep > 1 and moe["num_experts"] % ep:
+        yield Problem("parallel.ep", ep, f"must divide model.moe.num_experts ({moe['num_experts']})")
+    if ep > 1 and dp is not None and dp % ep:
+        yield Problem("parallel.ep", ep, f"must divide parallel.dp ({dp}): ep borrows dp ranks")
+    if ep > 1 and (p["strategy"] != "ddp" or (p["zero_stage"] or 0) != 0):
+        yield Problem(
+            "parallel.ep", ep,
+            "runs with strategy ddp, zero_stage 0 for the dense parts yet (docs/moe.md)",
+        )  # fmt: skip
     if p["activation_checkpointing"] != "none":
         yield Problem(
             "parallel.activation_checkpointing", p["activation_checkpointing"],

@@ -419,6 +419,10 @@ class ParallelConfig(Section):
     pp_microbatches: int | None = Field(None, ge=1, le=65536)
     # Stages per pipeline rank; null = 2 for interleaved_1f1b, else 1.
     pp_virtual_stages: int | None = Field(None, ge=1, le=64)
+    # Expert parallelism (model.moe, docs/moe.md): the routed experts split over ep
+    # data-parallel ranks, tokens sent to them by all-to-all (ep divides dp and
+    # model.moe.num_experts); null = 1.
+    ep: int | None = Field(None, ge=1, le=4096)
 
 
 # --------------------------------------------------------------------------- resource

@@ -573,9 +573,10 @@ def _active_params(m: Any, total: int) -> int | None:
 def moe_share(cfg: ExperimentConfig, memory: dict[str, float]) -> dict[str, Any] | None:
     """The routed experts of an MoE (model.moe): their parameters (all layers), the
     parameters of one expert, and the bytes of their weights, gradients and
-    optimizer state per device, DDP's gradient buckets (communication) included
-    (the experts' fraction of each of those terms: every model state is sharded or
-    replicated alike at parallel.ep 1). None for a dense model."""
+    optimizer state per device, DDP's gradient buckets (communication) included:
+    the experts' fraction of each of those terms (every model state is sharded or
+    replicated alike at parallel.ep 1), divided by parallel.ep (each ep rank holds
+    num_experts/ep of them). None for a dense model."""
     from trainlab.models.moe import moe_layer_count, moe_params
 
     m = cfg.model
@@ -585,11 +586,17 @@ def moe_share(cfg: ExperimentConfig, memory: dict[str, float]) -> dict[str, Any]
     routed = parts["routed"] * moe_layer_count(m.moe, m.num_layers)
     share = routed / count_params(m).total
     states = ("parameters", "gradients", "optimizer", "communication")
+    ep = cfg.parallel.ep or 1
     return {
+        "ep": ep,
         "experts_params": routed,
         "expert_params": parts["expert"],
         "experts_share_of_params": round(share, 6),
-        "experts_bytes_per_device": {k: int(round(memory.get(k, 0.0) * share)) for k in states},
+        # one ep rank's block: 1/ep of the experts (memory_per_device_bytes still
+        # counts them all: the estimate is high by the rest at ep > 1)
+        "experts_bytes_per_device": {
+            k: int(round(memory.get(k, 0.0) * share / ep)) for k in states
+        },
     }
 
 

@@ -241,3 +241,32 @@ def test_a_dense_configs_hash_has_no_moe_key():
     moe = ExperimentConfig.model_validate({"name": "x", "model": {"moe": MOE}})
     assert identity_dict(moe)["model"]["moe"]["num_experts"] == 4
     assert config_hash(moe) != config_hash(dense)
+
+
+@pytest.mark.parametrize(
+    "parallel, model, error",
+    [
+        (
+            {"ep": 3, "dp": 6},
+            {"moe": MOE},
+            "parallel.ep = 3: must divide model.moe.num_experts (4)",
+        ),
+        ({"ep": 4, "dp": 6}, {"moe": MOE}, "parallel.ep = 4: must divide parallel.dp (6)"),
+        ({"ep": 2, "dp": 6}, {}, "parallel.ep = 2: needs model.moe"),
+    ],
+)
+def test_ep_rules(parallel, model, error):
+    from pydantic import ValidationError
+
+    from trainlab.config import ExperimentConfig
+
+    with pytest.raises(ValidationError, match=error.replace("(", r"\(").replace(")", r"\)")):
+        ExperimentConfig.model_validate(
+            {"name": "x", "model": model, "parallel": {"strategy": "ddp", **parallel},
+             "resource": {"num_workers": 6}}
+        )  # fmt: skip
+    ok = {"name": "x", "model": {"moe": MOE}, "parallel": {"strategy": "ddp", "ep": 2, "dp": 6},
+          "resource": {"num_workers": 6}}  # fmt: skip
+    assert ExperimentConfig.model_validate(ok).parallel.ep == 2
+    with pytest.raises(ValidationError, match="runs with strategy ddp, zero_stage 0"):
+        ExperimentConfig.model_validate({**ok, "parallel": {"strategy": "fsdp", "ep": 2}})

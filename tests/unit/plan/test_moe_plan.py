@@ -4,6 +4,8 @@ share of the memory per device."""
 
 from __future__ import annotations
 
+import pytest
+
 from trainlab.config import ExperimentConfig
 from trainlab.models import build_model
 from trainlab.plan import flops_per_token, plan
@@ -51,3 +53,17 @@ def test_flops_follow_the_active_parameters():
     assert f[1] - f[0] == 6 * 64 * (16 - 4)  # the router's extra rows
     per_expert = 3 * 64 * 32
     assert f[2] - f[1] == 6 * 2 * per_expert
+
+
+def test_the_experts_share_per_device_follows_ep():
+    one = plan(cfg()).to_json()["moe"]
+    c = cfg()
+    two = ExperimentConfig.model_validate(
+        {**c.model_dump(), "parallel": {"strategy": "ddp", "dp": 2, "ep": 2},
+         "resource": {"num_workers": 2}}
+    )  # fmt: skip
+    split = plan(two).to_json()["moe"]
+    assert split["ep"] == 2 and one["ep"] == 1
+    assert split["experts_bytes_per_device"]["parameters"] * 2 == pytest.approx(
+        one["experts_bytes_per_device"]["parameters"], abs=2
+    )

@@ -24,10 +24,13 @@ class Losses(Callback):
     def __init__(self, path: str, stop_at: int | None):
         self.path, self.stop_at = path, stop_at
         self.losses: dict[int, float] = {}
+        self.grad_norms: dict[int, float] = {}
 
     def on_step_end(self, step: int, metrics: dict[str, Any]) -> None:
         self.losses[step] = float(metrics["loss"])
+        self.grad_norms[step] = float(metrics["grad_norm"])
         Path(self.path).write_text(json.dumps(self.losses))
+        Path(self.path.replace(".losses.", ".grad_norms.")).write_text(json.dumps(self.grad_norms))
         if step == self.stop_at:
             self.stop_requested, self.stop_reason = True, f"the test stops at step {step}"
 
@@ -70,6 +73,12 @@ def _worker(rank: int, world: int, port: int, job: Any, out: str, stop_at: int |
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
+
+
+def grad_norms(out: Path) -> dict[int, float]:
+    """The global gradient norm of every step of a `run_layout(..., out)` (rank 0's)."""
+    norms = json.loads(Path(str(out) + ".grad_norms.json").read_text())
+    return {int(k): v for k, v in norms.items()}
 
 
 def run_layout(

@@ -51,6 +51,13 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.up, std=std)
         nn.init.normal_(self.down, std=residual_std)
 
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate, up, down) as this rank holds them: under expert parallelism the
+        parameters are DTensors of all experts and the local block is used."""
+        return tuple(
+            w.to_local() if hasattr(w, "to_local") else w for w in (self.gate, self.up, self.down)
+        )  # type: ignore[return-value]
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`x` [M, h]: rows sorted by expert, `counts[e]` of them for expert e of
         the experts this module holds (sum(counts) == M). Returns [M, h]."""
@@ -63,13 +70,14 @@ class GroupedExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offs = counts.cumsum(0).to(torch.int32)
-        gate, up, down = (w.to(x.dtype) for w in (self.gate, self.up, self.down))
+        gate, up, down = (w.to(x.dtype) for w in self.weights())
         g = torch._grouped_mm(x, gate.transpose(-2, -1), offs=offs)
         u = torch._grouped_mm(x, up.transpose(-2, -1), offs=offs)
         return torch._grouped_mm(F.silu(g) * u, down.transpose(-2, -1), offs=offs)
 
     def _padded(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        m, e = x.shape[0], self.num_experts
+        gate, up, down = self.weights()
+        m, e = x.shape[0], gate.shape[0]
         starts = counts.cumsum(0) - counts
         expert_of_row = torch.repeat_interleave(
             torch.arange(e, device=x.device), counts, output_size=m
@@ -78,15 +86,16 @@ class GroupedExperts(nn.Module):
         capacity = int(counts.max()) if m else 0  # the one host read of this path
         block = x.new_zeros(e, capacity, x.shape[1])
         block = block.index_put((expert_of_row, slot), x)
-        g = torch.bmm(block, self.gate.transpose(1, 2))
-        u = torch.bmm(block, self.up.transpose(1, 2))
-        y = torch.bmm(F.silu(g) * u, self.down.transpose(1, 2))
+        g = torch.bmm(block, gate.transpose(1, 2))
+        u = torch.bmm(block, up.transpose(1, 2))
+        y = torch.bmm(F.silu(g) * u, down.transpose(1, 2))
         return y[expert_of_row, slot]
 
     def looped_forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The per-expert loop (reference and benchmark baseline, not the model's path)."""
+        gate, up, down = self.weights()
         out = []
         for e, rows in enumerate(x.split(counts.tolist())):
-            h = F.silu(rows @ self.gate[e].T) * (rows @ self.up[e].T)
-            out.append(h @ self.down[e].T)
+            h = F.silu(rows @ gate[e].T) * (rows @ up[e].T)
+            out.append(h @ down[e].T)
         return torch.cat(out) if out else x.new_zeros(0, x.shape[1])

@@ -191,6 +191,8 @@ def train_step_tensors(
                     loss = loss_sum * scale
                 (scaler.scale(loss) if scaler else loss).backward()
                 total += local_value(loss.detach())
+    if m.parallel.experts is not None:  # expert parallelism: the experts' own sync
+        m.parallel.experts.sync_grads(model)
     if scaler is not None:
         scaler.unscale_(m.optimizer)
     max_norm = cfg.train.grad_clip or float("inf")

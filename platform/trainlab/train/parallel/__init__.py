@@ -74,11 +74,13 @@ class ParallelModel:
     parts: list[nn.Module]
     pipeline: Any = None  # trainlab.train.parallel.pipeline.PipelinePlan
     tensor_parallel: bool = False
+    # Expert parallelism's state (trainlab.train.parallel.expert.EPState), None without.
+    experts: Any = None
 
     @property
     def sharded(self) -> bool:
-        """Whether parameters are split over ranks by tp or pp."""
-        return self.pipeline is not None or self.tensor_parallel
+        """Whether parameters are split over ranks by tp, pp or ep."""
+        return self.pipeline is not None or self.tensor_parallel or self.experts is not None
 
 
 def parallelize(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> ParallelModel:
@@ -97,6 +99,12 @@ def parallelize(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> Parall
             mesh = env.mesh["dp"] if env.mesh is not None else None
             fsdp.apply(model, p.zero_stage, cfg.train.precision, mesh)
             return ParallelModel([model])
+        if (p.ep or 1) > 1:  # the experts split over ep ranks, DDP for the rest
+            from trainlab.train.parallel import expert
+
+            experts = expert.apply(model, p.ep, dims.dp, env.device.type)
+            ignored = replicate.ignore(model, experts.param_names)
+            return ParallelModel([replicate.ddp(ignored, env.device)], experts=experts)
         return ParallelModel([replicate.ddp(model, env.device)])
     from trainlab.train.parallel import pipeline as pipelining
     from trainlab.train.parallel import tensor

@@ -24,6 +24,15 @@ def ddp(model: nn.Module, device: Any) -> nn.Module:
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
+def ignore(model: nn.Module, names: list[str]) -> nn.Module:
+    """`model`, with DDP told to leave the parameters `names` alone (neither
+    broadcast nor all-reduced: expert parallelism syncs its own)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
+    return model
+
+
 def apply(model: nn.Module, mesh: Any) -> None:
     """FSDP2's replicate over `mesh`, per block then the rest."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
