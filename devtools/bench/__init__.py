@@ -41,6 +41,7 @@ BENCHMARKS: list[str] = [
     "devtools.bench.prep_bench:bench_near_dedup",
     "devtools.bench.loader_bench:bench_loader",
     "devtools.bench.track_bench:bench_tracking",
+    "devtools.bench.track_server_bench:bench_tracking_server",
     "devtools.bench.train_bench:bench_train_step_throughput",
     "devtools.bench.train_bench:bench_recovery_seconds",
     "devtools.bench.arch_bench:bench_hf_vs_builtin",
