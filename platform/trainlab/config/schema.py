@@ -586,6 +586,23 @@ class LowDiskRule(AlertRule):
     min_free_gb: float = Field(5.0, ge=0)
 
 
+class ExpertImbalanceRule(AlertRule):
+    severity: Severity = "P1"
+    # An MoE (model.moe): some layer's busiest expert above factor x the mean load, or
+    # more than dead_fraction of its experts without a token, for `window` steps.
+    factor: float = Field(3.0, gt=1.0)
+    dead_fraction: float = Field(0.25, ge=0.0, lt=1.0)
+    window: int = Field(50, ge=1, le=1_000_000)
+
+
+class RouterCollapseRule(AlertRule):
+    # An MoE: some layer's top_k busiest experts take >= share of its tokens for
+    # `window` steps. P1 by default; as P0 it pages (judged on logged steps, rank 0).
+    severity: Severity = "P1"
+    share: float = Field(0.9, gt=0.0, le=1.0)
+    window: int = Field(20, ge=1, le=1_000_000)
+
+
 ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
@@ -623,6 +640,8 @@ class AlertsConfig(Section):
     throughput_drop: ThroughputDropRule = Field(default_factory=ThroughputDropRule)
     stale_checkpoint: StaleCheckpointRule = Field(default_factory=StaleCheckpointRule)
     low_disk: LowDiskRule = Field(default_factory=LowDiskRule)
+    expert_imbalance: ExpertImbalanceRule = Field(default_factory=ExpertImbalanceRule)
+    router_collapse: RouterCollapseRule = Field(default_factory=RouterCollapseRule)
     # HTTP POST target for alerts. Give the *name* of an environment variable holding
     # the URL (secrets stay out of configs), e.g. TRAINLAB_ALERT_WEBHOOK.
     webhook_url_env: str | None = Field(None, pattern=ENV_NAME)

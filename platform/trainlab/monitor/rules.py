@@ -24,6 +24,11 @@ Statistics (stated, so a reader can judge them):
   THROUGHPUT_HISTORY healthy observations, for `window` steps.
 - stale_checkpoint: the newest valid checkpoint (or the run start, before the
   first one) is older than `minutes`.
+- expert_imbalance (MoE): some layer's busiest expert > `factor` x the mean load,
+  or more than `dead_fraction` of its experts got no token, at the logged step
+  (trainlab.models.moe.metrics), for `window` steps.
+- router_collapse (MoE): some layer's top_k busiest experts take >= `share` of
+  its assignments, for `window` steps.
 """
 
 from __future__ import annotations
@@ -295,6 +300,47 @@ class StaleCheckpoint(Rule):
         )
 
 
+@dataclass
+class ExpertImbalance(Rule):
+    """An MoE's router, sustained: the busiest expert gets more than `factor` x the
+    mean load, or more than `dead_fraction` of the experts get no token, in some
+    MoE layer (moe/load_max_over_mean, moe/dead_frac: trainlab.models.moe.metrics)."""
+
+    factor: float = 3.0
+    dead_fraction: float = 0.25
+
+    def judge(self, step: int, metrics: dict[str, float], now: float) -> Verdict | None:
+        load, dead = _finite(metrics, "moe/load_max_over_mean"), _finite(metrics, "moe/dead_frac")
+        if load is None or dead is None:
+            return None  # a dense model
+        bad = load > self.factor or dead > self.dead_fraction
+        return Verdict(
+            bad,
+            load,
+            f"expert load max/mean {load:.3g} (limit {self.factor:g}), dead experts "
+            f"{dead:.0%} (limit {self.dead_fraction:.0%}) for {self.window}+ steps",
+        )
+
+
+@dataclass
+class RouterCollapse(Rule):
+    """An MoE's router has collapsed: the top_k busiest experts of some layer take
+    at least `share` of all assignments (moe/top_k_share; top_k/E when balanced)."""
+
+    share: float = 0.9
+
+    def judge(self, step: int, metrics: dict[str, float], now: float) -> Verdict | None:
+        top = _finite(metrics, "moe/top_k_share")
+        if top is None:
+            return None
+        return Verdict(
+            top >= self.share,
+            top,
+            f"router collapse: the top_k experts take {top:.0%} of the tokens "
+            f"(limit {self.share:.0%})",
+        )
+
+
 def build_rules(alerts: Any) -> list[Rule]:
     """The rules from `tracking.alerts` (an AlertsConfig), in a fixed order."""
 
@@ -314,6 +360,12 @@ def build_rules(alerts: Any) -> list[Rule]:
         GradSpike(**common("grad_spike"), factor=alerts.grad_spike.factor),
         ThroughputDrop(**common("throughput_drop"), fraction=alerts.throughput_drop.fraction),
         StaleCheckpoint(**common("stale_checkpoint"), minutes=alerts.stale_checkpoint.minutes),
+        ExpertImbalance(
+            **common("expert_imbalance"),
+            factor=alerts.expert_imbalance.factor,
+            dead_fraction=alerts.expert_imbalance.dead_fraction,
+        ),
+        RouterCollapse(**common("router_collapse"), share=alerts.router_collapse.share),
     ]
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
+from trainlab.train.loop.callbacks import Callback
 from trainlab.train.loop.trainer import Trainer
 from trainlab.train.parallel.distributed import DistEnv
 
@@ -70,7 +71,8 @@ def test_the_step_gives_the_aux_loss_the_main_losss_scale(dataset, tmp_path):
     cfg = moe_config(dataset, data={"micro_batch_size": 2, "grad_accum_steps": 2},
                      train={"total_steps": 1, "warmup_steps": 0})  # fmt: skip
     job = make_job(cfg, tmp_path)
-    trainer = Trainer(job, local_loader(job), DistEnv())
+    logged = Logged()
+    trainer = Trainer(job, local_loader(job), DistEnv(), logged)
     seen, step = [], trainer.train_step
     trainer.train_step = lambda batches: (seen.append(batches), step(batches))[1]
     summary = trainer.fit()
@@ -80,3 +82,14 @@ def test_the_step_gives_the_aux_loss_the_main_losss_scale(dataset, tmp_path):
     labelled = sum(int((torch.as_tensor(b["labels"]) != IGNORE_INDEX).sum()) for b in batches)
     for layer in trainer.state.model.moe_layers:
         assert float(layer.loss_scale) == pytest.approx(1.0 / labelled)
+    # the logged step's router health goes with the other metrics (to MLflow)
+    (metrics,) = logged.metrics
+    assert metrics["moe/load_max_over_mean"] >= 1.0 and "moe_layer1/aux_loss" in metrics
+
+
+class Logged(Callback):
+    def __init__(self) -> None:
+        self.metrics: list[dict] = []
+
+    def on_step_end(self, step, metrics):
+        self.metrics.append(dict(metrics))

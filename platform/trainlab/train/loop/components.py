@@ -9,7 +9,8 @@ in order; each knows its own cadence and state:
     Chaos          train.chaos: a NaN or spike factor on a step's loss, a hard
                    kill of one rank's process at a step (rehearsals)
     MetricsLog     every train.log_interval: the window's metrics to rank 0's
-                   callbacks and the log; rank 0's stop request, agreed by all
+                   callbacks and the log (an MoE's router health too); rank 0's
+                   stop request, agreed by all
     Evaluator      every train.eval_interval: held-out loss per source
     Checkpointing  every train.checkpoint.every_steps (and when a stop asks for
                    one): save, then deliver finished (validated) checkpoints
@@ -33,6 +34,7 @@ import signal
 import time
 from typing import Any
 
+from trainlab.models.moe.metrics import router_metrics
 from trainlab.runstatus import RunStatus
 from trainlab.train import checkpoint as ck
 from trainlab.train.loop.callbacks import load_factory
@@ -248,6 +250,9 @@ class MetricsLog(Component):
         )
         for source, share in loop.loader.delivered_shares(step).items():
             metrics[f"share/{source}"] = float(share)
+        stats, moe = loop.state.model.moe_stats, loop.cfg.model.moe
+        if stats is not None:  # an MoE: the logged step's router health (the same on every rank)
+            metrics.update(router_metrics(stats, moe.num_experts, moe.top_k))
         if loop.env.is_main:
             loop.callbacks.on_step_end(step, metrics)
             log.info(progress_line(step, loop.cfg.train.total_steps, metrics))
