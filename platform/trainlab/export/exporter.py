@@ -169,7 +169,7 @@ def export_model(
                 (staging / name).write_text(json.dumps(content, indent=2) + "\n")
                 files.append(name)
             num_tensors, weights_bytes = len(entries), sum(e.nbytes for e in entries)
-            hf_class = hf.HF_CLASS[m.arch]
+            hf_class = hf.hf_class(m)
         files += write_tokenizer(staging, tok_file, eos_token, m.max_seq_len)
         checksums = _checksums(staging, files)
         record = {

@@ -6,6 +6,13 @@ layouts, and what cannot be represented (refused, never exported wrong).
 | `llama`        | LlamaForCausalLM   | same names up to renaming; RoPE rotate-half (HF's convention) |
 | `llama_qknorm` | Qwen3ForCausalLM   | per-head RMSNorm of q and k before RoPE, as Qwen3 does |
 | `gpt2`         | GPT2LMHeadModel    | Conv1D weights are transposed; q, k, v fused into c_attn |
+| `llama` + `model.moe` | MixtralForCausalLM | every layer MoE, softmax top-k renormalized; experts' gate and up fused into gate_up_proj |
+| `llama_qknorm` + `model.moe` | Qwen3MoeForCausalLM | dense layers as mlp_only_layers; norm_topk_prob = normalize_top_k |
+
+An MoE is written in transformers 5's expert layout (3-D `gate_up_proj` and
+`down_proj` per layer); what those classes cannot represent (a sigmoid router,
+shared experts, the aux-loss-free routing bias, a capacity that drops tokens) is
+refused.
 
 Attention implementations (`model.attention`) other than the standard causal
 softmax attention (its kernels `auto`, `sdpa`, `flex`, `eager`) have no
@@ -29,6 +36,8 @@ from trainlab.errors import UserError
 STANDARD_ATTENTION = ("auto", "sdpa", "flex", "eager")
 HF_CLASS = {"llama": "LlamaForCausalLM", "llama_qknorm": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 MODEL_TYPE = {"llama": "llama", "llama_qknorm": "qwen3", "gpt2": "gpt2"}
+MOE_CLASS = {"llama": "MixtralForCausalLM", "llama_qknorm": "Qwen3MoeForCausalLM"}
+MOE_MODEL_TYPE = {"llama": "mixtral", "llama_qknorm": "qwen3_moe"}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
 
@@ -60,6 +69,45 @@ def _cat_rows_transposed(ts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(ts, dim=0).t()
 
 
+def _cat_experts(ts: list[torch.Tensor]) -> torch.Tensor:
+    """[E, f, h] gate and up stacked as transformers' gate_up_proj [E, 2f, h]."""
+    return torch.cat(ts, dim=1)
+
+
+def hf_class(m: ModelConfig) -> str:
+    """The transformers class of a trainlab family (an MoE's when model.moe is set)."""
+    return MOE_CLASS[m.arch] if m.moe is not None else HF_CLASS[m.arch]
+
+
+def _moe_refusals(m: ModelConfig) -> list[str]:
+    moe = m.moe
+    if moe is None or m.arch not in MOE_CLASS:
+        return []
+    cls, out = MOE_CLASS[m.arch], []
+    if moe.router.score != "softmax":
+        out.append(f"model.moe.router.score = {moe.router.score!r}: {cls} routes by softmax")
+    if moe.shared_experts:
+        out.append(f"model.moe.shared_experts = {moe.shared_experts}: {cls} has none")
+    if moe.balance == "bias":
+        out.append(
+            f"model.moe.balance = 'bias': the routing bias changes which experts a token "
+            f"gets; {cls} has no such bias"
+        )
+    if moe.capacity_factor is not None:
+        out.append(
+            f"model.moe.capacity_factor = {moe.capacity_factor}: the model drops tokens "
+            f"past the capacity; {cls} is dropless"
+        )
+    if m.arch == "llama" and not moe.router.normalize_top_k:
+        out.append(f"model.moe.router.normalize_top_k = False: {cls} always renormalizes")
+    if m.arch == "llama" and (moe.first_dense_layers or moe.every_n_layers != 1):
+        out.append(
+            f"model.moe.first_dense_layers/every_n_layers: every layer of {cls} is MoE "
+            "(llama_qknorm exports dense layers as Qwen3-MoE's mlp_only_layers)"
+        )
+    return out
+
+
 def _qwen3_available() -> bool:
     """True unless an installed transformers lacks Qwen3 (added in 4.51)."""
     if importlib.util.find_spec("transformers") is None:
@@ -88,6 +136,7 @@ def refusals(m: ModelConfig) -> list[str]:
             f"model.attention = {m.attention!r}: transformers has no equivalent of this "
             f"attention variant; export supports {', '.join(STANDARD_ATTENTION)}"
         )
+    out += _moe_refusals(m)
     if m.arch == "llama_qknorm" and not _qwen3_available():
         out.append(
             "model.arch = 'llama_qknorm': its per-head q/k RMSNorm needs Qwen3ForCausalLM, "
@@ -107,9 +156,10 @@ def check_exportable(m: ModelConfig) -> None:
 
 def hf_config(m: ModelConfig, eos_id: int, dtype: str) -> dict[str, Any]:
     """config.json of the transformers class for `m` (readable by transformers 4.x and 5.x)."""
+    moe = m.moe
     common = {
-        "architectures": [HF_CLASS[m.arch]],
-        "model_type": MODEL_TYPE[m.arch],
+        "architectures": [hf_class(m)],
+        "model_type": MOE_MODEL_TYPE[m.arch] if moe is not None else MODEL_TYPE[m.arch],
         "vocab_size": m.vocab_size,
         "tie_word_embeddings": m.tie_embeddings,
         "initializer_range": m.init_std,
@@ -157,7 +207,25 @@ def hf_config(m: ModelConfig, eos_id: int, dtype: str) -> dict[str, Any]:
         config["mlp_bias"] = False
     else:
         config.update(use_sliding_window=False, sliding_window=None, max_window_layers=m.num_layers)
+    if moe is not None:
+        config.update(_moe_config(m))
     return config
+
+
+def _moe_config(m: ModelConfig) -> dict[str, Any]:
+    from trainlab.models.moe import expert_width, is_moe_layer
+
+    moe = m.moe
+    width = expert_width(moe, m.ffn_hidden_size)
+    common = {"num_experts_per_tok": moe.top_k, "output_router_logits": False,
+              "router_aux_loss_coef": moe.aux_loss_coef}  # fmt: skip
+    if m.arch == "llama":  # Mixtral: every layer MoE, experts of intermediate_size
+        return {**common, "num_local_experts": moe.num_experts, "intermediate_size": width,
+                "sliding_window": None, "router_jitter_noise": 0.0}  # fmt: skip
+    dense = [i for i in range(m.num_layers) if not is_moe_layer(moe, i)]
+    return {**common, "num_experts": moe.num_experts, "moe_intermediate_size": width,
+            "norm_topk_prob": moe.router.normalize_top_k, "decoder_sparse_step": 1,
+            "mlp_only_layers": dense}  # fmt: skip
 
 
 def generation_config(eos_id: int) -> dict[str, Any]:
@@ -182,9 +250,24 @@ def _llama_tensors(m: ModelConfig) -> Iterator[HFTensor]:
     }
     if m.arch == "llama_qknorm":
         renames |= {"attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm"}
+    from trainlab.models.moe import is_moe_layer
+
+    mlp = ("mlp.gate", "mlp.up", "mlp.proj")
     for i in range(m.num_layers):
+        moe = is_moe_layer(m.moe, i)
         for ours, theirs in renames.items():
+            if moe and ours in mlp:
+                continue
             yield HFTensor(f"model.layers.{i}.{theirs}.weight", (f"layers.{i}.{ours}.weight",), _same)
+        if moe:
+            ours, theirs = f"layers.{i}.mlp", f"model.layers.{i}.mlp"
+            yield HFTensor(f"{theirs}.gate.weight", (f"{ours}.router.gate.weight",), _same)
+            yield HFTensor(
+                f"{theirs}.experts.gate_up_proj",
+                (f"{ours}.experts.gate", f"{ours}.experts.up"),
+                _cat_experts,
+            )
+            yield HFTensor(f"{theirs}.experts.down_proj", (f"{ours}.experts.down",), _same)
     yield HFTensor("model.norm.weight", ("norm.weight",), _same)
     if not m.tie_embeddings:
         yield HFTensor("lm_head.weight", ("output.weight",), _same)
@@ -241,6 +324,6 @@ def hf_tensors(m: ModelConfig, available: dict[str, tuple[int, ...]]) -> list[HF
     if extra:
         raise UserError(
             f"model.arch = {m.arch!r}: checkpoint tensor {extra[0]!r} (and {len(extra) - 1} "
-            f"more) has no place in {HF_CLASS[m.arch]}; not exporting"
+            f"more) has no place in {hf_class(m)}; not exporting"
         )
     return plan

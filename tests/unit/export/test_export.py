@@ -65,7 +65,7 @@ def assert_same_model(out: Path, result: dict) -> None:
     ours_tok = Tokenizer.from_file(str(Path(run_cfg.data.path) / "tokenizer.json"))
     ids = tokenizer(TEXT, return_tensors="pt").input_ids
     assert ids[0].tolist() == ours_tok.encode(TEXT).ids  # the ids trained on
-    ours = load_weights_on_cpu(Path(result["checkpoint"]), run_cfg, result["checkpoint_format"])
+    ours = load_weights_on_cpu(Path(result["checkpoint"]), run_cfg)
     with torch.no_grad():
         expected = ours(ids)
         got = hf_model(ids).logits
@@ -85,6 +85,10 @@ def assert_same_model(out: Path, result: dict) -> None:
         ("hf:llama", {"tie_embeddings": False}, "5GB"),  # a transformers family: save_pretrained
         ("hf:qwen3_moe", {"ffn_hidden_size": 32,  # an MoE family, experts as 3-D tensors
                           "options": {"num_experts": 4, "num_experts_per_tok": 2}}, "5GB"),
+        # trainlab's MoE family (model.moe) -> MixtralForCausalLM, Qwen3MoeForCausalLM
+        ("llama", {"moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 32}}, "5GB"),
+        ("llama_qknorm", {"moe": {"num_experts": 4, "top_k": 2, "first_dense_layers": 1,
+                                  "router": {"normalize_top_k": False}}}, "5GB"),
     ],
 )
 def test_round_trip_through_transformers(dataset, tmp_path, arch, model, shard):
@@ -249,3 +253,18 @@ def test_cli_exports_and_logs_to_the_runs_mlflow_record(tmp_path_factory, tmp_pa
         code, stdout, err = trainlab(capsys, "export", str(run_dir), *argv)
         assert code == 2 and err.startswith(f"error: {message}"), err
         assert len(err.strip().splitlines()) == 1 and stdout == ""
+
+
+def test_an_moe_transformers_cannot_represent_is_refused_by_name():
+    from trainlab.config.schema import ModelConfig
+
+    moe = {"num_experts": 4, "top_k": 2, "balance": "bias", "shared_experts": 1,
+           "capacity_factor": 1.5, "router": {"score": "sigmoid"}}  # fmt: skip
+    got = refusals(ModelConfig(moe=moe))
+    for field in ("router.score", "shared_experts", "balance", "capacity_factor"):
+        assert any(f"model.moe.{field} = " in r and "MixtralForCausalLM" in r for r in got), field
+    assert refusals(ModelConfig(moe={"num_experts": 4})) == []
+    dense_first = refusals(ModelConfig(moe={"num_experts": 4, "first_dense_layers": 1}))
+    assert len(dense_first) == 1 and "every layer of MixtralForCausalLM" in dense_first[0]
+    assert refusals(ModelConfig(arch="llama_qknorm", moe={"num_experts": 4,
+                                                          "first_dense_layers": 1})) == []
