@@ -143,6 +143,9 @@ CSV_HEAD = (
     "status",
     "started",
     "final_step",
+    "total_steps",
+    "tokens_trained",
+    "extended",
     "final_loss",
     "val_loss",
     "best_val_loss",
@@ -181,6 +184,23 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _steps_cell(row: dict[str, Any]) -> str:
+    """Steps trained / the run's length, and whether it was extended (--extend)."""
+    done, total = row.get("final_step"), row.get("total_steps")
+    text = f"{_num(done, 'd')}/{_num(total, 'd')}"
+    return f"{text} (extended)" if row.get("extended") else text
+
+
+def _count(n: int | None) -> str:
+    """1234 -> 1.2k, 15_360_000 -> 15.4M."""
+    if n is None:
+        return "-"
+    for unit, size in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
 def _mix(mix: dict[str, Any]) -> str:
     return (
         " ".join(
@@ -207,6 +227,8 @@ def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
             r["name"],
             r["run_id"][:8],
             _status_cell(r),
+            _steps_cell(r),
+            _count(r["tokens_trained"]),
             _num(r["final_loss"], ".4f"),
             _num(r["val_loss"], ".4f"),
             _num(r["best_val_loss"], ".4f"),
@@ -222,6 +244,8 @@ def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
             ("name", "left"),
             ("run", "left"),
             ("status", "left"),
+            ("steps", "right"),
+            ("tokens", "right"),
             ("final loss", "right"),
             ("val loss", "right"),
             ("best val loss", "right"),
@@ -239,8 +263,9 @@ def _print_compare(rows: list[dict[str, Any]], uri: str) -> None:
     console = _console()
     console.print(table)
     console.print(
-        "val loss: the latest held-out evaluation; best val loss: the lowest of the "
-        "run's evaluations",
+        "steps: trained / the run's length (an extended run's as extended); tokens: "
+        "tokens trained; val loss: the latest held-out evaluation; best val loss: the "
+        "lowest of the run's evaluations",
         highlight=False,
     )
     if len(rows) > 1 and differing:  # the keys, once: the table names each with its values

@@ -113,6 +113,41 @@ def run_params(cfg: Any, plan: dict[str, Any]) -> dict[str, str]:
     return params
 
 
+# The run's real length: MLflow's params cannot change once logged, so a run
+# continued with `trainlab train --extend` keeps `train.total_steps` as it started;
+# these tags say how long it is now and what its extensions were
+# (logs/extensions.jsonl, trainlab.train.driver.rundir).
+TOTAL_STEPS_TAG = "total_steps"
+EXTENDED_TAG = "extended"
+
+
+def length_tags(cfg: Any, run_dir: str) -> dict[str, str]:
+    """`total_steps` (the length the run trains to now) and, for an extended run,
+    `extended`: each extension, e.g. "train.total_steps 60 -> 80 at step 60"."""
+    from trainlab.train.records import RunRecords
+
+    tags = {TOTAL_STEPS_TAG: str(cfg.train.total_steps)}
+    try:
+        extensions = RunRecords(run_dir).extensions()
+    except (OSError, ValueError) as e:  # the record is the run's; tracking goes on
+        log.warning("%s: extensions not read (%s)", run_dir, e)
+        extensions = []
+    said = [describe_extension(e) for e in extensions]
+    if said:
+        tags[EXTENDED_TAG] = "; ".join(s for s in said if s)
+    return tags
+
+
+def describe_extension(record: dict[str, Any]) -> str:
+    """One logs/extensions.jsonl record in words."""
+    at = record.get("at_step")
+    where = f" at step {at}" if at is not None else ""
+    return ", ".join(
+        f"{key} {before} -> {after}{where}"
+        for key, (before, after) in (record.get("changed") or {}).items()
+    )
+
+
 def run_tags(ctx: RunContext) -> dict[str, str]:
     """Who, why, and exactly what: the tags every run carries from its start."""
     cfg = ctx.cfg
@@ -516,7 +551,8 @@ class MlflowCallback(Callback):
         artifacts += [{"data": env, "file": "environment.json"}]
         packages = packages_file(ctx.run_dir)
         artifacts += [{"path": str(packages), "artifact_path": "environment"}] if packages else []
-        resume_tags = {"status": "running", "restarts": str(ctx.restarts)}
+        length = length_tags(ctx.cfg, str(ctx.run_dir))
+        resume_tags = {"status": "running", "restarts": str(ctx.restarts), **length}
         if ctx.ray_job_id:
             resume_tags["ray_job_id"] = ctx.ray_job_id
         return {
@@ -528,7 +564,7 @@ class MlflowCallback(Callback):
             # Named after its run directory ({name}, {name}-2, ...: unique per date), so
             # the UI tells apart runs of one config; `runs`/`compare` also match cfg.name.
             "run_name": Path(ctx.run_dir).name,
-            "tags": {**run_tags(ctx), **mlflow_tags(env), **group},
+            "tags": {**run_tags(ctx), **mlflow_tags(env), **group, **length},
             "params": run_params(ctx.cfg, ctx.plan),
             "artifacts": artifacts,
             "resume_tags": resume_tags,

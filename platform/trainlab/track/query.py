@@ -18,6 +18,7 @@ from trainlab.errors import UserError
 from trainlab.groups import experiment_key
 from trainlab.redact import redact
 from trainlab.track.heartbeat import ACTIVE_TAG
+from trainlab.track.mlflow_cb import EXTENDED_TAG, TOTAL_STEPS_TAG
 from trainlab.track.series import metric_series
 from trainlab.track.store import client_for, embedded_db_path
 
@@ -32,6 +33,9 @@ MIX_PREFIX = "data.mix."
 # the checkout, `submit`/`tune` absolute; the same place is not a difference.
 PATH_KEYS = frozenset({"data.path", "train.runs_root", "resource.storage"})
 SEARCH_PAGE = 1000
+TOTAL_STEPS_KEY = "train.total_steps"
+# Among the differences: how a run was extended (`trainlab train --extend`).
+EXTENDED_KEY = "extended (--extend)"
 ENV_PREFIX = "env."
 
 
@@ -213,6 +217,9 @@ def _active_s(run: Run) -> float | None:
 def run_row(client: MlflowClient, run: Run, experiment_names: dict[str, str]) -> dict[str, Any]:
     """One comparable row: overview, headline results, mix and the flattened params."""
     params = {k: parse_param(v) for k, v in sorted(run.data.params.items())}
+    total_steps = _total_steps(run, params)
+    if total_steps is not None:  # an extended run's real length (its params keep the first)
+        params[TOTAL_STEPS_KEY] = total_steps
     metrics = run.data.metrics
     rid = run.info.run_id
     val = client.get_metric_history(rid, "val_loss/all") if "val_loss/all" in metrics else []
@@ -220,8 +227,17 @@ def run_row(client: MlflowClient, run: Run, experiment_names: dict[str, str]) ->
     mem = _values(client, rid, "mem_peak_gb") if "mem_peak_gb" in metrics else []
     row = run_overview(run, experiment_names)
     row.pop("duration_s")
+    final_step = _final_step(run, "loss")
+    per_step = params.get("plan.tokens_per_step")
     row |= {
-        "final_step": _final_step(run, "loss"),
+        "final_step": final_step,
+        "total_steps": total_steps,
+        # Tokens trained: the steps logged times the plan's tokens per step.
+        "tokens_trained": (
+            final_step * per_step if final_step is not None and isinstance(per_step, int) else None
+        ),
+        # `trainlab train --extend`: each extension of the run (trainlab.track.mlflow_cb).
+        "extended": run.data.tags.get(EXTENDED_TAG) or None,
         "final_loss": metrics.get("loss"),
         # One definition everywhere (checkpoint lines, run_summary.json, runs, compare):
         # val_loss is the held-out evaluation at a step (here the latest one),
@@ -248,6 +264,16 @@ def run_row(client: MlflowClient, run: Run, experiment_names: dict[str, str]) ->
         "params": params,
     }
     return row
+
+
+def _total_steps(run: Run, params: dict[str, Any]) -> int | None:
+    """The length the run trains to: its `total_steps` tag (set at every start, so
+    an --extend shows), else the param it started with."""
+    tag = run.data.tags.get(TOTAL_STEPS_TAG)
+    if tag is not None and tag.isdigit():
+        return int(tag)
+    value = params.get(TOTAL_STEPS_KEY)
+    return value if isinstance(value, int) else None
 
 
 def _final_step(run: Run, key: str) -> int | None:
@@ -297,8 +323,12 @@ def compare_runs(
     rows = [run_row(client, r, exp_names) for r in runs]
     keys = differing_keys(rows)
     env_keys = differing_environment(rows)
+    # An extension differs like a config key (its length is train.total_steps).
+    extended = len(rows) > 1 and len({r["extended"] for r in rows}) > 1
     for row in rows:
         row["differing"] = {k: row["params"].get(k) for k in keys}
+        if extended:
+            row["differing"][EXTENDED_KEY] = row["extended"]
         row["environment_differing"] = {k: row["environment"].get(k) for k in env_keys}
     return rows
 
