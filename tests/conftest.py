@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.trackserver import tracking_server  # noqa: F401 - the session's tracking server
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "trainers" / "recipes"
 

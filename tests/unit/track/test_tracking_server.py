@@ -1,7 +1,8 @@
 """A team's tracking server (issue 40): `trainlab tracking up` starts a real
 PostgreSQL (this machine's initdb/pg_ctl, a throwaway directory, free ports)
 and a real `mlflow server` with MLflow's basic auth; nothing is mocked. One
-server per module: every test here shares it (its start costs ~10 s).
+server per session (tests/trackserver.py): every test here shares it (its start
+costs ~10 s).
 
 Checked: what `up --json` says and the owner-only credential files; an
 unauthenticated REST request is refused; a signed-in client's run lands in
@@ -16,11 +17,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -28,96 +27,18 @@ from pathlib import Path
 
 import pytest
 
+from tests.trackserver import NO_POSTGRES, Server, trainlab
 from tests.unit.track.conftest import FakeRank0, tiny_config
 from trainlab.track.server import postgres_available
 
 REPO = Path(__file__).resolve().parents[3]
 
-pytestmark = pytest.mark.skipif(
-    not postgres_available(),
-    reason="PostgreSQL's server binaries (initdb, pg_ctl) are not on this machine "
-    "(`make test-deps` installs them)",
-)
+pytestmark = pytest.mark.skipif(not postgres_available(), reason=NO_POSTGRES)
 
 
-def trainlab(*args: str, env: dict[str, str] | None = None, timeout: float = 240):
-    return subprocess.run(
-        [sys.executable, "-m", "trainlab", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
-
-
-class Server:
-    def __init__(self, dir: Path, port: int, env: dict[str, str]):
-        self.dir, self.port, self.env = dir, port, env
-        self.info: dict = {}
-
-    def up(self) -> dict:
-        out = trainlab("tracking", "up", "--dir", str(self.dir), "--port", str(self.port),
-                       "--json", env=self.env)
-        assert out.returncode == 0, out.stderr[-3000:]
-        self.info = json.loads(out.stdout)
-        return self.info
-
-    def up_again(self) -> dict:
-        """`up` again on the same directory and port (in this process: no start-up)."""
-        from trainlab.track.server import server_up
-
-        state = server_up(self.dir, port=self.port)
-        assert state.info() == self.info
-        return self.info
-
-    def down(self) -> dict:
-        out = trainlab("tracking", "down", "--dir", str(self.dir), "--json", env=self.env)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout)
-
-    @property
-    def password(self) -> str:
-        return Path(self.info["password_file"]).read_text().strip()
-
-    def client_env(self) -> dict[str, str]:
-        return {
-            "MLFLOW_TRACKING_URI": self.info["uri"],
-            "MLFLOW_TRACKING_USERNAME": self.info["username"],
-            "MLFLOW_TRACKING_PASSWORD": self.password,
-        }
-
-    def sql(self, query: str, *args: object) -> list[tuple]:
-        import psycopg2
-
-        db_password = Path(self.info["database_password_file"]).read_text().strip()
-        con = psycopg2.connect(self.info["database_uri"], password=db_password)
-        try:
-            with con.cursor() as cur:
-                cur.execute(query, args)
-                return cur.fetchall()
-        finally:
-            con.close()
-
-
-@pytest.fixture(scope="module")
-def server():
-    from trainlab.track.server import free_port
-
-    # Under /tmp, not pytest's tmp dir: run as root, the database runs as `postgres`,
-    # which must be able to enter the directory (pytest's base is root's alone).
-    root = Path(tempfile.mkdtemp(prefix="trainlab-tracking-test-"))
-    root.chmod(0o711)  # (mkdtemp's is 0700) entered, not listed
-    env = {"TRAINLAB_HOME": str(root / "home"), "MLFLOW_TRACKING_URI": ""}
-    srv = Server(root / "server", free_port(), env)
-    try:
-        srv.up()
-        yield srv
-    finally:
-        from trainlab.track.server import server_down
-
-        server_down(srv.dir)
-        shutil.rmtree(root, ignore_errors=True)
+@pytest.fixture
+def server(tracking_server):
+    return tracking_server
 
 
 @pytest.fixture
