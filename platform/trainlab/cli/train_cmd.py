@@ -1,4 +1,4 @@
-"""`trainlab train CONFIG [--set K=V ...] [--smoke] [--run-dir DIR | --resume] [--extend] [--json]`.
+"""`trainlab train CONFIG [--set K=V ...] [--smoke] [--run-dir DIR [--create] | --resume] [--extend] [--json]`.
 
 CONFIG is a config file, or with --resume a run directory (its config.yaml,
 with --set overrides on top). Resuming a run that already completed prints so
@@ -42,8 +42,14 @@ EXIT_INFRASTRUCTURE = 75
     "run_dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="Use this run directory; resume from its newest valid checkpoint if it "
-    "has one (what a job retry passes).",
+    help="Continue the run in this directory from its newest valid checkpoint (what "
+    "a job retry passes); a DIR that does not exist is refused unless --create.",
+)
+@click.option(
+    "--create",
+    is_flag=True,
+    help="With --run-dir: start a new run there when DIR does not exist yet (a run "
+    "already in it is continued, as a job retry needs).",
 )
 @click.option(
     "--resume",
@@ -81,6 +87,7 @@ def train(
     overrides: tuple[str, ...],
     smoke: bool,
     run_dir: str | None,
+    create: bool,
     resume: bool,
     extend: bool,
     keep_smoke: bool,
@@ -113,6 +120,12 @@ def train(
         )
     if extend and not (run_dir or resume):
         raise UserError("--extend continues an existing run: add --resume or --run-dir DIR")
+    if create and not run_dir:
+        raise UserError("--create starts a new run in --run-dir DIR: add --run-dir DIR")
+    if run_dir and not create:  # a mistyped DIR would start a new run there
+        from trainlab.train.driver.rundir import check_exists
+
+        check_exists(run_dir)
     config, run_dir, resume = _config_of(config, run_dir, resume)
     # A run with --set changes is named after them, and CONFIG --resume with the same
     # flags finds it by that name; a run given by its directory keeps its name, and

@@ -158,7 +158,9 @@ def train_entrypoint(
 ) -> str:
     cmd = ["python", TRAIN_SCRIPT, config_rel]
     cmd += ["--smoke"] if smoke else []
-    cmd += ["--run-dir", run_dir] if run_dir else []
+    # The job's own run directory, new: --create (a retry of the job, the same
+    # command, continues the run in it; trainlab.train.driver.rundir).
+    cmd += ["--run-dir", run_dir, "--create"] if run_dir else []
     if retries:
         cmd = ["python", "-m", "trainlab.jobs.retry", f"--retries={retries}", "--", *cmd]
     return shlex.join(cmd)

@@ -211,3 +211,34 @@ def test_resume_with_the_same_set_flags_finds_the_run_they_named(run, monkeypatc
     rv, _, err = train(str(config), *flags, "--resume")
     assert rv == 0, rv
     assert "unit_lr-1e-3: already completed at step 4 of 4" in err
+
+
+def test_a_run_dir_that_does_not_exist_is_refused_unless_create(run, monkeypatch, capsys):
+    """`--run-dir` continues exactly that run: a mistyped path used to start a new
+    run there (outside the runs root, named after the folder). It is refused in one
+    line, nothing created; `--create` asks for the new run (what `trainlab submit`
+    passes, and a retry of the job, the same command, continues it)."""
+    config, run_dir = run
+    typo = run_dir.parent / f"{run_dir.name}-typo"
+    monkeypatch.setattr(launcher, "_fit", must_not_train)
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(config), "--run-dir", str(typo)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--run-dir {typo}: no such run directory; to start a new run there add --create" in err
+    assert not typo.exists()
+    with pytest.raises(SystemExit) as e:
+        main(["train", str(config), "--create"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "--create starts a new run in --run-dir DIR" in err
+
+    monkeypatch.setattr(launcher, "_fit", fit_in_process)
+    for _ in range(2):  # new, then continued (completed: left as it is) with the same flags
+        rv, out, _ = train(str(config), "--run-dir", str(typo), "--create", "--json")
+        assert rv == 0, rv
+        assert json.loads(out.strip().splitlines()[-1])["run_dir"] == str(typo)
+    assert json.loads(out.strip().splitlines()[-1])["already_complete"] is True
+    # The directory exists now: --run-dir alone continues it.
+    monkeypatch.setattr(launcher, "_fit", must_not_train)
+    rv, _, _ = train(str(config), "--run-dir", str(typo))
+    assert rv == 0, rv

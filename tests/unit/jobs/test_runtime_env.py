@@ -157,7 +157,7 @@ def test_entrypoints():
     assert train_entrypoint("c.yaml", smoke=True) == "python trainers/pretrain.py c.yaml --smoke"
     assert train_entrypoint("c.yaml", run_dir="/r/a b", retries=2) == (
         "python -m trainlab.jobs.retry --retries=2 -- "
-        "python trainers/pretrain.py c.yaml --run-dir '/r/a b'"
+        "python trainers/pretrain.py c.yaml --run-dir '/r/a b' --create"
     )
 
 

@@ -12,8 +12,11 @@ How a run directory is chosen (`trainlab train`, `trainers/pretrain.py`):
 - default: a new directory for today; if `{name}` is taken, `{name}-2`, `{name}-3`, ...
   (a finished run is never overwritten or silently continued);
 - `--run-dir DIR`: exactly DIR. When it already holds checkpoints of the same
-  config, training resumes from the newest valid one. This is what a job retry
-  passes (`trainlab submit`), so a resubmitted job continues its own run;
+  config, training resumes from the newest valid one. A DIR where nothing is
+  yet is refused (a mistyped path would start a new run there) unless the user
+  asks for a new run there with `--create` (`check_exists`). `trainlab submit`
+  passes `--run-dir DIR --create` for a new job's run, so a job retry (the same
+  command) continues its own run;
 - `--resume`: the most recent existing run directory of this config's name
   under runs_root (any date), resumed from its newest valid checkpoint.
 
@@ -137,6 +140,18 @@ def choose_run_dir(
     if resume:
         return RunLocation.of(latest_run_dir(cfg, base_dir), scratch)
     return RunLocation.of(new_run_dir(cfg, base_dir), scratch)
+
+
+def check_exists(run_dir: str | Path, base_dir: Path | None = None) -> None:
+    """`--run-dir` names a run to continue: a place where nothing is (a path that
+    does not exist, an empty store prefix) is refused unless the user asks for a
+    new run there (`--create`), since a mistyped path would start one."""
+    where = locate(run_dir, what="--run-dir", base_dir=base_dir)
+    if not where.exists():
+        raise UserError(
+            f"--run-dir {where.uri}: no such run directory; to start a new run there add "
+            "--create, or leave --run-dir out for a new run under train.runs_root"
+        )
 
 
 # What trainlab itself puts in a run directory before its config.yaml is written
