@@ -45,6 +45,8 @@ BENCHMARKS: list[str] = [
     "devtools.bench.train_bench:bench_train_step_throughput",
     "devtools.bench.train_bench:bench_recovery_seconds",
     "devtools.bench.arch_bench:bench_hf_vs_builtin",
+    "devtools.bench.moe_bench:bench_moe_vs_dense",
+    "devtools.bench.moe_bench:bench_grouped_vs_loop",
     "devtools.bench.sync_bench:bench_host_syncs_per_step",
     "devtools.bench.ckpt_bench:bench_checkpoint_stall",
     "devtools.bench.elastic_bench:bench_elastic_resume_seconds",

@@ -46,6 +46,33 @@ def test_grouped_experts_equal_the_per_expert_loop(counts):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("counts", [[3, 0, 7, 2], [0, 0, 5, 0]])
+def test_cpu_grouped_gemm_equals_the_per_expert_loop(counts):
+    """fp32 on CPU: the grouped GEMM path (torch._grouped_mm in _GroupedMM, its
+    backward two more grouped GEMMs) gives the loop's outputs and gradients,
+    an empty expert's weight gradient zero."""
+    ex, x = experts_with(counts)
+    ex, x = ex.float(), x.detach().float().requires_grad_()
+    c = torch.tensor(counts)
+    calls = []
+    original = torch._grouped_mm
+    try:
+        torch._grouped_mm = lambda *a, **k: (calls.append(1), original(*a, **k))[1]
+        got = ex(x, c)
+        g = torch.randn_like(got)
+        grads = torch.autograd.grad(got, [x, ex.gate, ex.up, ex.down], g)
+    finally:
+        torch._grouped_mm = original
+    assert len(calls) == 9  # 3 forward, 6 backward: the grouped path ran
+    ref = ex.looped_forward(x, c)
+    want = torch.autograd.grad(ref, [x, ex.gate, ex.up, ex.down], g)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    empty = [e for e, n in enumerate(counts) if n == 0]
+    assert grads[1][empty].abs().max() == 0
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._grouped_mm runs on CUDA")
 def test_grouped_mm_equals_the_loop_on_cuda():
     ex, x = experts_with([5, 0, 17, 8])

@@ -3,18 +3,24 @@ stacked weights ([E, f, h] gate and up, [E, h, f] down: each expert's slice is
 its nn.Linear weight, out x in) and run as ONE grouped matrix multiply over
 rows sorted by expert, never a Python loop over experts.
 
-Two kernels, the same arithmetic:
-- `torch._grouped_mm` (CUDA, 16-bit: a grouped GEMM over the row offsets of each
-  expert, no host read);
-- elsewhere a padded batched matmul: the rows are placed in an [E, C, h] block
-  (C: the most rows any expert got, one host read; empty slots are zeros), three
-  `torch.bmm`s run every expert at once, and the rows are gathered back.
+Three kernels, the same arithmetic:
+- `torch._grouped_mm` with its own autograd (CUDA, bf16: a grouped GEMM over the
+  row offsets of each expert, no host read);
+- on CPU in fp32, the CPU's `torch._grouped_mm` in a small autograd Function
+  (`_GroupedMM`: torch 2.13's CPU kernel runs forward but not backward, so the
+  backward is written as two more grouped GEMMs); no padding;
+- elsewhere (and with `use_grouped_mm = False`) a padded batched matmul: the rows
+  are placed in an [E, C, h] block (C: the most rows any expert got, one host
+  read; empty slots are zeros), three `torch.bmm`s run every expert at once, and
+  the rows are gathered back. It pays for the padding: max/mean load x the FLOPs.
 
 `looped_forward` is the per-expert loop they replace: the reference of the
 tests (tests/unit/models/test_moe.py) and of the benchmark (devtools/bench).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +35,42 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def grouped_mm_available(x: torch.Tensor) -> bool:
-    """Whether `torch._grouped_mm` runs these rows: CUDA and bf16 (its kernels;
-    CPU's has no working backward in torch 2.13)."""
+    """Whether `torch._grouped_mm` runs these rows with its own backward: CUDA, bf16."""
     return x.is_cuda and compute_dtype(x) == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+def cpu_grouped_mm_available(x: torch.Tensor, width: int) -> bool:
+    """Whether the CPU's `torch._grouped_mm` runs these rows (through `_GroupedMM`:
+    its forward works in torch 2.13, its autograd does not): fp32, and rows of a
+    multiple of 16 bytes (the kernel's stride rule; model.moe's widths are
+    multiples of 8)."""
+    return (
+        x.device.type == "cpu"
+        and compute_dtype(x) == torch.float32
+        and hasattr(torch, "_grouped_mm")
+        and x.shape[1] % 4 == 0
+        and width % 4 == 0
+    )
+
+
+class _GroupedMM(torch.autograd.Function):
+    """y = x @ w[e].T for the rows of each group e (offsets `offs`), with the
+    backward as two more grouped GEMMs: dx = dy @ w[e], dw[e] = dy_e.T @ x_e."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offs)
+        return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> Any:
+        x, w, offs = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = torch._grouped_mm(dy, w, offs=offs)
+        pad = -x.shape[0] % 4  # dy.T's rows must be 16-byte multiples: zero rows, no group's
+        dy_t = F.pad(dy, (0, 0, 0, pad)).t().contiguous()
+        dw = torch._grouped_mm(dy_t, F.pad(x, (0, 0, 0, pad)), offs=offs)
+        return dx, dw, None
 
 
 class GroupedExperts(nn.Module):
@@ -41,8 +80,8 @@ class GroupedExperts(nn.Module):
         self.gate = nn.Parameter(torch.empty(num_experts, width, hidden))
         self.up = nn.Parameter(torch.empty(num_experts, width, hidden))
         self.down = nn.Parameter(torch.empty(num_experts, hidden, width))
-        # None: choose by the device (grouped_mm_available); False forces the padded
-        # batched matmul (tests compare the two on CUDA).
+        # None: choose by the device and dtype (grouped_mm_available,
+        # cpu_grouped_mm_available); False forces the padded batched matmul.
         self.use_grouped_mm: bool | None = None
 
     def init_weights(self, std: float, residual_std: float) -> None:
@@ -66,7 +105,16 @@ class GroupedExperts(nn.Module):
             grouped = grouped_mm_available(x)
         if grouped:
             return self._grouped(x.to(compute_dtype(x)), counts)
+        width = self.gate.shape[1]
+        if self.use_grouped_mm is None and cpu_grouped_mm_available(x, width):
+            return self._cpu_grouped(x, counts)
         return self._padded(x, counts)
+
+    def _cpu_grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = counts.cumsum(0).to(torch.int32)
+        gate, up, down = self.weights()
+        h = F.silu(_GroupedMM.apply(x, gate, offs)) * _GroupedMM.apply(x, up, offs)
+        return _GroupedMM.apply(h, down, offs)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         offs = counts.cumsum(0).to(torch.int32)
