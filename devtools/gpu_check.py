@@ -18,7 +18,10 @@ real trainer (`trainlab.train.loop.trainer.Trainer`) in a plain process, no Ray:
    tokens/s, MFU, compile time), `host_syncs` (a quiet step under
    `torch.cuda.set_sync_debug_mode`: zero), `dense_vs_flex` (step time and
    peak memory of SDPA's dense mask against FlexAttention's block mask on
-   packed rows at 4k, 8k and 16k tokens; which SDPA backend runs).
+   packed rows at 4k, 8k and 16k tokens; which SDPA backend runs);
+6. `moe` (docs/moe.md): the routed experts' grouped GEMM (torch._grouped_mm,
+   bf16) against the per-expert loop, numerics and time, and a small MoE
+   trained at parallel.ep 1 (one device).
 
 Every figure goes into one JSON: `$OUT/gpu-check.json` when $OUT is set, else
 gpu-check.json at the repository root (or --out). Each step is timed and
@@ -772,6 +775,7 @@ class Check:
                     self.step("host_syncs", self.host_syncs, 10 if self.rehearsal else 20)
                     self.step("dense_vs_flex", self.dense_vs_flex, 10 if self.rehearsal else 90)
                     self.step("hf_architectures", self.hf_architectures, 10 if self.rehearsal else 60)
+                    self.step("moe", self.moe, 10 if self.rehearsal else 40)
             except Exception as exc:  # noqa: BLE001
                 self.report["error"] = f"process group: {_error(exc)}"
                 self.report["traceback"] = traceback.format_exc()[-4000:]
@@ -1222,6 +1226,86 @@ class Check:
         bad = [k for k, r in results.items() if "error" in r.get("flex", {})]
         if bad:
             rec["ok"], rec["error"] = False, f"flex failed at {', '.join(bad)}"
+
+    def moe(self, rec: dict[str, Any]) -> None:
+        """model.moe (docs/moe.md): (a) the routed experts' grouped GEMM against the
+        per-expert loop it replaces, on this device (CUDA: torch._grouped_mm in
+        bf16 under autocast; the CPU rehearsal: fp32 through _GroupedMM): the
+        largest difference relative to the output's largest value, and the time of
+        a forward+backward of each; (b) a small MoE llama trained by the real
+        Trainer on one device (parallel.ep 1), plain layout: finite losses and the
+        router metrics logged."""
+        import torch
+
+        from trainlab.models.moe.experts import GroupedExperts, grouped_mm_available
+
+        cuda = self.device.type == "cuda"
+        hidden, width = (1024, 512) if cuda else (64, 32)
+        counts = [384, 256, 192, 128, 64, 32, 16, 0] if cuda else [24, 16, 8, 0]
+        torch.manual_seed(0)
+        experts = GroupedExperts(len(counts), hidden, width).to(self.device)
+        experts.init_weights(0.02, 0.01)
+        c = torch.tensor(counts, device=self.device)
+        x = torch.randn(sum(counts), hidden, device=self.device, requires_grad=True)
+
+        def autocast() -> Any:
+            if cuda:
+                return torch.autocast("cuda", dtype=torch.bfloat16)
+            return contextlib.nullcontext()
+
+        def timed(forward: Any) -> tuple[float, Any]:
+            with autocast():
+                forward(x, c).float().sum().backward()  # warm-up
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            for _ in range(10):
+                with autocast():
+                    out = forward(x, c)
+                out.float().sum().backward()
+            if cuda:
+                torch.cuda.synchronize()
+            return (time.perf_counter() - t) / 10, out.detach().float()
+
+        with autocast():
+            rec["grouped_mm"] = grouped_mm_available(x)
+        grouped_s, grouped = timed(experts)
+        loop_s, loop = timed(experts.looped_forward)
+        rel = float((grouped - loop).abs().max() / loop.abs().max().clamp(min=1e-30))
+        rec.update(
+            rows_per_expert=counts,
+            shape={"hidden": hidden, "expert_width": width},
+            grouped_vs_loop_max_rel=rel,
+            grouped_s=grouped_s,
+            loop_s=loop_s,
+            grouped_speedup=loop_s / grouped_s if grouped_s else None,
+        )
+        raw = self._raw("resume", precision="bf16" if cuda else "fp32", layout="plain")
+        h = raw["model"]["hidden_size"]
+        raw["model"]["moe"] = {"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": h // 2}
+        job = make_job(raw, self.work / "moe", "gpu-check-moe")
+        trainer, summary, r = train_run(job, self.device, "plain")
+        losses = [w["loss"] for w in r.windows]
+        loads = [w.get("moe/load_max_over_mean") for w in r.windows]
+        rec.update(
+            train_status=summary.get("status"),
+            losses=losses,
+            load_max_over_mean=loads,
+            tokens_per_s=r.windows[-1]["tokens_per_s"] if r.windows else None,
+        )
+        tolerance = 2e-2 if cuda else 1e-5  # bf16 rounding vs fp32 summation order
+        rec["ok"] = (
+            rel <= tolerance
+            and rec["grouped_mm"] == cuda
+            and summary.get("status") == "completed"
+            and bool(losses)
+            and all(math.isfinite(v) for v in losses)
+            and all(v is not None and v >= 1.0 for v in loads)
+        )
+        if not rec["ok"]:
+            rec["error"] = f"grouped vs loop {rel:.3g}, status {summary.get('status')}, loads {loads}"
+        del trainer
+        shutil.rmtree(self.work / "moe", ignore_errors=True)
 
     def hf_architectures(self, rec: dict[str, Any]) -> None:
         """`model.arch: hf:TYPE` on the device (trainlab.models.hf): hf:llama with

@@ -158,9 +158,12 @@ def test_cpu_rehearsal_runs_every_step_without_ray_or_mlflow(tmp_path):
     steps = report["steps"]
     assert list(steps) == [
         "train_bf16_fsdp", "memory", "fp16_grad_scaler", "muon_bf16_fsdp",
-        "eager_vs_compiled", "host_syncs", "dense_vs_flex", "hf_architectures", "kill_resume",
-        "checkpoint_stall",
+        "eager_vs_compiled", "host_syncs", "dense_vs_flex", "hf_architectures", "moe",
+        "kill_resume", "checkpoint_stall",
     ]  # fmt: skip
+    moe = steps["moe"]  # the CPU's grouped GEMM (fp32) is the loop's result; ep 1 trains
+    assert moe["grouped_mm"] is False and moe["grouped_vs_loop_max_rel"] <= 1e-5
+    assert moe["train_status"] == "completed" and min(moe["load_max_over_mean"]) >= 1.0
     hf = steps["hf_architectures"]["by_arch"]
     assert all(r["isolation_max_abs"] < 1e-5 and r["grads_finite"] for r in hf.values()), hf
     assert all(s["ok"] and s["seconds"] >= 0 for s in steps.values())
