@@ -33,6 +33,21 @@ def trainlab(*args: str, env: dict[str, str] | None = None, timeout: float = 240
     )
 
 
+def in_process(*args: str) -> str:
+    """`trainlab ARGS` in this process (the real command line, no interpreter
+    start-up); returns its stdout, asserting exit 0."""
+    import contextlib
+    import io
+
+    from trainlab.cli import main
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), pytest.raises(SystemExit) as exit_:
+        main(list(args))
+    assert exit_.value.code in (0, None), out.getvalue()
+    return out.getvalue()
+
+
 class Server:
     def __init__(self, dir: Path, port: int, env: dict[str, str]):
         self.dir, self.port, self.env = dir, port, env
@@ -54,9 +69,10 @@ class Server:
         return self.info
 
     def down(self) -> dict:
-        out = trainlab("tracking", "down", "--dir", str(self.dir), "--json", env=self.env)
-        assert out.returncode == 0, out.stderr[-3000:]
-        return json.loads(out.stdout)
+        return json.loads(in_process("tracking", "down", "--dir", str(self.dir), "--json"))
+
+    def status(self) -> dict:
+        return json.loads(in_process("tracking", "status", "--dir", str(self.dir), "--json"))
 
     @property
     def password(self) -> str:

@@ -129,10 +129,10 @@ def load_submitted(cwd: Path | None = None) -> list[str]:
             raise ValueError("this node has no cluster auth token")
         values = decrypt(path.read_bytes(), token)
     except ValueError as e:
-        log.warning("the alert hook variables submitted with this job are not usable: %s", e)
+        log.warning("the secret variables submitted with this job are not usable: %s", e)
         return []
     os.environ.update(values)
-    log.info("alert hook variables from the submitting machine: %s", ", ".join(sorted(values)))
+    log.info("secret variables from the submitting machine: %s", ", ".join(sorted(values)))
     return sorted(values)
 
 

@@ -72,6 +72,7 @@ POSTGRES_USER_ENV = "TRAINLAB_POSTGRES_USER"
 DEFAULT_PERMISSION = "EDIT"
 PG_BIN_GLOB = "/usr/lib/postgresql/*/bin"
 AUTH_CACHE_TTL_S = 60
+GRACEFUL_SHUTDOWN_S = 3
 
 
 def home_dir() -> Path:
@@ -504,6 +505,9 @@ def server_up(
         "1",
         "--app-name",
         "basic-auth",
+        # `down` does not wait on clients' idle keep-alive connections.
+        "--uvicorn-opts",
+        f"--timeout-graceful-shutdown {GRACEFUL_SHUTDOWN_S}",
     ]
     with open(log, "ab") as out:
         proc = subprocess.Popen(

@@ -16,10 +16,8 @@ a server refusing the credentials stops `trainlab train` before it starts;
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import stat
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.trackserver import NO_POSTGRES, Server, trainlab
+from tests.trackserver import NO_POSTGRES, Server
 from tests.unit.track.conftest import FakeRank0, tiny_config
 from trainlab.track.server import postgres_available
 
@@ -80,8 +78,7 @@ def test_up_says_where_it_is_and_keeps_its_credentials_owner_only(server):
     texts.append(Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"))
     for text in texts:
         assert not any(s in text for s in secrets)
-    out = trainlab("tracking", "status", "--dir", str(server.dir), "--json", env=server.env)
-    status = json.loads(out.stdout)
+    status = server.status()
     assert status["answers"] and status["mlflow_running"] and status["database_running"]
     # Loopback only: both servers listen on 127.0.0.1.
     pg_port = int(info["database_uri"].rsplit(":", 1)[1].split("/")[0])
@@ -91,7 +88,12 @@ def test_up_says_where_it_is_and_keeps_its_credentials_owner_only(server):
         assert f"0100007F:{port:04X}" in local and f"00000000:{port:04X}" not in local
 
 
-def test_unauthenticated_requests_are_refused_and_a_signed_in_run_lands_in_postgres(server):
+def test_unauthenticated_requests_are_refused_and_a_signed_in_run_lands_in_postgres(
+    signed_in,
+):
+    from mlflow import MlflowClient
+
+    server = signed_in
     url = f"{server.info['uri']}/api/2.0/mlflow/experiments/search?max_results=1"
     with pytest.raises(urllib.error.HTTPError) as err:
         urllib.request.urlopen(url, timeout=10)
@@ -101,16 +103,10 @@ def test_unauthenticated_requests_are_refused_and_a_signed_in_run_lands_in_postg
         urllib.request.urlopen(wrong, timeout=10)
     assert err.value.code == 401
 
-    code = (
-        "import mlflow; c = mlflow.MlflowClient(); "
-        "e = c.create_experiment('signed-in'); r = c.create_run(e); "
-        "[c.log_metric(r.info.run_id, 'loss', 1.0 / s, step=s) for s in (1, 2, 3)]; "
-        "print(r.info.run_id)"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, **server.client_env()}, timeout=120)
-    assert out.returncode == 0, out.stderr[-2000:]
-    run_id = out.stdout.split()[-1]
+    client = MlflowClient()  # MLflow's own variables: URI, user, password
+    run_id = client.create_run(client.create_experiment("signed-in")).info.run_id
+    for step in (1, 2, 3):
+        client.log_metric(run_id, "loss", 1.0 / step, step=step)
     assert server.sql("SELECT count(*) FROM runs WHERE run_uuid = %s", run_id) == [(1,)]
     assert server.sql(
         "SELECT step, value FROM metrics WHERE run_uuid = %s AND key = 'loss' ORDER BY step",
@@ -171,6 +167,9 @@ def test_a_runs_records_reach_the_server_and_survive_its_outage(
     client = MlflowClient()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED" and run.data.tags["status"] == "completed"
+    code, out, err = cli(capsys, "compare", "--json", "--runs-root", str(runs_root))
+    assert code == 0, err[-2000:]
+    assert run_id in [r["run_id"] for r in json.loads(out)["runs"]]  # read from the server
     assert run.data.params["train.total_steps"] == "60"
     artifacts = {a.path for a in client.list_artifacts(run_id)}
     assert {"config.yaml", "plan.json", "run_summary.json", "loss_curve.png"} <= artifacts
@@ -202,12 +201,13 @@ def test_a_server_refusing_the_credentials_stops_train_before_anything_starts(
 
 
 def test_import_copies_an_embedded_history_once_with_identical_metrics(
-    signed_in, tmp_path, capsys
+    signed_in, tmp_path, capsys, _template_db
 ):
     from mlflow import MlflowClient
 
     db = tmp_path / "old" / "mlflow.db"
     db.parent.mkdir()
+    shutil.copy(_template_db, db)  # an initialised embedded store (tests/unit/track/conftest.py)
     old = MlflowClient(f"sqlite:///{db}")
     exp = old.create_experiment("past", artifact_location=(tmp_path / "art").as_uri())
     ids = []
