@@ -4,9 +4,12 @@ costs 5-9 s), through the `ray_cluster` fixture."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -20,6 +23,11 @@ RECIPES = REPO / "trainers" / "recipes"
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+# trainlab's local state (the cluster of `trainlab cluster up`, which the Ray
+# commands use while it runs: trainlab.cli.localray) is the session's own, never
+# that of whoever runs the tests on this machine.
+os.environ["TRAINLAB_HOME"] = tempfile.mkdtemp(prefix="trainlab-tests-home-")
+atexit.register(shutil.rmtree, os.environ["TRAINLAB_HOME"], True)
 
 
 @pytest.fixture(scope="session")

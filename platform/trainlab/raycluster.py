@@ -1,5 +1,10 @@
 """Connecting to Ray: the cluster at RAY_ADDRESS, or an embedded local one.
 
+A command of the `trainlab` CLI run while the local cluster of `trainlab
+cluster up` is running uses that cluster: the CLI sets RAY_ADDRESS (and what a
+driver of that cluster needs) before Ray is imported, and names it in
+`LOCAL_CLUSTER_ENV` (trainlab.cli.localray); `ensure_ray` then says so.
+
 The embedded cluster advertises more logical CPUs than the machine has cores
 (max(8, 2 x cores)): on a 2-core box a `num_cpus=2` cluster deadlocks as soon
 as two 1-CPU training workers and a Ray Data pipeline share it (the data
@@ -52,6 +57,16 @@ def quiet_embedded_worker_logs() -> None:
     """worker_process_setup_hook of the embedded cluster (see _EMBEDDED_NOISE)."""
     for logger_name, prefix in _EMBEDDED_NOISE.items():
         logging.getLogger(logger_name).addFilter(_DropMessages(prefix))
+
+
+# The address of the local cluster of `trainlab cluster up` when the CLI chose it
+# for RAY_ADDRESS (trainlab.cli.localray): said when Ray connects to it.
+LOCAL_CLUSTER_ENV = "TRAINLAB_LOCAL_CLUSTER"
+
+
+def from_local_cluster(address: str | None) -> bool:
+    """`address` is the local cluster of `trainlab cluster up`, chosen by the CLI."""
+    return bool(address) and address == os.environ.get(LOCAL_CLUSTER_ENV)
 
 
 def local_num_cpus(requested: int | None = None) -> int:
@@ -298,7 +313,8 @@ def ensure_ray(
 ) -> dict[str, Any]:
     """Connect once per process; return `ray.cluster_resources()`.
 
-    `address` (or RAY_ADDRESS) connects to an existing cluster. Otherwise a new
+    `address` (or RAY_ADDRESS, which the CLI sets to the running local cluster of
+    `trainlab cluster up`) connects to an existing cluster. Otherwise a new
     local cluster is started with `address="local"`, never silently attaching to
     some other cluster that happens to run on this machine.
     """
@@ -316,6 +332,13 @@ def ensure_ray(
             if runtime_env:
                 kwargs["runtime_env"] = runtime_env
             log.info("connecting to Ray at %s", address)
+            if from_local_cluster(address):
+                print(
+                    f"Ray: the local cluster of `trainlab cluster up` at {address} "
+                    "(RAY_ADDRESS names another)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             ray.init(address=address, **kwargs)
         else:
             quiet_token_auth_notice()

@@ -51,7 +51,7 @@ HELP = {
     "plan": "Parameters, memory per device, parallel layout, FLOPs per token.",
     "prep": "Tokenize raw sources once into Parquet shards + manifest (Ray Data).",
     "data": "Inspect the mixed, packed training stream.",
-    "train": "Train a config on Ray Train (local embedded cluster or RAY_ADDRESS).",
+    "train": "Train a config on Ray Train (RAY_ADDRESS, the `cluster up` one, or embedded).",
     "compare": "Compare runs from MLflow side by side.",
     "runs": "List recent runs.",
     "ui": "Start the MLflow UI on 127.0.0.1 against the runs store.",
@@ -98,6 +98,9 @@ def main(argv: list[str] | None = None) -> None:
     # trainlab cluster uses) is printed by every Ray-backed command: not news.
     logging.getLogger(RAY_TOKEN_NOTICE).setLevel(logging.ERROR)
     args = sys.argv[1:] if argv is None else argv
+    from trainlab.cli.localray import use_local_cluster
+
+    use_local_cluster(args)  # the running cluster of `trainlab cluster up`, if any
     json_only = stdout_for_json_only() if "--json" in args else contextlib.nullcontext()
     try:
         with json_only:  # with --json, stdout is the JSON document's alone

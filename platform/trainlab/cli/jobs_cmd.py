@@ -323,14 +323,14 @@ def add_node(num_cpus: int, as_json: bool) -> int:
     state = read_state()
     if state is None:
         raise UserError("no local cluster is running (`trainlab cluster up` starts one)")
-    _err(f"starting a worker node with {num_cpus} CPU(s), joining {state.gcs_address} ...")
+    _err(f"starting a worker node with {num_cpus} CPU(s), joining {state.address} ...")
     node = add_worker_node(state, num_cpus)
     if as_json:
-        echo_json({"gcs_address": state.gcs_address, "node": node.__dict__})
-    else:
-        click.echo(
-            f"worker node up ({num_cpus} CPU(s)), joined {state.gcs_address}; log {node.log}"
+        echo_json(
+            {"address": state.address, "gcs_address": state.gcs_address, "node": node.__dict__}
         )
+    else:
+        click.echo(f"worker node up ({num_cpus} CPU(s)), joined {state.address}; log {node.log}")
     return 0
 
 

@@ -95,7 +95,7 @@ def train(
     allow_env_drift: bool,
     as_json: bool,
 ) -> int:
-    """Train CONFIG on Ray Train: the local embedded cluster, or RAY_ADDRESS when set.
+    """Train CONFIG on Ray Train: RAY_ADDRESS, else the running `trainlab cluster up`, else embedded.
     CONFIG may be a run directory with --resume (its config.yaml is used).
 
     Progress (step, loss, tokens/s, ETA) goes to stderr; with --json the last line

@@ -76,6 +76,12 @@ class ClusterState:
     scratch_per_node: bool = False
 
     @property
+    def address(self) -> str:
+        """The cluster's address as Ray names it (RAY_ADDRESS, `ray.init(address=)`):
+        its head's GCS, HOST:PORT."""
+        return self.gcs_address
+
+    @property
     def head(self) -> NodeProc:
         return next(n for n in self.nodes if n.role == "head")
 
@@ -84,11 +90,16 @@ class ClusterState:
         return [n for n in self.nodes if n.role == "worker"]
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        """The state file's fields, and `address` first: what the commands print
+        (`cluster up/status --json`)."""
+        return {"address": self.address, **asdict(self)}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ClusterState:
+        d = dict(d)
         nodes = [NodeProc(**n) for n in d.pop("nodes", [])]
+        address = d.pop("address", None)
+        d.setdefault("gcs_address", address)
         return cls(nodes=nodes, **d)
 
 
@@ -469,9 +480,10 @@ def how_to_submit(state: ClusterState) -> list[str]:
     tl = trainlab_command()
     workers = f" + {len(state.workers)} worker node(s)" if state.workers else ""
     lines = [
-        f"Ray cluster up{workers}: head {state.gcs_address}, "
+        f"Ray cluster up{workers}: address {state.address}, "
         f"dashboard and Jobs API {state.dashboard_url} (token auth on)",
-        "trainlab's commands find this cluster by themselves. Next:",
+        "trainlab's commands (train, tune, prep, submit, ...) use this cluster while "
+        "it runs and RAY_ADDRESS is unset. Next:",
     ]
     if not DEMO_DATA.is_file():
         lines.append(

@@ -39,8 +39,13 @@ class StartupNotes:
             print(f"starting: {text}", file=sys.stderr, flush=True)
 
     def ray(self) -> None:
-        """Before connecting to Ray."""
+        """Before connecting to Ray (the local cluster of `trainlab cluster up`:
+        `ensure_ray` says so itself)."""
+        from trainlab.raycluster import from_local_cluster
+
         address = os.environ.get("RAY_ADDRESS")
+        if from_local_cluster(address):
+            return
         self.say(
             f"connecting to the Ray cluster at {address}"
             if address
