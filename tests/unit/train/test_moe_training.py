@@ -93,3 +93,19 @@ class Logged(Callback):
 
     def on_step_end(self, step, metrics):
         self.metrics.append(dict(metrics))
+
+
+def test_no_host_read_in_a_quiet_moe_step(dataset, tmp_path):
+    """Dropless routing and the grouped experts (CPU fp32: torch._grouped_mm),
+    the aux loss, the step's statistics and the bias update stay on the device:
+    no `.item()` in step 2 (tests/unit/train/test_host_sync.py counts the same)."""
+    from tests.unit.train.test_host_sync import config, host_reads_of_step_2
+
+    cfg = config(dataset, {"strategy": "ddp"}, 1)
+    raw = cfg.model_dump()
+    raw["model"]["moe"] = {**MOE, "balance": "bias", "aux_loss_coef": 0.0}
+    one = make_job(type(cfg).model_validate(raw), tmp_path / "one")
+    assert host_reads_of_step_2(one, 0, 1, 0) == 0
+    raw["model"]["moe"] = MOE  # the aux loss instead of the bias
+    aux = make_job(type(cfg).model_validate(raw), tmp_path / "aux")
+    assert host_reads_of_step_2(aux, 0, 1, 0) == 0

@@ -40,7 +40,11 @@ def permute(x: torch.Tensor, routing: Routing, num_experts: int, capacity: int |
     """Rows of `x` [N, h] for every kept assignment, sorted by expert."""
     flat = routing.experts.reshape(-1)
     order = flat.argsort(stable=True)
-    routed = torch.bincount(flat, minlength=num_experts)
+    # Per-expert counts from the sorted ids: no host read (bincount's output size
+    # reads the largest id back on CUDA), no atomics.
+    edges = torch.arange(num_experts + 1, device=flat.device, dtype=flat.dtype)
+    bounds = torch.searchsorted(flat[order], edges)
+    routed = bounds[1:] - bounds[:-1]
     counts = routed
     dropped = torch.zeros((), dtype=torch.int64, device=x.device)
     if capacity is not None:
