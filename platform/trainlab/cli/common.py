@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TextIO
 
 import click
@@ -62,3 +63,47 @@ def echo_json(obj: Any) -> None:
         return
     _json_out.write(text + "\n")
     _json_out.flush()
+
+
+# --------------------------------------------------------------------------- --runs-root
+
+DEFAULT_RUNS_ROOT = "runs"
+
+
+def runs_root_option(help_text: str) -> Callable[[F], F]:
+    """`--runs-root DIR`; left out: the project's `runs/` (`default_runs_root`), the
+    same folder wherever in the project the command runs (notebooks/ included)."""
+
+    def decorate(fn: F) -> F:
+        return click.option(
+            "--runs-root",
+            default=None,
+            type=click.Path(file_okay=False),
+            help=f"{help_text} Default: runs/ of the project (the nearest folder at or "
+            "above the current one holding .git or pyproject.toml).",
+        )(fn)
+
+    return decorate
+
+
+def default_runs_root(given: str | None) -> str:
+    """`--runs-root` as given (a path the user typed is the shell's: relative to the
+    current directory), else `{project root}/runs`, else `./runs` outside a project."""
+    if given is not None:
+        return given
+    from trainlab.config.loader import project_root
+
+    return str((project_root() or Path.cwd()) / DEFAULT_RUNS_ROOT)
+
+
+def runs_root_hint(given: str | None) -> str:
+    """What to add to "no runs recorded in ...": nothing, or, outside any project
+    with no --runs-root, where the command looked and how to point it elsewhere."""
+    from trainlab.config.loader import project_root
+
+    if given is not None or project_root() is not None:
+        return ""
+    return (
+        f" (no project at or above {Path.cwd()}: run from inside the project, or give "
+        "--runs-root DIR, the train.runs_root of your runs)"
+    )

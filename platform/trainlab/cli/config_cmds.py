@@ -12,11 +12,40 @@ from trainlab.config import load_config, to_yaml
 @config_args
 def validate(config: str, overrides: tuple[str, ...]) -> int:
     """Check CONFIG; print `ok <name>` or every problem (exit 2). When the prepared
-    dataset at data.path exists, the mix's sources are checked against it too."""
+    dataset at data.path exists, the mix's sources are checked against it too; a
+    local dataset or runs root's parent that does not exist is said on stderr
+    (`note: ...`: not an error yet, a dataset is often prepared after)."""
     cfg = load_config(config, overrides)
     check_mix_sources(cfg)
+    for note in missing_paths(cfg):
+        click.echo(f"note: {note}", err=True)
     click.echo(f"ok {cfg.name}")
     return 0
+
+
+def missing_paths(cfg) -> list[str]:  # noqa: ANN001 - ExperimentConfig
+    """The config's local paths that point nowhere: a dataset not there (train
+    fails until it is prepared) and a runs root whose parent does not exist (a
+    mistyped path; train would make the whole chain). Paths are absolute here
+    (load_config anchors them); a store location is left to train."""
+    from pathlib import Path
+
+    from trainlab.location import locate
+
+    notes = []
+    data = cfg.data.path
+    if locate(data, what="data.path").is_local and not Path(data).exists():
+        notes.append(
+            f"data.path = {data}: no such directory (prepare the dataset there with "
+            "`trainlab prep SOURCES --out DIR`; train refuses to start without it)"
+        )
+    root = cfg.train.runs_root
+    if locate(root, what="train.runs_root").is_local and not Path(root).parent.exists():
+        notes.append(
+            f"train.runs_root = {root}: its parent {Path(root).parent} does not exist "
+            "(a mistyped path? train would create it)"
+        )
+    return notes
 
 
 def check_mix_sources(cfg) -> None:  # noqa: ANN001 - ExperimentConfig

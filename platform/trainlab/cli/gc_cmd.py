@@ -36,7 +36,13 @@ from typing import Any
 
 import click
 
-from trainlab.cli.common import echo_json, json_option
+from trainlab.cli.common import (
+    default_runs_root,
+    echo_json,
+    json_option,
+    runs_root_hint,
+    runs_root_option,
+)
 from trainlab.errors import UserError
 from trainlab.runstatus import RunStatus
 from trainlab.train.driver import runlock
@@ -272,13 +278,7 @@ def _describe(a: Action, root: Path) -> str:
 
 
 @click.command()
-@click.option(
-    "--runs-root",
-    default="runs",
-    show_default=True,
-    type=click.Path(file_okay=False),
-    help="The runs root (train.runs_root) to clean.",
-)
+@runs_root_option("The runs root (train.runs_root) to clean.")
 @click.option(
     "--older-than",
     default="14d",
@@ -301,7 +301,7 @@ def _describe(a: Action, root: Path) -> str:
 )
 @json_option
 def gc(
-    runs_root: str,
+    runs_root: str | None,
     older_than: str,
     statuses: str | None,
     dry_run: bool,
@@ -314,11 +314,12 @@ def gc(
     from trainlab.location import locate
 
     age, wanted = parse_age(older_than), parse_statuses(statuses)
+    hint, runs_root = runs_root_hint(runs_root), default_runs_root(runs_root)
     if not locate(runs_root, what="--runs-root").is_local:
         return _gc_in_store(runs_root, age, wanted, dry_run, force, as_json)
     root = Path(runs_root).expanduser().resolve()
     if not root.is_dir():
-        raise UserError(f"--runs-root {runs_root}: no such directory")
+        raise UserError(f"--runs-root {runs_root}: no such directory{hint}")
     actions, skipped = plan_gc(find_runs(root), age, wanted, force)
     if not dry_run:
         late = apply(actions)

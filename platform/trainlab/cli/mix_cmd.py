@@ -9,13 +9,17 @@ from typing import Any
 
 import click
 
-from trainlab.cli.common import config_args, echo_json, json_option
+from trainlab.cli.common import (
+    config_args,
+    default_runs_root,
+    echo_json,
+    json_option,
+    runs_root_option,
+)
 
 
 def _runs_root(fn: Any) -> Any:
-    return click.option("--runs-root", default="runs", show_default=True,
-                        type=click.Path(file_okay=False),
-                        help="The runs root the swarm was recorded in (train.runs_root).")(fn)
+    return runs_root_option("The runs root the swarm was recorded in (train.runs_root).")(fn)
 
 
 def _target(fn: Any) -> Any:
@@ -93,11 +97,11 @@ def swarm_summary(rec: dict[str, Any]) -> dict[str, Any]:
               "quadratic, gbm); default: all, the best by cross-validated Spearman.")
 @_runs_root
 @json_option
-def fit(swarm_id: str, target: str, model: str | None, runs_root: str, as_json: bool) -> int:
+def fit(swarm_id: str, target: str, model: str | None, runs_root: str | None, as_json: bool) -> int:
     """Fit the mixture law of TARGET to the swarm's runs; cross-validated quality per model."""
     from trainlab.mix.api import run_fit
 
-    res = run_fit(swarm_id, target, model, runs_root)
+    res = run_fit(swarm_id, target, model, default_runs_root(runs_root))
     out = {k: res[k] for k in ("swarm_id", "target", "n_runs", "models", "best_model",
                                "sensitivities")}
     if as_json:
@@ -126,12 +130,12 @@ def fit(swarm_id: str, target: str, model: str | None, runs_root: str, as_json: 
 @_runs_root
 @json_option
 def propose(swarm_id: str, target: str, low: float, high: float, model: str | None,
-            out: str | None, runs_root: str, as_json: bool) -> int:
+            out: str | None, runs_root: str | None, as_json: bool) -> int:
     """Optimise the fitted law under bounds and the target run's caps; write a recipe."""
     from trainlab.mix.api import run_propose
 
     p = run_propose(swarm_id, target, low=low, high=high, model=model, out=out,
-                    runs_root=runs_root)
+                    runs_root=default_runs_root(runs_root))
     if as_json:
         echo_json({k: p[k] for k in ("swarm_id", "target", "mix", "predicted",
                                      "predicted_interval", "swarm_cost_fraction", "model",

@@ -16,19 +16,21 @@ from typing import Any
 
 import click
 
-from trainlab.cli.common import echo_json, json_option
+from trainlab.cli.common import (
+    default_runs_root,
+    echo_json,
+    json_option,
+    runs_root_hint,
+    runs_root_option,
+)
 from trainlab.errors import UserError
 
 F = Callable[..., Any]
 
 
 def _runs_root_option(fn: F) -> F:
-    return click.option(
-        "--runs-root",
-        default="runs",
-        show_default=True,
-        type=click.Path(file_okay=False),
-        help="Runs root whose store to read (ignored when MLFLOW_TRACKING_URI is set).",
+    return runs_root_option(
+        "Runs root whose store to read (ignored when MLFLOW_TRACKING_URI is set)."
     )(fn)
 
 
@@ -63,7 +65,7 @@ def compare(
     since: str | None,
     as_json: bool,
     as_csv: bool,
-    runs_root: str,
+    runs_root: str | None,
 ) -> int:
     """Compare runs side by side: one row per run (newest first), the config keys
     that differ between them highlighted. NAME is a run name or run id; none
@@ -73,7 +75,7 @@ def compare(
 
     if as_json and as_csv:
         raise UserError("--json and --csv: choose one output format")
-    uri = tracking_uri(runs_root)
+    uri = tracking_uri(default_runs_root(runs_root))
     report = compare_report(uri, names, experiment, parse_since(since))
     rows = report["runs"]
     if as_json:
@@ -81,7 +83,7 @@ def compare(
     elif as_csv:
         _write_csv(rows)
     elif not rows:
-        click.echo(f"no runs recorded in {uri}")
+        click.echo(f"no runs recorded in {uri}{runs_root_hint(runs_root)}")
     else:
         _print_compare(rows, uri)
         _print_noise(report)
@@ -306,7 +308,7 @@ def _differing_table(rows: list[dict[str, Any]], differing: list[str]) -> Any:
 @json_option
 @_runs_root_option
 def runs(
-    experiment: str | None, since: str | None, limit: int, as_json: bool, runs_root: str
+    experiment: str | None, since: str | None, limit: int, as_json: bool, runs_root: str | None
 ) -> int:
     """List recent runs, newest first: name, status, started, active training
     time and wall time (a resumed run's wall time includes the idle time between
@@ -314,13 +316,13 @@ def runs(
     from trainlab.track import tracking_uri
     from trainlab.track.query import list_runs, parse_since
 
-    uri = tracking_uri(runs_root)
+    uri = tracking_uri(default_runs_root(runs_root))
     rows = list_runs(uri, experiment, parse_since(since), limit)
     if as_json:
         echo_json(rows)
         return 0
     if not rows:
-        click.echo(f"no runs recorded in {uri}")
+        click.echo(f"no runs recorded in {uri}{runs_root_hint(runs_root)}")
         return 0
     from rich.table import Table
 
@@ -419,11 +421,12 @@ def track_flush(run_dir: str, runs_root: str | None) -> int:
 @click.command()
 @click.option("--port", default=5000, show_default=True, type=click.IntRange(1, 65535))
 @_runs_root_option
-def ui(port: int, runs_root: str) -> int:
+def ui(port: int, runs_root: str | None) -> int:
     """Start the MLflow UI on 127.0.0.1 against the runs store (Ctrl-C stops it)."""
     from trainlab.track import mlflow_ui
     from trainlab.track.store import ENV_TRACKING_URI, artifact_location, tracking_uri
 
+    runs_root = default_runs_root(runs_root)
     uri = tracking_uri(runs_root)
     if uri.startswith(("http://", "https://")):
         click.echo(

@@ -114,10 +114,36 @@ def load_raw(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict[str, Any]:
         return data
     if not isinstance(parent, str) or not parent:
         raise ConfigError(f"{path}: extends = {quote(parent)}: must be a path to a YAML file")
-    base = load_raw(resolved.parent / parent, (*_chain, resolved))
+    parent_path = resolved.parent / parent
+    base = load_raw(parent_path, (*_chain, resolved))
     for key in NOT_INHERITED:
         base.pop(key, None)
+    # A relative path means the same in the file that wrote it and in every file
+    # extending it: a personal config outside the repository that extends a recipe
+    # gets the recipe's data.path and runs_root of the recipe's repository, not of
+    # its own folder. (Within one repository every file has the same anchor: the
+    # paths stay relative here and `load_config` anchors them.)
+    with_parent = _existing(parent_path)
+    if with_parent is not None and config_anchor(with_parent) != config_anchor(resolved):
+        _anchor_given(base, config_anchor(with_parent))
     return deep_merge(base, data)
+
+
+def _existing(path: Path) -> Path | None:
+    try:
+        return path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+
+
+def _anchor_given(raw: dict[str, Any], anchor: Path) -> None:
+    """The relative local paths `raw` gives (PATH_KEYS), made absolute against
+    `anchor`, in place; keys it leaves out stay out (their defaults are anchored
+    at the top file's)."""
+    for section, key in PATH_KEYS:
+        node = raw.get(section)
+        if isinstance(node, dict) and isinstance(node.get(key), str) and node[key]:
+            raw[section] = {**node, key: anchor_path(node[key], anchor)}
 
 
 # --------------------------------------------------------------------------- --set
@@ -421,10 +447,19 @@ def config_anchor(config_file: str | Path) -> Path:
     or, outside any repository, the file's own directory. Never the current
     directory: the same config means the same paths wherever it is run from."""
     start = Path(config_file).resolve().parent
-    for d in (start, *start.parents):
+    return project_root(start) or start
+
+
+def project_root(start: str | Path | None = None) -> Path | None:
+    """The project (repository) at or above `start` (default: the current
+    directory): the nearest directory holding .git or pyproject.toml; None outside
+    any. What a command without a config (`trainlab runs` from notebooks/) takes
+    its default paths from, as a config's paths are anchored (`config_anchor`)."""
+    here = Path(start if start is not None else Path.cwd()).resolve()
+    for d in (here, *here.parents):
         if any((d / marker).exists() for marker in ANCHOR_MARKERS):
             return d
-    return start
+    return None
 
 
 def anchor_path(value: str, anchor: Path) -> str:
