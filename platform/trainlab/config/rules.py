@@ -136,10 +136,11 @@ def _moe_layout(cfg: dict[str, Any]) -> Iterator[Problem]:
         yield Problem("parallel.ep", ep, f"must divide model.moe.num_experts ({moe['num_experts']})")
     if ep > 1 and dp is not None and dp % ep:
         yield Problem("parallel.ep", ep, f"must divide parallel.dp ({dp}): ep borrows dp ranks")
-    if ep > 1 and (p["strategy"] != "ddp" or (p["zero_stage"] or 0) != 0):
+    if ep > 1 and (p["strategy"] == "auto" or p["zero_stage"] == 1):
         yield Problem(
             "parallel.ep", ep,
-            "runs with strategy ddp, zero_stage 0 for the dense parts yet (docs/moe.md)",
+            "runs with strategy ddp (zero_stage 0) or fsdp (2, 3) for the dense parts; "
+            "not with strategy auto or ZeRO-1 yet (docs/moe.md)",
         )  # fmt: skip
     if p["activation_checkpointing"] != "none":
         yield Problem(

@@ -295,5 +295,8 @@ def test_ep_rules(parallel, model, error):
     ok = {"name": "x", "model": {"moe": MOE}, "parallel": {"strategy": "ddp", "ep": 2, "dp": 6},
           "resource": {"num_workers": 6}}  # fmt: skip
     assert ExperimentConfig.model_validate(ok).parallel.ep == 2
-    with pytest.raises(ValidationError, match="runs with strategy ddp, zero_stage 0"):
-        ExperimentConfig.model_validate({**ok, "parallel": {"strategy": "fsdp", "ep": 2}})
+    with pytest.raises(ValidationError, match="not with strategy auto or ZeRO-1 yet"):
+        ExperimentConfig.model_validate({**ok, "parallel": {"strategy": "ddp", "zero_stage": 1,
+                                                            "ep": 2}})  # fmt: skip
+    fsdp = {**ok, "parallel": {"strategy": "fsdp", "zero_stage": 3, "ep": 2}}
+    assert ExperimentConfig.model_validate(fsdp).parallel.ep == 2

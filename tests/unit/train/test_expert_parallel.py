@@ -1,8 +1,9 @@
 """Expert parallelism (parallel.ep, trainlab.train.parallel.expert) with the real
 Trainer: on 2 gloo processes ep=2 (each rank holds 2 of the 4 experts, tokens by
 all-to-all) trains the same model as ep=1 (every expert on both ranks, DDP) in
-fp32 deterministic mode, and the ep=2 run's DCP checkpoint resumes in one
-process (ep=1: the expert tensors reshard) on the ep=1 curve."""
+fp32 deterministic mode, with DDP or FSDP2 for the dense parts, and the ep=2
+run's DCP checkpoint resumes in one process (ep=1: the expert tensors reshard)
+on the ep=1 curve."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def dataset(tmp_path_factory):
     return dataset_dir(tmp_path_factory)
 
 
-def ep_config(dataset, ep: int, workers: int = 2):
+def ep_config(dataset, ep: int, workers: int = 2, strategy: dict | None = None):
     return tiny_config(
         dataset,
         model={"moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 32,
@@ -35,7 +36,7 @@ def ep_config(dataset, ep: int, workers: int = 2):
         data={"global_batch_size": 8, "micro_batch_size": 2},
         train={"total_steps": STEPS, "log_interval": 1, "eval_interval": STEPS,
                "checkpoint": {"every_steps": 2, "keep_last": 10, "validate": False}},
-        parallel={"strategy": "ddp", "dp": workers, "ep": ep},
+        parallel={**(strategy or {"strategy": "ddp"}), "dp": workers, "ep": ep},
         resource={"num_workers": workers},
     )  # fmt: skip
 
@@ -57,6 +58,17 @@ def test_ep2_trains_as_ep1_and_reshards_to_one_process(dataset, tmp_path):
     norms, ref_norms = grad_norms(tmp_path / "ep2.json"), grad_norms(tmp_path / "ep1.json")
     for step, norm in norms.items():
         assert norm == pytest.approx(ref_norms[step], rel=RTOL), (step, norms, ref_norms)
+
+    # FSDP2 (ZeRO-3) for the dense parts with ep=2: the same curve
+    fsdp = {"strategy": "fsdp", "zero_stage": 3}
+    sharded, _ = run_layout(make_job(ep_config(dataset, 2, strategy=fsdp), tmp_path / "fsdp"), 2,
+                            tmp_path / "fsdp.json")  # fmt: skip
+    for step, loss in sharded.items():
+        assert loss == pytest.approx(reference[step], rel=RTOL), (step, sharded, reference)
+    for step, norm in grad_norms(tmp_path / "fsdp.json").items():
+        assert norm == pytest.approx(ref_norms[step], rel=RTOL), (step, norm, ref_norms)
+    worst_fsdp = max(abs(sharded[s] - reference[s]) / abs(reference[s]) for s in reference)
+    print(f"ep=2 + FSDP vs ep=1: worst relative loss difference {worst_fsdp:.2e}")
 
     # ep=2's step-2 checkpoint (experts sharded over 2 ranks) into one process
     resumed = tmp_path / "resumed"

@@ -95,17 +95,19 @@ def parallelize(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> Parall
             compiling.apply(model)
         if not env.distributed:
             return ParallelModel([model])
-        if fsdp_on:
-            mesh = env.mesh["dp"] if env.mesh is not None else None
-            fsdp.apply(model, p.zero_stage, cfg.train.precision, mesh)
-            return ParallelModel([model])
-        if (p.ep or 1) > 1:  # the experts split over ep ranks, DDP for the rest
+        experts = None
+        if (p.ep or 1) > 1:  # the experts split over ep ranks; DDP or FSDP for the rest
             from trainlab.train.parallel import expert
 
             experts = expert.apply(model, p.ep, dims.dp, env.device.type)
-            ignored = replicate.ignore(model, experts.param_names)
-            return ParallelModel([replicate.ddp(ignored, env.device)], experts=experts)
-        return ParallelModel([replicate.ddp(model, env.device)])
+        if fsdp_on:
+            mesh = env.mesh["dp"] if env.mesh is not None else None
+            ignored = experts.params(model) if experts is not None else None
+            fsdp.apply(model, p.zero_stage, cfg.train.precision, mesh, ignored)
+            return ParallelModel([model], experts=experts)
+        if experts is not None:
+            model = replicate.ignore(model, experts.param_names)
+        return ParallelModel([replicate.ddp(model, env.device)], experts=experts)
     from trainlab.train.parallel import pipeline as pipelining
     from trainlab.train.parallel import tensor
 

@@ -9,8 +9,8 @@ an ep group each rank holds num_experts/ep experts (its contiguous block), as
 DTensors sharded on dim 0 over the ep mesh: checkpoints (DCP) hold the whole
 expert tensors by name and reshard across ep degrees like every other layout.
 
-The dense parts stay data-parallel over all dp ranks (DDP, which is told to
-leave the experts alone). An expert's gradient gathers, through the
+The dense parts stay data-parallel over all dp ranks (DDP or FSDP2, each told
+to leave the experts alone). An expert's gradient gathers, through the
 all-to-all's backward, every token of its ep group routed to it; `sync_grads`
 sums it over the ranks holding the same experts (edp) and divides it by dp,
 which is what DDP's average gives the replicated experts at ep = 1: the same
@@ -113,6 +113,14 @@ class EPState:
 
     def __init__(self, mesh: Any, dp: int, param_names: list[str]):
         self.mesh, self.dp, self.param_names = mesh, dp, param_names
+
+    def params(self, model: nn.Module) -> set[nn.Parameter]:
+        """The routed experts' parameters (what DDP or FSDP must leave alone)."""
+        return {
+            p
+            for layer in moe_layers(model)
+            for p in (layer.experts.gate, layer.experts.up, layer.experts.down)
+        }
 
     def sync_grads(self, model: nn.Module) -> None:
         """Each expert's gradient: summed over the ranks holding the same experts

@@ -17,15 +17,31 @@ from torch import nn
 from trainlab.train.parallel.blocks import blocks
 
 
-def apply(model: nn.Module, zero_stage: int, precision: str, mesh: Any) -> None:
-    """Shard `model` over `mesh` (None: the world)."""
+def apply(
+    model: nn.Module,
+    zero_stage: int,
+    precision: str,
+    mesh: Any,
+    ignored: set[nn.Parameter] | None = None,
+) -> None:
+    """Shard `model` over `mesh` (None: the world), leaving the parameters
+    `ignored` alone (expert parallelism's experts: sharded and synced by
+    trainlab.train.parallel.expert)."""
     from torch.distributed.fsdp import fully_shard
 
     reshard = zero_stage == 3
     policy = mixed_precision(precision)
     for block in blocks(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(
+            block,
+            mesh=mesh,
+            reshard_after_forward=reshard,
+            mp_policy=policy,
+            ignored_params=ignored,
+        )
+    fully_shard(
+        model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, ignored_params=ignored
+    )
 
 
 def mixed_precision(precision: str):  # -> MixedPrecisionPolicy
