@@ -17,7 +17,8 @@ def _dir_option(fn):  # type: ignore[no-untyped-def]
         type=click.Path(file_okay=False),
         default=None,
         help="Directory of the server's database, logs and credentials "
-        "(default: ~/.trainlab/tracking; for down/status: the latest `up`'s).",
+        "(default: ~/.trainlab/tracking, as root /var/lib/trainlab/tracking; for "
+        "down/status: the latest `up`'s).",
     )(fn)
 
 

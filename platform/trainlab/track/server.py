@@ -1,7 +1,8 @@
 """A team's tracking server: `mlflow server` on PostgreSQL, sign-in required.
 
 `trainlab tracking up` (trainlab.cli.tracking_cmd) starts, in one directory
-(`--dir`, default `{TRAINLAB_HOME or ~/.trainlab}/tracking`):
+(`--dir`, default `{TRAINLAB_HOME or ~/.trainlab}/tracking`; as root
+/var/lib/trainlab/tracking):
 
 - a PostgreSQL server from this machine's binaries (initdb, pg_ctl: on PATH or
   under /usr/lib/postgresql/*/bin), its data in `{dir}/postgres`, listening on
@@ -80,7 +81,14 @@ def home_dir() -> Path:
     return Path(os.environ.get("TRAINLAB_HOME") or Path.home() / ".trainlab").expanduser()
 
 
+ROOT_DEFAULT_DIR = Path("/var/lib/trainlab/tracking")
+
+
 def default_dir() -> Path:
+    """`{TRAINLAB_HOME or ~/.trainlab}/tracking`; run as root without TRAINLAB_HOME,
+    ROOT_DEFAULT_DIR (the database's user, `postgres`, cannot enter root's home)."""
+    if os.geteuid() == 0 and not os.environ.get("TRAINLAB_HOME"):
+        return ROOT_DEFAULT_DIR
     return home_dir() / "tracking"
 
 

@@ -61,7 +61,7 @@ def _mode(path: str | Path) -> int:
     return stat.S_IMODE(Path(path).stat().st_mode)
 
 
-def test_up_says_where_it_is_and_keeps_its_credentials_owner_only(server):
+def test_up_says_where_it_is_and_keeps_its_credentials_owner_only(server, capsys):
     info = server.info
     assert info["uri"] == f"http://127.0.0.1:{server.port}"
     assert info["username"] == "admin"
@@ -79,6 +79,8 @@ def test_up_says_where_it_is_and_keeps_its_credentials_owner_only(server):
     for text in texts:
         assert not any(s in text for s in secrets)
     status = server.status()
+    code, _, err = cli(capsys, "tracking", "up", "--dir", str(server.dir))  # up twice
+    assert code == 2 and "already running at " + info["uri"] in err.strip().splitlines()[-1]
     assert status["answers"] and status["mlflow_running"] and status["database_running"]
     # Loopback only: both servers listen on 127.0.0.1.
     pg_port = int(info["database_uri"].rsplit(":", 1)[1].split("/")[0])
@@ -247,3 +249,30 @@ def test_import_copies_an_embedded_history_once_with_identical_metrics(
         assert notes.startswith("run ")
     code, _, err = cli(capsys, "tracking", "import", "--from", str(tmp_path / "nowhere"))
     assert code == 2 and err.startswith("error: --from ") and len(err.splitlines()) == 1
+
+
+def test_the_database_binaries_are_found_on_path_or_under_debians_folder(monkeypatch):
+    from trainlab.track.server import PG_BIN_GLOB, pg_binary
+
+    debian = sorted(Path("/").glob(PG_BIN_GLOB.lstrip("/") + "/initdb"))
+    if not debian:
+        pytest.skip(f"no initdb under {PG_BIN_GLOB} here")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    assert pg_binary("initdb") == str(debian[-1])
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--database-uri", "postgresql://bob:fake-db-pw@db.example/mlflow", "PGPASSWORD"),
+        ("--artifacts", "s3://AKIAFAKE:fake-s3-secret@bucket/art", "AWS_*"),
+    ],
+)
+def test_credentials_in_a_uri_are_refused_in_one_line_before_anything_starts(
+    tmp_path, capsys, flag, value, says
+):
+    code, _, err = cli(capsys, "tracking", "up", "--dir", str(tmp_path / "srv"), flag, value)
+    assert code == 2
+    (line,) = [ln for ln in err.strip().splitlines() if not ln.startswith("starting")]
+    assert line.startswith(f"error: {flag} ") and says in line and "fake-" not in line
+    assert not (tmp_path / "srv").exists()
