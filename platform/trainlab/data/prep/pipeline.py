@@ -297,11 +297,42 @@ def _store_of(out: str | Path) -> Location | None:
 
 
 def _check_store(store: Location) -> None:
-    """The bucket exists and takes writes (a probe file), before any work."""
+    """The bucket exists and takes writes (a probe file), before any work. A bucket
+    that does not exist is said as such, with how to create it (prep does not make
+    buckets: who owns one, where and at what cost is the user's choice)."""
     try:
         store.check_writable()
     except UserError as e:
+        if _no_bucket(e.lines[0]):
+            raise UserError(f"--out {store.uri}: {missing_bucket(store)}") from None
         raise UserError(f"--out {store.uri}: {e.lines[0]}") from None
+
+
+# How a store says that a write failed for want of its bucket: S3's error code
+# (and its text), or "not there" for a new object (the probe), which can only be
+# its bucket (GCS, trainlab.location's "absent" kind).
+_NO_BUCKET_MARKS = ("no_such_bucket", "nosuchbucket", "bucket does not exist", ": not there")
+
+
+def _no_bucket(message: str) -> bool:
+    lowered = message.lower()
+    return any(mark in lowered for mark in _NO_BUCKET_MARKS)
+
+
+def missing_bucket(store: Location) -> str:
+    """One line: the bucket of `store` does not exist, and how to create it."""
+    scheme, _, rest = store.uri.partition("://")
+    bucket = rest.split("/", 1)[0]
+    where = f" ({store.describe()})" if store.describe() else ""
+    create = (
+        f"gcloud storage buckets create gs://{bucket}"
+        if scheme == "gs"
+        else f"aws s3 mb s3://{bucket}"  # the AWS CLI reads AWS_ENDPOINT_URL too
+    )
+    return (
+        f"bucket {bucket!r} does not exist{where}; create it first (e.g. `{create}`, "
+        "or your store's console), then run prep again (docs/storage.md)"
+    )
 
 
 def _staging_dir(store: Location) -> Path:

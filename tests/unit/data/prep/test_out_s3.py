@@ -93,12 +93,28 @@ def test_an_upload_cut_off_midway_leaves_no_manifest(s3_env, tmp_path, scratch, 
     assert keys(s3, bucket, "ds/") == {"manifest.json", "tokenizer.json", *listed}
 
 
-def test_an_unreachable_bucket_is_one_line_before_any_work(s3_env, tmp_path, scratch):
+def test_a_missing_bucket_is_one_line_saying_how_to_create_it(
+    s3_env, gcs_env, tmp_path, scratch, monkeypatch, capsys
+):
+    """Before any work; it said NO_SUCH_BUCKET inside a probe's multipart-upload
+    error (S3) or "not there" (GCS), and the docs never said to create the bucket."""
     sources = make_corpus(tmp_path)
-    with pytest.raises(UserError) as e:
+    monkeypatch.chdir(tmp_path)
+    for uri, create in (
+        ("s3://no-such-bucket-here/ds", "aws s3 mb s3://no-such-bucket-here"),
+        ("gs://no-such-bucket-here/ds", "gcloud storage buckets create gs://no-such-bucket-here"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            main(["prep", str(sources), "--out", uri])
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2
+        assert line.startswith(f"error: --out {uri}: bucket 'no-such-bucket-here' does not exist (")
+        assert f"create it first (e.g. `{create}`" in line and "docs/storage.md" in line
+    # Another failure to write is still said as it is (nothing answers there).
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    with pytest.raises(UserError) as err:
         run_prep(sources, "s3://no-such-bucket-here/ds", executor="local")
-    (line,) = e.value.lines
-    assert line.startswith("--out s3://no-such-bucket-here/ds: ") and "not writable" in line
+    assert "not writable" in err.value.lines[0] and "does not exist" not in err.value.lines[0]
 
 
 @pytest.mark.parametrize("out", ["hdfs://namenode/ds", "ftp://host/ds"])
