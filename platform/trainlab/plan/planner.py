@@ -587,6 +587,12 @@ def moe_share(cfg: ExperimentConfig, memory: dict[str, float]) -> dict[str, Any]
     share = routed / count_params(m).total
     states = ("parameters", "gradients", "optimizer", "communication")
     ep = cfg.parallel.ep or 1
+    layers = moe_layer_count(m.moe, m.num_layers)
+    width = parts["expert"] // (3 * m.hidden_size)
+    act = 4 if cfg.train.precision == "fp32" else 2
+    micro = cfg.data.micro_batch_size if isinstance(cfg.data.micro_batch_size, int) else 1
+    rows = micro * cfg.data.seq_len * m.moe.top_k  # (token, expert) rows of one micro batch
+    rows_per_step = rows * (cfg.data.grad_accum_steps or 1)
     return {
         "ep": ep,
         "experts_params": routed,
@@ -597,6 +603,17 @@ def moe_share(cfg: ExperimentConfig, memory: dict[str, float]) -> dict[str, Any]
         "experts_bytes_per_device": {
             k: int(round(memory.get(k, 0.0) * share / ep)) for k in states
         },
+        # One MoE layer's dispatch buffers per micro batch, dropless, balanced: the
+        # sorted rows and their outputs (2 x hidden) and the experts' gate, up and
+        # product (3 x width) per row, in the compute dtype (an estimate: not yet in
+        # memory_per_device_bytes, nor checked by the memory trace).
+        "dispatch_bytes_per_layer": int(rows * act * (2 * m.hidden_size + 3 * width)),
+        # Bytes this rank sends by all-to-all per optimizer step at parallel.ep:
+        # each row's hidden state out and its output back, in forward and again
+        # (their gradients) in backward, the (ep-1)/ep of rows bound for other ranks.
+        "all_to_all_bytes_per_step": int(
+            4 * rows_per_step * m.hidden_size * act * layers * (ep - 1) / ep
+        ),
     }
 
 

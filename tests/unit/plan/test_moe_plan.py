@@ -67,3 +67,23 @@ def test_the_experts_share_per_device_follows_ep():
     assert split["experts_bytes_per_device"]["parameters"] * 2 == pytest.approx(
         one["experts_bytes_per_device"]["parameters"], abs=2
     )
+
+
+def test_all_to_all_bytes_follow_ep_and_top_k():
+    """Nothing crosses ranks at ep 1; at ep 2 half of each row's 4 trips (out and
+    back, forward and backward) does, per MoE layer, rows = tokens x top_k."""
+
+    def moe(top_k, ep):
+        c = cfg(top_k=top_k)
+        dp = {"strategy": "ddp", "dp": 2, "ep": ep}
+        two = ExperimentConfig.model_validate(
+            {**c.model_dump(), "parallel": dp, "resource": {"num_workers": 2}}
+        )
+        return plan(two).to_json()["moe"]
+
+    assert moe(2, 1)["all_to_all_bytes_per_step"] == 0
+    two = moe(2, 2)["all_to_all_bytes_per_step"]
+    rows = 2 * 64 * 2  # micro batch 2 x seq 64 x top_k 2
+    assert two == 4 * rows * 64 * 4 * 1 // 2  # fp32, hidden 64, 1 MoE layer, (ep-1)/ep
+    assert moe(4, 2)["all_to_all_bytes_per_step"] == 2 * two
+    assert moe(4, 2)["dispatch_bytes_per_layer"] == 2 * moe(2, 2)["dispatch_bytes_per_layer"]
