@@ -107,3 +107,12 @@ def runs_root_hint(given: str | None) -> str:
         f" (no project at or above {Path.cwd()}: run from inside the project, or give "
         "--runs-root DIR, the train.runs_root of your runs)"
     )
+
+
+def wide_console(stderr: bool = False) -> Any:
+    """A rich Console; wide when piped (a file, `| less`, CI), so tables and long
+    lines are not wrapped at the 80 columns rich assumes without a terminal."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=max(console.width, 200))

@@ -132,12 +132,12 @@ def _trace(cfg, p) -> dict:  # noqa: ANN001 - ExperimentConfig, Plan, imported l
 
 
 def _print_plan(name: str, p, traced: dict | None = None) -> None:  # noqa: ANN001 - Plan
-    from rich.console import Console
     from rich.table import Table
 
+    from trainlab.cli.common import wide_console
     from trainlab.plan.model_math import GiB
 
-    con = Console()
+    con = wide_console()  # not wrapped at 80 columns when piped
     t = Table(title=f"plan: {name}", show_header=False, title_justify="left")
     t.add_column(style="bold")
     t.add_column(justify="right")

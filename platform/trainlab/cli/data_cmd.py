@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from trainlab.cli.common import config_args, echo_json, json_option
+from trainlab.cli.common import config_args, echo_json, json_option, wide_console
 from trainlab.config import load_config
 
 
@@ -41,7 +41,6 @@ def inspect(config: str, overrides: tuple[str, ...], steps: int, as_json: bool) 
 
 
 def _print_report(name: str, r: dict[str, Any]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(
@@ -59,7 +58,7 @@ def _print_report(name: str, r: dict[str, Any]) -> None:
             f"{s['docs']:,}",
             f"{s['epochs']:.4f}",
         )
-    con = Console()
+    con = wide_console()  # not wrapped at 80 columns when piped
     con.print(t)
     con.print(
         f"padding fraction {r['padding_fraction']:.4f}; documents split "

@@ -105,10 +105,11 @@ def _progress_bar() -> Iterator:
 
 
 def _print_summary(result) -> None:  # noqa: ANN001 - PrepResult, imported lazily
-    from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    from trainlab.cli.common import wide_console
+
+    con = wide_console()  # not wrapped at 80 columns when piped
     m = result.manifest
     status = (
         "up to date"

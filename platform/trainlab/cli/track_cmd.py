@@ -22,6 +22,7 @@ from trainlab.cli.common import (
     json_option,
     runs_root_hint,
     runs_root_option,
+    wide_console,
 )
 from trainlab.errors import UserError
 
@@ -345,10 +346,7 @@ def runs(
 
 def _console() -> Any:
     """Rich console; wide when piped, so tables are not squeezed into 80 columns."""
-    from rich.console import Console
-
-    console = Console()
-    return console if console.is_terminal else Console(width=max(console.width, 200))
+    return wide_console()
 
 
 def _duration(seconds: float) -> str:

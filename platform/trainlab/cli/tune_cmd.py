@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from trainlab.cli.common import config_args, echo_json, json_option
+from trainlab.cli.common import config_args, echo_json, json_option, wide_console
 
 
 @click.command()
@@ -41,7 +41,6 @@ def tune(config: str, overrides: tuple[str, ...], search: tuple[str, ...], sampl
 
 
 def _print(result: dict) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"mix search {result['search_id']} (by {result['metric']}, lower is better)",
@@ -53,6 +52,6 @@ def _print(result: dict) -> None:
         obj = tr["objective"]
         t.add_row(str(i), str(tr["name"]), str(tr["status"]),
                   "-" if obj is None else f"{obj:.4f}", mix)
-    Console().print(t)
+    wide_console().print(t)
     if result["best"]:
         print(f"best: {result['best']['name']} ({result['best']['run_dir']})")

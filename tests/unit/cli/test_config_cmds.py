@@ -147,3 +147,19 @@ def test_old_optimizer_fields_still_read_and_keep_the_config_hash():
     identity = identity_dict(plain)["train"]
     assert "optimizer" not in identity and identity["beta2"] == 0.95
     assert config_hash(load_config(TINY, ["train.optimizer.name=muon"])) != config_hash(plain)
+
+
+def test_plan_piped_is_not_wrapped_at_80_columns(capsys):
+    """Piped (a file, `| less`, CI), rich assumed 80 columns and broke the plan's
+    notes mid-sentence; `data inspect`, prep's summary and compare print alike."""
+    import pytest
+
+    from trainlab.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["plan", BIG])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    (line,) = [ln for ln in out.splitlines() if "global batch 256 = " in ln]
+    assert line.rstrip().endswith("set data.global_batch_size to keep it fixed"), line
+    assert max(len(ln) for ln in out.splitlines()) > 80
