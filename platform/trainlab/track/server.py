@@ -37,6 +37,7 @@ import contextlib
 import json
 import os
 import pwd
+import re
 import secrets
 import shutil
 import signal
@@ -628,14 +629,16 @@ def server_down(dir: str | os.PathLike[str] | None = None) -> ServerState | None
 # --------------------------------------------------------------------------- clients
 
 
-def check_credentials(uri: str | None = None, timeout: float = 10.0) -> None:
-    """Before a run places any worker: a tracking server at `uri` (default
-    MLFLOW_TRACKING_URI, when it is http(s)) must accept this environment's
-    credentials. Refused (401/403): UserError naming the variables. Unreachable:
-    nothing (the run's journal keeps its records until the server answers)."""
-    uri = (uri if uri is not None else os.environ.get("MLFLOW_TRACKING_URI", "")).strip()
-    if not uri.startswith(("http://", "https://")):
-        return
+class ServerUnavailable(UserError):
+    """The tracking server does not answer a command that reads it: one line, exit 1
+    (not bad input; a run's records wait in its journal meanwhile)."""
+
+    exit_code = 1
+
+
+def _ask(uri: str, timeout: float) -> int:
+    """The HTTP status of one signed-in request to the server at `uri` (MLflow's
+    credential variables; no retries); raises what the request raised."""
     from mlflow.utils.rest_utils import MlflowHostCreds, http_request
 
     creds = MlflowHostCreds(
@@ -644,25 +647,64 @@ def check_credentials(uri: str | None = None, timeout: float = 10.0) -> None:
         password=os.environ.get("MLFLOW_TRACKING_PASSWORD") or None,
         token=os.environ.get("MLFLOW_TRACKING_TOKEN") or None,
     )
+    resp = http_request(
+        creds,
+        "/api/2.0/mlflow/experiments/search",
+        "GET",
+        params={"max_results": 1},
+        max_retries=0,
+        timeout=timeout,
+    )
+    return int(resp.status_code)
+
+
+def _refused(uri: str, status: int, after: str = "; nothing was started") -> UserError:
+    has = any(
+        os.environ.get(k)
+        for k in ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")
+    )
+    who = (
+        "the credentials of MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD"
+        + ("/MLFLOW_TRACKING_TOKEN" if os.environ.get("MLFLOW_TRACKING_TOKEN") else "")
+        if has
+        else "no credentials (set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD)"
+    )
+    return UserError(
+        f"MLFLOW_TRACKING_URI {redact(uri)}: the tracking server refused {who} "
+        f"(HTTP {status}){after}"
+    )
+
+
+def check_credentials(uri: str | None = None, timeout: float = 10.0) -> None:
+    """Before a run places any worker: a tracking server at `uri` (default
+    MLFLOW_TRACKING_URI, when it is http(s)) must accept this environment's
+    credentials. Refused (401/403): UserError naming the variables. Unreachable:
+    nothing (the run's journal keeps its records until the server answers)."""
+    uri = (uri if uri is not None else os.environ.get("MLFLOW_TRACKING_URI", "")).strip()
+    if not uri.startswith(("http://", "https://")):
+        return
     try:
-        resp = http_request(
-            creds,
-            "/api/2.0/mlflow/experiments/search",
-            "GET",
-            params={"max_results": 1},
-            max_retries=0,
-            timeout=timeout,
-        )
+        status = _ask(uri, timeout)
     except Exception:  # noqa: BLE001 - not reachable now: the journal absorbs an outage
         return
-    if resp.status_code in (401, 403):
-        who = (
-            "no credentials (set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD)"
-            if creds.username is None and creds.token is None
-            else "the credentials of MLFLOW_TRACKING_USERNAME/MLFLOW_TRACKING_PASSWORD"
-            + ("/MLFLOW_TRACKING_TOKEN" if creds.token else "")
-        )
-        raise UserError(
-            f"MLFLOW_TRACKING_URI {redact(uri)}: the tracking server refused {who} "
-            f"(HTTP {resp.status_code}); nothing was started"
-        )
+    if status in (401, 403):
+        raise _refused(uri, status)
+
+
+def check_server(uri: str, timeout: float = 10.0) -> None:
+    """A command about to read or write the server at `uri`: it answers and accepts
+    the credentials, else one line (ServerUnavailable, exit 1; refused, exit 2)
+    instead of MLflow's minutes of retries and a traceback."""
+    from trainlab.errors import first_line
+
+    try:
+        status = _ask(uri, timeout)
+    except Exception as e:  # noqa: BLE001 - said in one line
+        why = re.search(r"\[Errno -?\d+\] [^\"')]+|timed out|Read timed out", str(e))
+        raise ServerUnavailable(
+            f"MLFLOW_TRACKING_URI {redact(uri)}: the tracking server does not answer "
+            f"({why.group(0) if why else redact(first_line(e))[:120]}); runs' records wait "
+            "in their journals until it does (docs/tracking-teams.md)"
+        ) from None
+    if status in (401, 403):
+        raise _refused(uri, status, after="")

@@ -276,3 +276,20 @@ def test_credentials_in_a_uri_are_refused_in_one_line_before_anything_starts(
     (line,) = [ln for ln in err.strip().splitlines() if not ln.startswith("starting")]
     assert line.startswith(f"error: {flag} ") and says in line and "fake-" not in line
     assert not (tmp_path / "srv").exists()
+
+
+def test_commands_that_read_the_server_say_it_is_down_or_refusing_in_one_line(
+    server, monkeypatch, capsys, tmp_path
+):
+    from trainlab.track.server import free_port
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{free_port()}")  # nothing there
+    code, _, err = cli(capsys, "runs", "--runs-root", str(tmp_path))
+    (line,) = err.strip().splitlines()
+    assert code == 1 and "the tracking server does not answer" in line, err
+    for key, value in server.client_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "not-the-password")
+    code, _, err = cli(capsys, "compare", "--runs-root", str(tmp_path))
+    (line,) = err.strip().splitlines()
+    assert code == 2 and "refused the credentials" in line and "not-the-password" not in err
