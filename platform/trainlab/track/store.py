@@ -111,6 +111,10 @@ def client_for(uri: str, flush_records: bool = True) -> MlflowClient:
     from trainlab.track.heartbeat import correct_lost
 
     db = embedded_db_path(uri)
+    if is_server(uri):  # down or refusing: one line, not minutes of retries
+        from trainlab.track.server import check_server
+
+        check_server(uri)
     if db is None:
         client = MlflowClient(tracking_uri=uri)
     else:
