@@ -43,6 +43,10 @@ class StartupNotes:
         `ensure_ray` says so itself)."""
         from trainlab.raycluster import from_local_cluster
 
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():  # `--repeats`' next seed, a Tune trial
+            self.say("Ray already up in this process (one cluster for all its runs)")
+            return
         address = os.environ.get("RAY_ADDRESS")
         if from_local_cluster(address):
             return
@@ -79,11 +83,13 @@ class StartupNotes:
                     continue
                 if started and len(stepped) >= len(started):
                     return  # training: the progress lines take over
+                # Before an attempt is recorded the driver cannot tell placing from
+                # starting (the workers may have met already: their lines say so).
                 what = (
                     "the training processes' first step (model, data, process group)"
                     if started
-                    else f"Ray to place {num_workers} worker(s) and start them "
-                    "(a busy or full cluster waits here)"
+                    else f"the {num_workers} worker(s) to be placed and their training "
+                    "processes to start (a busy or full cluster waits at placing)"
                 )
                 self.say(f"still waiting after {time.monotonic() - self.t0:.0f} s for {what}")
 
