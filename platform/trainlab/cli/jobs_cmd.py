@@ -192,21 +192,29 @@ def stopped_line(run: dict) -> str:
         kept_step = int(found.group(1))
         dropped = f", steps {kept_step + 1}-{step} are dropped" if step > kept_step else ""
         kept = f"kept: its checkpoint at step {kept_step}{dropped}"
-    return (
-        f"  run {where}: marked stopped at step {step}; {kept}; "
-        f"resume with: trainlab train {where} --resume"
+    status = run.get("status") or RunStatus.STOPPED
+    ended = (
+        "marked stopped"
+        if status == RunStatus.STOPPED
+        else f"ended by its own processes ({status}: they took the stop)"
     )
+    return f"  run {where}: {ended} at step {step}; {kept}; resume with: trainlab train {where} --resume"
 
 
 def _end_stopped_run(info: object, job_id: str) -> dict | None:
-    """The stopped job's run, marked `stopped` (its killed processes could not)."""
+    """The stopped job's run, marked `stopped` (its killed processes could not);
+    a run whose own processes took the stop (the driver's SIGTERM: a graceful stop
+    at the next step, status `interrupted`) is left as they ended it, and its
+    summary returned, so what a resume keeps is said either way."""
     from trainlab.track.lifecycle import end_run, run_dir_of_job
+    from trainlab.train.records import RunRecords
 
     run_dir = run_dir_of_job(getattr(info, "metadata", None))
     if run_dir is None:
         return None
     try:
-        return end_run(run_dir, RunStatus.STOPPED, f"stopped by trainlab stop {job_id}")
+        ended = end_run(run_dir, RunStatus.STOPPED, f"stopped by trainlab stop {job_id}")
+        return ended or {"run_dir": run_dir, **(RunRecords(run_dir).read_summary() or {})}
     except OSError as e:  # the run directory is on storage this machine does not see
         click.echo(f"  could not mark the run in {run_dir} stopped: {e}", err=True)
         return None

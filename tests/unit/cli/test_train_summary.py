@@ -122,3 +122,39 @@ def test_trainlab_stop_says_what_a_resume_keeps():
     )
     assert "kept: its checkpoint at step 20, steps 21-27 are dropped" in some
     assert some.endswith("resume with: trainlab train /r/tiny --resume")
+    # A run whose driver took the stop (SIGTERM: the next step, a checkpoint when
+    # due) ended itself `interrupted`; stop said nothing of it at all.
+    took = stopped_line(
+        {
+            "run_dir": "/r/tiny",
+            "status": "interrupted",
+            "final_step": 74,
+            "last_checkpoint": "/r/tiny/checkpoints/step-00000060",
+        }
+    )
+    assert "ended by its own processes (interrupted: they took the stop) at step 74" in took
+    assert "kept: its checkpoint at step 60, steps 61-74 are dropped" in took
+
+
+def test_trainlab_stop_of_a_run_that_took_the_stop_says_what_it_kept(tmp_path):
+    """The driver of a submitted run takes Ray's SIGTERM as a graceful stop and ends
+    its run `interrupted` before `trainlab stop` looks: that summary is left as it
+    is (not overwritten `stopped`) and said, where stop printed nothing of the run."""
+    import types
+
+    from tests.train_helpers import tiny_config
+    from trainlab.cli.jobs_cmd import _end_stopped_run, stopped_line
+    from trainlab.config import to_yaml
+    from trainlab.train.records import RunRecords
+
+    run_dir = tmp_path / "run"
+    (run_dir / "logs").mkdir(parents=True)
+    cfg = tiny_config(tmp_path / "ds")  # read back only: no dataset needed
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    took = {"status": "interrupted", "final_step": 74, "last_checkpoint": None}
+    RunRecords(run_dir).write_summary({**took, "run_dir": str(run_dir)})
+    info = types.SimpleNamespace(metadata={"trainlab_run_dir": str(run_dir)})
+    run = _end_stopped_run(info, "job-1")
+    assert run["status"] == "interrupted" and run["final_step"] == 74
+    assert RunRecords(run_dir).read_summary()["status"] == "interrupted"  # left as it was
+    assert "ended by its own processes (interrupted" in stopped_line(run)
