@@ -110,7 +110,14 @@ def main(args: ChildArgs, conn: Any) -> None:
         if isinstance(e, StorageFault):  # said in one line; the traceback in the log file
             _to_log_file(f"training process failed at step {step}:\n{traceback.format_exc()}")
         else:
-            log.error("training process failed at step %s:\n%s", step, traceback.format_exc())
+            # The error on the first line: the terminal shows that line (the traceback
+            # goes to the rank's log); it ended in a bare colon.
+            log.error(
+                "training process failed at step %s: %s\n%s",
+                step,
+                failure_message(e),
+                traceback.format_exc(),
+            )
         with contextlib.suppress(Exception):  # the agent may be gone too
             client.call(Failed(step, failure_message(e)))
         flush_logs()
