@@ -97,6 +97,10 @@ def main(argv: list[str] | None = None) -> None:
     # Ray's notice that token authentication is on (the secure default every
     # trainlab cluster uses) is printed by every Ray-backed command: not news.
     logging.getLogger(RAY_TOKEN_NOTICE).setLevel(logging.ERROR)
+    # MLflow's INFO lines (system-metrics start and stop, "Creating initial MLflow
+    # database tables", ...) are not the command's output (`export`, `compare`, ...);
+    # read when MLflow is imported, so set before any command imports it.
+    os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     args = sys.argv[1:] if argv is None else argv
     from trainlab.cli.localray import use_local_cluster
 

@@ -445,6 +445,8 @@ def ui(port: int, runs_root: str | None) -> int:
         str(port),
         "--workers",
         "1",
+        "--uvicorn-opts",
+        "--log-level warning",  # not a line per start-up phase and request
     ]
     root = artifact_location(runs_root)
     if root:
@@ -461,6 +463,11 @@ def ui(port: int, runs_root: str | None) -> int:
     click.echo(f"MLflow UI for {uri} at http://127.0.0.1:{port} (Ctrl-C stops it)", err=True)
     sys.stdout.flush()
     sys.stderr.flush()
+    # The server's own noise: MLflow's INFO lines and starlette's deprecation of the
+    # WSGI middleware MLflow imports (a warning for MLflow's developers, not ours).
+    env = {**os.environ, "MLFLOW_LOGGING_LEVEL": os.environ.get("MLFLOW_LOGGING_LEVEL", "WARNING")}
+    quiet = "ignore:starlette.middleware.wsgi is deprecated:UserWarning"
+    env["PYTHONWARNINGS"] = ",".join(w for w in (env.get("PYTHONWARNINGS"), quiet) if w)
     # Become the server: Ctrl-C and signals then reach it (and its workers) directly.
-    os.execv(sys.executable, command)
+    os.execve(sys.executable, command, env)
     return 0  # not reached

@@ -111,6 +111,11 @@ def test_ui_serves_the_runs_store_on_loopback_only(rank0, client, runs_root, tmp
             if c.status == psutil.CONN_LISTEN
         }
         assert listening and {addr.ip for addr in listening} == {"127.0.0.1"}
+    # What the user sees: trainlab's line and MLflow's two notices; no INFO line per
+    # start-up phase or request, no starlette deprecation warning (issue 41 item 8).
+    said = (tmp_path / "ui.log").read_text()
+    assert "MLflow UI for sqlite:///" in said
+    assert " INFO" not in said and "DeprecationWarning" not in said, said
 
 
 # The chart sections of a run's "Model metrics" tab, in the order shown: each
