@@ -1,9 +1,9 @@
 """Expert parallelism (parallel.ep, trainlab.train.parallel.expert) with the real
 Trainer: on 2 gloo processes ep=2 (each rank holds 2 of the 4 experts, tokens by
 all-to-all) trains the same model as ep=1 (every expert on both ranks, DDP) in
-fp32 deterministic mode, with DDP or FSDP2 for the dense parts, and the ep=2
-run's DCP checkpoint resumes in one process (ep=1: the expert tensors reshard)
-on the ep=1 curve."""
+fp32 deterministic mode, with DDP or FSDP2 for the dense parts; an ep=1
+checkpoint resumes at ep=2, and an ep=2 one in one process (the expert tensors
+reshard both ways), on the ep=1 curve."""
 
 from __future__ import annotations
 
@@ -69,6 +69,18 @@ def test_ep2_trains_as_ep1_and_reshards_to_one_process(dataset, tmp_path):
         assert norm == pytest.approx(ref_norms[step], rel=RTOL), (step, norm, ref_norms)
     worst_fsdp = max(abs(sharded[s] - reference[s]) / abs(reference[s]) for s in reference)
     print(f"ep=2 + FSDP vs ep=1: worst relative loss difference {worst_fsdp:.2e}")
+
+    # ep=1's step-2 checkpoint (plain expert tensors) resumed at ep=2: resharded, and
+    # the optimizer keeps the kernel it was built with (not ep=1's fused AdamW)
+    into_ep2 = tmp_path / "into-ep2"
+    (into_ep2 / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "ep1/checkpoints/step-00000002",
+                    into_ep2 / "checkpoints/step-00000002")  # fmt: skip
+    later, summary = run_layout(make_job(ep_config(dataset, 2), into_ep2), 2,
+                                tmp_path / "into-ep2.json")  # fmt: skip
+    assert summary["start_step"] == 2 and sorted(later) == [3, 4]
+    for step, loss in later.items():
+        assert loss == pytest.approx(reference[step], rel=RTOL), (step, later, reference)
 
     # ep=2's step-2 checkpoint (experts sharded over 2 ranks) into one process
     resumed = tmp_path / "resumed"

@@ -70,6 +70,8 @@ class RNG:
 
 
 FLAT = {"flatten_optimizer_state_dict": True}
+# Optimizer settings that choose a kernel, kept as built when a checkpoint loads.
+KERNEL_FLAGS = ("fused", "foreach")
 _COPY, _TABLE = ".output.weight.", ".tok_embeddings.weight."
 
 
@@ -178,10 +180,17 @@ class ModelState:
             if self.pipeline is not None and is_tied_copy(part):
                 optim = _renamed(optim, _TABLE, _COPY)
             set_model_state_dict(part, model)
+            # How this process's optimizer runs (fused or not: trainlab.optim.adamw
+            # decides by its parameters) is not the checkpoint's to change: a layout
+            # whose parameters mix tensors and DTensors cannot run the fused kernel
+            # another layout saved it with.
+            kernels = [{k: g[k] for k in KERNEL_FLAGS if k in g} for g in opt.param_groups]
             if uses_zero1(self.cfg, self.env):
                 load_flat_optimizer_state(part, opt, state["optimizer"])
             else:
                 set_optimizer_state_dict(part, opt, optim, options=options)
+            for group, flags in zip(opt.param_groups, kernels, strict=True):
+                group.update(flags)
 
     def weights_digest(self) -> str | None:
         """`state_dict_sha256` of the whole model's weights on rank 0, computed a
