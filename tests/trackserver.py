@@ -8,8 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,17 +18,6 @@ NO_POSTGRES = (
     "PostgreSQL's server binaries (initdb, pg_ctl) are not on this machine "
     "(`make test-deps` installs them)"
 )
-
-
-def trainlab(*args: str, env: dict[str, str] | None = None, timeout: float = 240):
-    return subprocess.run(
-        [sys.executable, "-m", "trainlab", *args],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, **(env or {})},
-    )
 
 
 def in_process(*args: str) -> str:
@@ -54,10 +41,19 @@ class Server:
         self.info: dict = {}
 
     def up(self) -> dict:
-        out = trainlab("tracking", "up", "--dir", str(self.dir), "--port", str(self.port),
-                       "--json", env=self.env)
-        assert out.returncode == 0, out.stderr[-3000:]
-        self.info = json.loads(out.stdout)
+        """`trainlab tracking up --json` (in this process: the servers it starts are
+        processes of their own either way)."""
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
+        try:
+            args = ("tracking", "up", "--dir", str(self.dir), "--port", str(self.port))
+            self.info = json.loads(in_process(*args, "--json"))
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         return self.info
 
     def up_again(self) -> dict:

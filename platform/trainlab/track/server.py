@@ -74,7 +74,7 @@ POSTGRES_USER_ENV = "TRAINLAB_POSTGRES_USER"
 DEFAULT_PERMISSION = "EDIT"
 PG_BIN_GLOB = "/usr/lib/postgresql/*/bin"
 AUTH_CACHE_TTL_S = 60
-GRACEFUL_SHUTDOWN_S = 3
+GRACEFUL_SHUTDOWN_S = 1
 
 
 def home_dir() -> Path:
@@ -163,6 +163,16 @@ def port_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def _is_mlflow_server(pid: int) -> bool:
+    """`pid` is still an `mlflow server` process (a recorded pid may have been reused
+    by an unrelated process after the server ended: never signalled then)."""
+    try:
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return b"mlflow" in args and b"server" in args
 
 
 def _group_alive(pgid: int) -> bool:
@@ -415,7 +425,7 @@ def server_status(dir: str | os.PathLike[str] | None = None) -> dict[str, Any] |
     pg = _Postgres(Path(state.dir)) if state.pg_port is not None else None
     return {
         **state.info(),
-        "mlflow_running": _group_alive(state.pid),
+        "mlflow_running": _is_mlflow_server(state.pid),
         "database_running": pg.running() if pg is not None else None,
         "answers": _health(state.uri),
     }
@@ -442,7 +452,7 @@ def server_up(
     if root.exists() and not root.is_dir():
         raise UserError(f"--dir {root}: not a directory")
     old = read_state(root)
-    if old is not None and _group_alive(old.pid):
+    if old is not None and _is_mlflow_server(old.pid):
         raise UserError(
             f"a tracking server of {root} is already running at {old.uri} "
             f"(`trainlab tracking down --dir {root}` stops it)"
@@ -620,7 +630,8 @@ def server_down(dir: str | os.PathLike[str] | None = None) -> ServerState | None
     state = read_state(dir)
     if state is None:
         return None
-    _stop_group(state.pid)
+    if _is_mlflow_server(state.pid):  # our server's process group, not a reused pid
+        _stop_group(state.pid)
     if state.pg_port is not None:
         _Postgres(Path(state.dir)).stop()
     return state
