@@ -570,7 +570,48 @@ def _active_params(m: Any, total: int) -> int | None:
     return active if active != total else None
 
 
-def moe_share(cfg: ExperimentConfig, memory: dict[str, float]) -> dict[str, Any] | None:
+# strategy auto picks parallel.ep for an MoE whose routed experts are at least this
+# share of the parameters (then their state dominates each device's memory).
+EP_EXPERTS_SHARE = 0.5
+
+
+def choose_ep(cfg: ExperimentConfig, lay: Layout) -> tuple[int, str | None]:
+    """parallel.ep at layout `lay`, and why (a plan note) when chosen: as configured;
+    under `strategy: auto`, for an MoE on GPUs whose routed experts are at least
+    EP_EXPERTS_SHARE of the parameters, the largest ep that divides dp and
+    num_experts and stays within a node (its all-to-all on the node's links), when
+    the layout runs it (no tp/pp, not ZeRO-1); else 1. Each device then keeps
+    1/ep of the experts' weights, gradients and optimizer state."""
+    from trainlab.models.moe import moe_layer_count, moe_params
+
+    m, p = cfg.model, cfg.parallel
+    if p.ep is not None or m.moe is None:
+        return p.ep or 1, None
+    if p.strategy != "auto" or not cfg.resource.use_gpu:
+        return 1, None
+    if lay.tp > 1 or lay.pp > 1 or lay.zero_stage == 1:
+        return 1, None
+    routed = moe_params(m.moe, m.hidden_size, m.ffn_hidden_size)["routed"]
+    share = routed * moe_layer_count(m.moe, m.num_layers) / count_params(m).total
+    if share < EP_EXPERTS_SHARE:
+        return 1, None
+    limit = min(lay.dp, m.moe.num_experts, cfg.resource.gpus_per_node)
+    ep = max(d for d in range(1, limit + 1) if lay.dp % d == 0 and m.moe.num_experts % d == 0)
+    if ep == 1:
+        return 1, None
+    return ep, (
+        f"parallel.ep {ep}: the routed experts are {share:.0%} of the parameters; split over "
+        f"{ep} data-parallel ranks of a node (dp2ep), each device keeps 1/{ep} of their state"
+    )
+
+
+def moe_share(
+    cfg: ExperimentConfig,
+    memory: dict[str, float],
+    ep: int = 1,
+    micro_batch: int = 1,
+    grad_accum: int = 1,
+) -> dict[str, Any] | None:
     """The routed experts of an MoE (model.moe): their parameters (all layers), the
     parameters of one expert, and the bytes of their weights, gradients and
     optimizer state per device, DDP's gradient buckets (communication) included:
@@ -586,13 +627,11 @@ def moe_share(cfg: ExperimentConfig, memory: dict[str, float]) -> dict[str, Any]
     routed = parts["routed"] * moe_layer_count(m.moe, m.num_layers)
     share = routed / count_params(m).total
     states = ("parameters", "gradients", "optimizer", "communication")
-    ep = cfg.parallel.ep or 1
     layers = moe_layer_count(m.moe, m.num_layers)
     width = parts["expert"] // (3 * m.hidden_size)
     act = 4 if cfg.train.precision == "fp32" else 2
-    micro = cfg.data.micro_batch_size if isinstance(cfg.data.micro_batch_size, int) else 1
-    rows = micro * cfg.data.seq_len * m.moe.top_k  # (token, expert) rows of one micro batch
-    rows_per_step = rows * (cfg.data.grad_accum_steps or 1)
+    rows = micro_batch * cfg.data.seq_len * m.moe.top_k  # (token, expert) rows of a micro batch
+    rows_per_step = rows * grad_accum
     return {
         "ep": ep,
         "experts_params": routed,
@@ -685,6 +724,9 @@ def _plan_fixed(cfg: ExperimentConfig) -> Plan:
             f"{chosen.grad_accum} x dp {lay.dp}: it follows dp (the device count and layout); "
             "set data.global_batch_size to keep it fixed"
         )
+    ep, ep_note = choose_ep(cfg, lay)
+    if ep_note:
+        notes.append(ep_note)
     nodes = nodes_needed(cfg)
     if nodes > 1:
         notes.append(
@@ -694,13 +736,19 @@ def _plan_fixed(cfg: ExperimentConfig) -> Plan:
     return Plan(
         num_params=pc.total,
         num_params_active=_active_params(m, pc.total),
-        moe=moe_share(cfg, chosen.memory),
+        moe=moe_share(cfg, chosen.memory, ep, chosen.micro_batch, chosen.grad_accum),
         params_breakdown=pc.as_dict(),
         optimizer=cfg.train.optimizer.name,
         checkpoint_bytes_per_param=_checkpoint_bytes_per_param(cfg),
         world_size=r.world_size,
         strategy=lay.strategy,
-        parallel={"tp": lay.tp, "pp": lay.pp, "dp": lay.dp, "zero_stage": lay.zero_stage},
+        parallel={
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "dp": lay.dp,
+            "zero_stage": lay.zero_stage,
+            **({"ep": ep} if m.moe is not None else {}),
+        },
         memory_per_device_bytes=chosen.memory,
         device_memory_bytes=dev_mem,
         usable_memory_bytes=usable,

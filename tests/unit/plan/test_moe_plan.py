@@ -87,3 +87,28 @@ def test_all_to_all_bytes_follow_ep_and_top_k():
     assert two == 4 * rows * 64 * 4 * 1 // 2  # fp32, hidden 64, 1 MoE layer, (ep-1)/ep
     assert moe(4, 2)["all_to_all_bytes_per_step"] == 2 * two
     assert moe(4, 2)["dispatch_bytes_per_layer"] == 2 * moe(2, 2)["dispatch_bytes_per_layer"]
+
+
+def test_strategy_auto_chooses_ep_when_the_experts_dominate():
+    """On 8 GPUs of a node an MoE whose routed experts are most of its parameters
+    gets the largest ep dividing dp and num_experts; resolve_layout makes it the
+    run's parallel.ep. A small expert share, or CPUs, keep ep 1."""
+    from trainlab.plan import resolve_layout
+
+    def auto(gpu: bool, **moe):
+        c = cfg(**moe)
+        raw = c.model_dump()
+        raw["parallel"] = {"strategy": "auto"}
+        raw["resource"] = {"num_workers": 8, "use_gpu": gpu, "gpus_per_node": 8}
+        return ExperimentConfig.model_validate(raw)
+
+    many = auto(True, num_experts=16, expert_ffn_hidden_size=256, first_dense_layers=0)
+    p = plan(many)
+    share = p.to_json()["moe"]["experts_share_of_params"]
+    assert share >= 0.5 and p.parallel["ep"] == 8 and p.parallel["zero_stage"] != 1
+    assert any(n.startswith("parallel.ep 8:") for n in p.notes)
+    assert resolve_layout(many, p).parallel.ep == 8
+    few = auto(True, num_experts=2, top_k=1, expert_ffn_hidden_size=8)
+    assert plan(few).to_json()["moe"]["experts_share_of_params"] < 0.5
+    assert plan(few).parallel["ep"] == 1
+    assert plan(auto(False, num_experts=16, expert_ffn_hidden_size=256)).parallel["ep"] == 1
