@@ -19,7 +19,7 @@ export PYTHONDONTWRITEBYTECODE := 1
 export RAY_USAGE_STATS_ENABLED := 0
 export MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR := false
 
-.PHONY: setup lock test test-all test-deps test-fast lint demo bench clean gpu-wheels gpu-check notebook
+.PHONY: setup lock test test-all test-deps test-fast lint demo bench clean gpu-wheels gpu-check notebook screenshots
 
 setup: $(STAMP)
 
@@ -79,6 +79,12 @@ demo: setup
 
 bench: setup
 	$(PY) -m devtools.bench
+
+# The README's screenshots of the MLflow UI (docs/images/: the runs view, a run's
+# loss chart), taken by the UI test in a real headless browser, never by hand.
+screenshots: setup test-deps
+	TRAINLAB_SCREENSHOTS=docs/images $(VENV)/bin/pytest -q \
+	  tests/unit/track/test_track_ui.py -k in_a_browser
 
 # JupyterLab over .venv (its python3 kernel imports trainlab), on 127.0.0.1 with
 # token auth (Jupyter's default: the URL it prints carries a fresh token),

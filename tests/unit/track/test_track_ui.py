@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -150,6 +151,12 @@ def test_in_a_browser_an_experiment_opens_on_its_runs_and_a_run_on_its_loss(
             )
             text = browser.evaluate("document.body.innerText")
             assert "No data available" not in text and "Detect Issues" not in text, text[:600]
+            # The table itself (the breadcrumb names the run too: `tiny`), then its rows drawn.
+            browser.wait_for(
+                f"!!document.querySelector('a[href*=\"{run.info.run_id}\"]')", what="the run's link"
+            )
+            time.sleep(2)
+            shots = [_screenshot(browser, tmp_path / "mlflow-runs-view.png")]
             browser.click(run.info.run_name, href_part=run.info.run_id)
             browser.wait_for(f"location.href.includes({run.info.run_id!r})", what="the run page")
             header = browser.wait_for(
@@ -165,8 +172,28 @@ def test_in_a_browser_an_experiment_opens_on_its_runs_and_a_run_on_its_loss(
             )
             assert sections[0] == "loss (2)", sections
             assert {"share (3)", "val_loss (3)"} <= set(sections), sections
+            browser.wait_for("document.querySelectorAll('canvas, svg path').length > 0")
+            time.sleep(2)  # the charts draw their lines after their frames
+            shots.append(_screenshot(browser, tmp_path / "mlflow-loss-chart.png"))
         finally:
             browser.screenshot(tmp_path / "mlflow-ui.png")  # what the page showed last
+    # The README's screenshots (docs/images/) are these: `make screenshots` runs this
+    # test with TRAINLAB_SCREENSHOTS=docs/images.
+    target = os.environ.get("TRAINLAB_SCREENSHOTS")
+    if target:
+        Path(target).mkdir(parents=True, exist_ok=True)
+        for shot in shots:
+            shutil.copyfile(shot, Path(target) / shot.name)
+
+
+def _screenshot(browser: chromium.Browser, path: Path) -> Path:
+    """A screenshot of the page as shown, checked to be a real PNG of the window."""
+    browser.screenshot(path)
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, (path, len(data))
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width == 1400 and height > 600, (width, height)  # the window's viewport
+    return path
 
 
 def test_the_ui_app_is_mlflows_with_model_training_as_the_first_visit_default():
