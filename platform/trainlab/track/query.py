@@ -293,16 +293,17 @@ def normalized(key: str, value: Any) -> Any:
 
 def differing_keys(rows: Iterable[dict[str, Any]]) -> list[str]:
     """Config keys whose value differs between the rows (a key missing from some
-    row counts as differing); record fields such as `purpose` are left out."""
+    row counts as differing unless the others hold null there); record fields such
+    as `purpose` are left out."""
     rows = list(rows)
     if len(rows) < 2:
         return []
     keys = sorted(set().union(*(r["params"] for r in rows)) - RECORD_KEYS)
 
-    def value(row: dict[str, Any], key: str) -> str | None:
-        if key not in row["params"]:
-            return None
-        return json.dumps(normalized(key, row["params"][key]), sort_keys=True)
+    def value(row: dict[str, Any], key: str) -> str:
+        # A key a run's config did not have yet (recorded before the key existed) is
+        # the same as one set to null (`model.moe: null`): nothing to show apart.
+        return json.dumps(normalized(key, row["params"].get(key)), sort_keys=True)
 
     return [k for k in keys if len({value(r, k) for r in rows}) > 1]
 
