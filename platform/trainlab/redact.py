@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from urllib.parse import urlsplit
 
 MASK = "***"
 
@@ -77,14 +76,6 @@ def redact(text: str) -> str:
     return _URL.sub(_redact_url, text)
 
 
-def without_credentials(url: str) -> str:
-    """`url` with its user:password@ part removed (for a URL that must keep working)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc:
-        return url
-    return parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]).geturl()
-
-
 def shareable_env(env: Mapping[str, str], also_secret: Iterable[str] = ()) -> dict[str, str]:
     """The variables of `env` that are not secrets: no credential names, no values
     with URL credentials, none named in `also_secret`."""
@@ -94,9 +85,3 @@ def shareable_env(env: Mapping[str, str], also_secret: Iterable[str] = ()) -> di
         for k, v in env.items()
         if k not in extra and not is_secret_name(k) and not url_credentials(v)
     }
-
-
-def secret_values(env: Mapping[str, str], also_secret: Iterable[str] = ()) -> list[str]:
-    """The values `shareable_env` would drop (what to look for in records)."""
-    keep = shareable_env(env, also_secret)
-    return [v for k, v in env.items() if k not in keep and v]

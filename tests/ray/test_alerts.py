@@ -86,7 +86,7 @@ def test_nan_with_checkpoint_and_stop_stops_at_its_step_with_exit_code_4(
     assert [i.step for i in infos] == [CKPT_EVERY]
     resume = ck.find_resume(run_dir / "checkpoints")
     assert resume is not None and resume.step == CKPT_EVERY and resume.valid
-    model = load_weights_on_cpu(resume.path, cfg, resume.meta["format"])
+    model = load_weights_on_cpu(resume.path, cfg)
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
     alerts = [json.loads(x) for x in alert_log_path(run_dir).read_text().splitlines()]
     assert [(a["rule"], a["step"], a["severity"]) for a in alerts] == [("non_finite", NAN_AT, "P0")]

@@ -291,9 +291,9 @@ def _optimizer_union() -> object:
 
 
 OptimizerSection = _optimizer_union()
-# Fields that moved from `train` into `train.optimizer`; still read at `train` for
-# one release (docs/optimizers.md).
-OPTIMIZER_ALIASES = ("weight_decay", "beta1", "beta2", "eps")
+# Fields that moved from `train` into `train.optimizer`: at `train` they are refused
+# with their new name (docs/optimizers.md).
+MOVED_TO_OPTIMIZER = ("weight_decay", "beta1", "beta2", "eps")
 
 
 def _default_optimizer() -> OptimizerConfig:
@@ -372,26 +372,19 @@ class TrainConfig(Section):
     @model_validator(mode="before")
     @classmethod
     def _optimizer_fields(cls, data: object) -> object:
-        """`train.optimizer` without a name is AdamW's; `train.beta1` (and the
-        other fields that moved, OPTIMIZER_ALIASES) still mean the optimizer's."""
+        """`train.optimizer` without a name is AdamW's; `train.beta1` (and the other
+        fields that moved, MOVED_TO_OPTIMIZER) are refused with their new name."""
         if not isinstance(data, dict):
             return data
-        moved = {k: data[k] for k in OPTIMIZER_ALIASES if k in data}
+        moved = sorted(k for k in MOVED_TO_OPTIMIZER if k in data)
+        if moved:
+            raise ValueError(
+                f"train.{moved[0]} is now train.optimizer.{moved[0]} (docs/optimizers.md)"
+            )
         opt = data.get("optimizer")
-        if not moved and not (isinstance(opt, dict) and "name" not in opt):
+        if not (isinstance(opt, dict) and "name" not in opt):
             return data
-        out = {k: v for k, v in data.items() if k not in moved}
-        if opt is None or isinstance(opt, dict):
-            opt = dict(opt or {})
-            twice = sorted(k for k in moved if k in opt)
-            if twice:
-                raise ValueError(
-                    f"train.{twice[0]} and train.optimizer.{twice[0]} both given: "
-                    f"keep train.optimizer.{twice[0]} (train.{twice[0]} is its old name)"
-                )
-            opt.setdefault("name", "adamw")
-            out["optimizer"] = {**moved, **opt}
-        return out
+        return {**data, "optimizer": {**opt, "name": "adamw"}}
 
 
 # --------------------------------------------------------------------------- parallel

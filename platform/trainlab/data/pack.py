@@ -110,14 +110,6 @@ class SourceStream:
             parts.append(Pieces(at + base, order[j], at - starts[j], length))
         return Pieces.concat(parts)
 
-    def docs_started(self, tokens: int) -> int:
-        """Documents whose first token lies in stream tokens [0, tokens)."""
-        if self.epoch_tokens == 0:
-            return 0
-        full, rest = divmod(tokens, self.epoch_tokens)
-        _, starts = self.epoch(full)
-        return full * len(self.docs) + int(np.searchsorted(starts[:-1], rest, side="left"))
-
 
 @dataclass
 class PackedRows:

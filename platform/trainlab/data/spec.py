@@ -46,9 +46,6 @@ class DataSpec:
     def tokens_per_step(self) -> int:
         return self.global_batch_size * self.seq_len
 
-    def weight_of(self, source: str) -> float:
-        return self.weights[self.sources.index(source)] if source in self.sources else 0.0
-
     def stream_identity(self) -> dict[str, Any]:
         """What fixes the sequence order (besides the step)."""
         return {

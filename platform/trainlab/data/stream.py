@@ -10,8 +10,6 @@ later step.
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from trainlab.data.corpus import SourceTokens, load_corpus
@@ -106,21 +104,3 @@ class TrainStream:
         if total == 0:
             return dict(zip(self.spec.sources, self.spec.weights, strict=True))
         return {n: int(r) / total for n, r in zip(self.spec.sources, rows, strict=True)}
-
-    def source_stats(self, step: int) -> dict[str, dict[str, Any]]:
-        """Per source over steps [0, step): weight, token_share, tokens, docs (documents
-        started, counting each epoch's repeat), epochs (consumed, fractional)."""
-        rows = self.delivered_rows(step)
-        total = max(1, int(rows.sum()))
-        out = {}
-        for i, name in enumerate(self.spec.sources):
-            tokens = int(rows[i]) * self.spec.seq_len
-            stream = self.streams[i]
-            out[name] = {
-                "weight": self.spec.weights[i],
-                "token_share": int(rows[i]) / total,
-                "tokens": tokens,
-                "docs": stream.docs_started(tokens),
-                "epochs": tokens / stream.epoch_tokens,
-            }
-        return out

@@ -5,15 +5,12 @@ and checkpoints/) or one checkpoint directory in it (`checkpoints/step-N/`).
 The run's newest valid checkpoint whose files match their checksums is taken
 (`trainlab.train.checkpoint.find_resume`), or the one of `step`.
 
-Both formats the trainer writes (trainlab.train.loop.checkpointer) are read
-without the training layout or a process group:
-
-- "torch": `model.pt`, the full state dict, memory-mapped (weights_only);
-- "dcp": `state/`, torch.distributed.checkpoint shards. The model's entries
-  are stored under `model.<name>` with the same names as the unsharded
-  model's state dict, whatever the layout (FSDP, tensor or pipeline
-  parallelism); each is read alone from the metadata's description, so host
-  memory stays near the largest tensor.
+The checkpoint (trainlab.train.loop.checkpointer) is read without the training
+layout or a process group: `state/` holds torch.distributed.checkpoint shards,
+the model's entries under `model.<name>` with the same names as the unsharded
+model's state dict, whatever the layout (FSDP, tensor or pipeline
+parallelism); each is read alone from the metadata's description, so host
+memory stays near the largest tensor.
 """
 
 from __future__ import annotations
@@ -156,21 +153,13 @@ class CheckpointTensors:
 
     def __init__(self, info: ck.CheckpointInfo):
         self.path = info.path
-        self.format = str(info.meta.get("format") or "torch")
-        self._full: dict[str, torch.Tensor] | None = None
-        if self.format == "dcp":
-            self.specs = self._dcp_specs()
-        elif self.format == "torch":
-            # mmap: pages are read when a tensor is used, never the whole file at once.
-            full = torch.load(
-                info.path / "model.pt", map_location="cpu", weights_only=True, mmap=True
+        self.format = info.meta.get("format")
+        if self.format != ck.FORMAT:
+            raise UserError(
+                f"{info.path}: checkpoint format {self.format!r}, which this trainlab does "
+                f"not read (it reads {ck.FORMAT!r}: torch.distributed.checkpoint)"
             )
-            if not isinstance(full, dict):
-                raise UserError(f"{info.path / 'model.pt'}: not a state dict")
-            self._full = full
-            self.specs = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in full.items()}
-        else:
-            raise UserError(f"{info.path}: unknown checkpoint format {self.format!r}")
+        self.specs = self._dcp_specs()
 
     def _dcp_specs(self) -> dict[str, TensorSpec]:
         from torch.distributed.checkpoint import FileSystemReader
@@ -187,8 +176,6 @@ class CheckpointTensors:
 
     def get(self, name: str) -> torch.Tensor:
         spec = self.specs[name]
-        if self._full is not None:
-            return self._full[name]
         import torch.distributed.checkpoint as dcp
 
         tensor = torch.empty(spec.shape, dtype=spec.dtype)

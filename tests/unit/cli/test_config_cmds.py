@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from tests.conftest import RECIPES, REPO
@@ -130,18 +131,19 @@ def test_registered_names_are_checked_at_validate_without_torch():
     assert out.stdout.strip() == "False", out.stderr
 
 
-def test_old_optimizer_fields_still_read_and_keep_the_config_hash():
+def test_moved_optimizer_fields_are_refused_by_their_new_name_and_the_hash_holds():
     """train.beta1 (and weight_decay, beta2, eps) moved to train.optimizer: the old
-    spelling still loads, means the same, and the hash of an AdamW experiment is
-    what it was before train.optimizer existed (its runs still resume)."""
+    spelling is refused in one line naming the new one, and the hash of an AdamW
+    experiment is what it was before train.optimizer existed (its runs still resume)."""
     from trainlab.config import config_hash, load_config
     from trainlab.config.loader import identity_dict
+    from trainlab.errors import UserError
 
-    old = load_config(TINY, ["train.beta1=0.8", "train.weight_decay=0.05"])
+    with pytest.raises(UserError) as e:
+        load_config(TINY, ["train.beta1=0.8"])
+    assert "train.beta1 is now train.optimizer.beta1" in str(e.value)
     new = load_config(TINY, ["train.optimizer.beta1=0.8", "train.optimizer.weight_decay=0.05"])
-    assert old.train.optimizer == new.train.optimizer
-    assert old.train.optimizer.name == "adamw" and new.train.optimizer.beta1 == 0.8
-    assert config_hash(old) == config_hash(new)
+    assert new.train.optimizer.name == "adamw" and new.train.optimizer.beta1 == 0.8
     # AdamW's fields sit where they did before train.optimizer: the same hash.
     plain = load_config(TINY)
     identity = identity_dict(plain)["train"]

@@ -97,11 +97,6 @@ def test_rows_need_not_be_consecutive_units_or_one_source() -> None:
     assert packed.row_source.tolist() == [1, 0, 1, 0]
 
 
-def test_docs_started_counts_documents_per_epoch() -> None:
-    stream = SourceStream(_source([3, 2, 4]), np.arange(3), seed=0, shuffle=False)
-    assert [stream.docs_started(t) for t in (0, 1, 3, 4, 9, 10, 14)] == [0, 1, 1, 2, 3, 4, 5]
-
-
 @pytest.fixture(scope="module")
 def real_rows(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, np.ndarray], int]:
     root = small_dataset(tmp_path_factory.getbasetemp() / "small-ds")

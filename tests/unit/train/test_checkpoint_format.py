@@ -1,6 +1,6 @@
-"""One checkpoint format (DCP) for every layout; the single-file format of
-earlier trainlab (one process, DDP, ZeRO-1: `model.pt` + `optimizer.pt`) still
-restores, bit for bit, and exports."""
+"""One checkpoint format (DCP) for every layout; a checkpoint of the single-file
+format of trainlab's first versions (`model.pt` + `optimizer.pt`) is refused by
+name, by a resume and by export, never half-read."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
 from trainlab.train import checkpoint as ck
-from trainlab.train.loop.checkpointer import DCP_DIR, TRAINER_FILE, load_weights_on_cpu
+from trainlab.train.loop.checkpointer import DCP_DIR, TRAINER_FILE
 from trainlab.train.loop.state import ModelState
 from trainlab.train.loop.trainer import Trainer
 from trainlab.train.parallel.distributed import DistEnv
@@ -62,26 +61,23 @@ def test_every_layout_writes_dcp(dataset, tmp_path):
     assert meta["validation_loss"] is not None
 
 
-def test_a_legacy_single_file_checkpoint_restores_bitwise(dataset, tmp_path):
+def test_a_checkpoint_of_another_format_is_refused_by_name(dataset, tmp_path):
+    from trainlab.errors import UserError
+    from trainlab.export.source import CheckpointTensors
+
     cfg = tiny_config(
-        dataset, train={"total_steps": 9, "checkpoint": {"every_steps": 3, "keep_last": 10}}
+        dataset, train={"total_steps": 6, "checkpoint": {"every_steps": 3, "keep_last": 10}}
     )
-    clean, _ = train(cfg, tmp_path / "clean")
+    train(cfg, tmp_path / "clean")
     job = make_job(cfg, tmp_path / "scratch")
-    legacy = tmp_path / "legacy/checkpoints/step-00000006"
-    as_legacy(tmp_path / "clean/checkpoints/step-00000006", legacy, job)
+    legacy = tmp_path / "legacy/checkpoints/step-00000003"
+    as_legacy(tmp_path / "clean/checkpoints/step-00000003", legacy, job)
     assert (legacy / "model.pt").is_file() and not (legacy / DCP_DIR).exists()
-
-    # The weights read for export and validation are the DCP checkpoint's.
-    theirs = load_weights_on_cpu(legacy, job.cfg, "torch").state_dict()
-    ours = load_weights_on_cpu(tmp_path / "clean/checkpoints/step-00000006", job.cfg).state_dict()
-    assert all(torch.equal(theirs[k], ours[k]) for k in ours)
-
-    resumed, trainer = train(cfg, tmp_path / "legacy")
-    assert trainer.start_step == 6
-    assert resumed["weights_sha256"] == clean["weights_sha256"]
-    newer = json.loads((tmp_path / "legacy/checkpoints/step-00000009" / ck.META_FILE).read_text())
-    assert newer["format"] == "dcp"
+    with pytest.raises(RuntimeError, match="checkpoint format 'torch', which this trainlab"):
+        train(cfg, tmp_path / "legacy")
+    with pytest.raises(UserError, match="checkpoint format 'torch', which this trainlab"):
+        CheckpointTensors(ck.read_info(legacy))
+    assert not (tmp_path / "legacy/checkpoints/step-00000006").exists()  # nothing trained on
 
 
 def test_zero1_writes_its_partition_and_reshards_both_ways(dataset, tmp_path):

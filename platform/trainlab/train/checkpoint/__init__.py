@@ -6,8 +6,7 @@ Layout under `{run_dir}/checkpoints/`:
       checkpoint.json           written last: step, files + sha256, valid, val_loss, ...
       trainer.pt                step, data position, config hash, dataset fingerprint
       rng-rank0.pt ...          RNG of Python, NumPy, torch (CUDA) of every rank
-      model.pt, optimizer.pt    format "torch" (DDP, ZeRO-1, one process)
-      state/                    format "dcp": torch.distributed.checkpoint shards (FSDP)
+      state/                    torch.distributed.checkpoint (DCP) shards, every layout
     .tmp-step-00000040/         being written; never read, removed on the next start
                                 (and at once when its write fails: `StorageFault`)
 
@@ -277,9 +276,20 @@ def refusals(root: Path, require_valid: bool = True) -> list[tuple[Path, str]]:
     return out
 
 
+# The one format trainlab writes and reads: torch.distributed.checkpoint under
+# state/ (trainlab.train.loop.checkpointer).
+FORMAT = "dcp"
+
+
 def foreign_config(info: CheckpointInfo, config_hash: str) -> str | None:
     """What makes checkpoint `info` not this experiment's, or None. (Whether its
     dataset may differ is the data stream's rule: trainlab.data.check_resume.)"""
+    fmt = info.meta.get("format")
+    if fmt != FORMAT:
+        return (
+            f"{info.path}: checkpoint format {fmt!r}, which this trainlab does not read "
+            f"(it writes and reads {FORMAT!r}: torch.distributed.checkpoint); start a new run"
+        )
     theirs = info.meta.get("config_hash")
     if theirs != config_hash:
         return (

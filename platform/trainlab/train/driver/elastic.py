@@ -13,7 +13,7 @@ only run on whole tp x pp groups. `LayoutScalingPolicy` rounds every count it
 decides on down to a multiple of tp x pp (`unit`), and `ElasticTorchTrainer`
 hands that policy to Ray Train's controller in place of the default one.
 
-Two more things it does that Ray's policy does not:
+What else it does that Ray's policy does not:
 
 - **A lost node is not counted.** Right after a node is lost, the cluster's
   resource view still holds it until the GCS health check marks it dead (about

@@ -13,10 +13,8 @@ One format for every layout and world size, torch.distributed.checkpoint
 
 and checkpoint.json, whose fields start from the same header.
 
-Checkpoints of trainlab 0.1 before stop 25 of one process, DDP or ZeRO-1 were
-"torch" format (`model.pt` and `optimizer.pt`, full state dicts). They still
-restore, export and validate: `load` converts them into DCP's form on the way in
-(`legacy_full_state`); nothing writes them any more.
+A checkpoint of another format is refused before anything is loaded
+(trainlab.train.checkpoint.foreign_config names it).
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from trainlab.config.schema import ExperimentConfig, ModelConfig
 from trainlab.train import checkpoint as ck
 from trainlab.train.job import TrainJob
 from trainlab.train.loop.rng import seed_everything
-from trainlab.train.loop.state import TrainState, fill_from_full, fresh_cpu_model
+from trainlab.train.loop.state import TrainState, fresh_cpu_model
 from trainlab.train.loop.step import Batch, loss_sum_and_count, to_tensors
 from trainlab.train.parallel.distributed import DistEnv
 
@@ -50,8 +48,7 @@ warnings.filterwarnings(
 
 TRAINER_FILE = "trainer.pt"
 DCP_DIR = "state"
-FORMAT = "dcp"
-LEGACY_FORMAT = "torch"  # read, never written (see the module docstring)
+FORMAT = ck.FORMAT
 
 
 def rng_file(rank: int) -> str:
@@ -264,15 +261,10 @@ class Checkpointer:
                 _describe(saved_layout),
                 _describe(layout),
             )
-        state = model.state_dict()
-        if trainer_state.get("format") == LEGACY_FORMAT:
-            full = legacy_full_state(path, self.cfg)
-            for part in ("model", "optimizer"):
-                fill_from_full(state[part], full[part])
-        else:
-            import torch.distributed.checkpoint as dcp
+        import torch.distributed.checkpoint as dcp
 
-            dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=not self.env.distributed)
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=not self.env.distributed)
         model.load_state_dict(state)
         if model.scaler is not None and trainer_state.get("scaler"):
             model.scaler.load_state_dict(trainer_state["scaler"])
@@ -340,50 +332,19 @@ def _describe(layout: dict[str, Any]) -> str:
     return " ".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "dp", "strategy", "zero_stage"))
 
 
-def legacy_full_state(path: Path, cfg: ExperimentConfig) -> dict[str, Any]:
-    """A legacy "torch" checkpoint's full model and optimizer state in DCP's form
-    (parameter names; optimizer state flattened), read on this host's CPU. That
-    format was written by one-process, DDP and ZeRO-1 runs (consolidated), so it
-    fits one host."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    from trainlab.train.loop.state import FLAT
-    from trainlab.train.parallel import build_optimizer
-    from trainlab.train.parallel.distributed import DistEnv
-
-    optim_state = ck.load_file(path / "optimizer.pt")
-    if "param_groups" not in optim_state or "state" not in optim_state:
-        raise RuntimeError(f"{path}: its optimizer state cannot be read (not a torch optimizer's)")
-    model = fresh_cpu_model(cfg.model)
-    model.load_state_dict(ck.load_file(path / "model.pt"))
-    optimizer = build_optimizer(model, cfg, DistEnv())
-    optimizer.load_state_dict(optim_state)
-    return {
-        "model": get_model_state_dict(model),
-        "optimizer": get_optimizer_state_dict(model, optimizer, options=StateDictOptions(**FLAT)),
-    }
-
-
 # --------------------------------------------------------------------------- validation
 
 
-def load_weights_on_cpu(path: Path, cfg: ExperimentConfig | ModelConfig, fmt: str = FORMAT) -> Any:
+def load_weights_on_cpu(path: Path, cfg: ExperimentConfig | ModelConfig) -> Any:
     """A fresh CPU model (eval mode) holding the weights of checkpoint directory
-    `path`, whatever layout wrote it (`fmt`: its format, DCP or the legacy one)."""
+    `path`, whatever layout wrote it."""
+    import torch.distributed.checkpoint as dcp
+
     model_cfg = cfg.model if isinstance(cfg, ExperimentConfig) else cfg
     model = fresh_cpu_model(model_cfg)
-    if fmt == LEGACY_FORMAT:
-        model.load_state_dict(ck.load_file(path / "model.pt"))
-    else:
-        import torch.distributed.checkpoint as dcp
-
-        state = {"model": model.state_dict()}
-        dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=True)
-        model.load_state_dict(state["model"])
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path / DCP_DIR), no_dist=True)
+    model.load_state_dict(state["model"])
     return model.eval()
 
 

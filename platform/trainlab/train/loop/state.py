@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,11 +28,6 @@ from trainlab.models.moe.layer import moe_layers
 from trainlab.train.loop.rng import capture_rng, restore_rng, seed_everything, set_deterministic
 from trainlab.train.parallel import build_optimizer, parallelize, uses_zero1
 from trainlab.train.parallel.distributed import DistEnv
-
-
-class Stateful(Protocol):
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 @dataclass
@@ -255,26 +250,6 @@ class TrainState:
     progress: Progress
     data: DataPosition
     rng: RNG = field(default_factory=RNG)
-
-
-def fill_from_full(target: dict[str, Any], full: dict[str, Any]) -> None:
-    """Copy whole tensors `full[k]` into `target[k]`, which may be shards
-    (DTensors: each rank keeps its part of the whole, which every rank holds);
-    other values are replaced."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    for key, t in target.items():
-        src = full[key]
-        if isinstance(t, DTensor):
-            mesh = t.device_mesh
-            whole = DTensor.from_local(
-                src.to(t.device, t.dtype), mesh, [Replicate()] * mesh.ndim, run_check=False
-            )
-            t.to_local().copy_(whole.redistribute(mesh, t.placements).to_local())
-        elif isinstance(t, torch.Tensor):
-            t.copy_(src)
-        else:
-            target[key] = src
 
 
 def tensor_digest(t: torch.Tensor) -> str:

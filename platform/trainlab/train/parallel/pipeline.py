@@ -27,7 +27,7 @@ those of the unsplit model on the same rows.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -208,8 +208,3 @@ def tied_groups(layout: Any, tie: bool, num_stages: int) -> Callable[[int], Any]
                 for r in ranks:
                     groups[r] = group
     return groups.get
-
-
-def iter_parameters(parts: list[nn.Module]) -> Iterator[tuple[str, nn.Parameter]]:
-    for part in parts:
-        yield from part.named_parameters()
