@@ -138,9 +138,16 @@ def _create_embedded(db: Path) -> None:
     the middle (a worker group torn down by Ray, a Ctrl-C) would leave a database
     on which every later open fails ("table ... already exists"), and every record
     of the runs root would wait in journals. The caller holds the store's lock, so
-    side files found here are leftovers of killed creators."""
+    side files found here are leftovers of killed creators.
+
+    MLflow gives a new store a "Default" experiment (id 0) whose artifacts go to
+    `./mlruns` of whichever process opened it first (a Ray worker: Ray's session
+    folder). trainlab records every run in a named experiment, so the store is
+    made with its own artifact root (`{runs root}/mlartifacts`) and Default is
+    deleted (kept as MLflow needs it, out of the UI and of `search_experiments`)."""
     import sqlalchemy
     from mlflow.store.db.utils import _initialize_tables
+    from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
     for stale in db.parent.glob(f".{db.name}.new-*"):
         stale.unlink(missing_ok=True)
@@ -150,4 +157,9 @@ def _create_embedded(db: Path) -> None:
         _initialize_tables(engine)
     finally:
         engine.dispose()
+    store = SqlAlchemyStore(f"sqlite:///{side}", (db.parent / ARTIFACTS_DIR).as_uri())
+    try:
+        store.delete_experiment(store.DEFAULT_EXPERIMENT_ID)
+    finally:
+        store.engine.dispose()
     os.replace(side, db)

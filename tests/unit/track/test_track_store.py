@@ -114,3 +114,24 @@ def test_a_process_killed_while_creating_the_store_leaves_it_usable(tmp_path):
     client.log_metric(run.info.run_id, "loss", 1.5, step=1)
     assert client.get_metric_history(run.info.run_id, "loss")[0].value == 1.5
     assert [p.name for p in db.parent.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_new_store_has_no_default_experiment_in_the_processs_folder(tmp_path, monkeypatch):
+    """MLflow gives a new store a "Default" experiment whose artifacts go to ./mlruns
+    of the process that opened it first (a Ray worker: Ray's session folder); the
+    UI listed it beside the real ones. Made here, it is deleted, its artifacts root
+    the runs root's."""
+    from mlflow.entities import ViewType
+
+    from trainlab.track.store import client_for
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    elsewhere = tmp_path / "ray-session"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    client = client_for(tracking_uri(tmp_path / "runs"))
+    assert client.search_experiments() == []
+    (default,) = client.search_experiments(view_type=ViewType.ALL)
+    assert default.name == "Default" and default.lifecycle_stage == "deleted"
+    assert default.artifact_location.startswith((tmp_path / "runs" / "mlartifacts").as_uri())
+    assert list(elsewhere.iterdir()) == []
