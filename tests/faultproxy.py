@@ -39,8 +39,11 @@ class FaultProxy:
                 return
 
             def _handle(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else b""
+                if "chunked" in (self.headers.get("Transfer-Encoding") or "").lower():
+                    body = self._read_chunked()  # the SDK may send an upload in chunks
+                else:
+                    length = int(self.headers.get("Content-Length") or 0)
+                    body = self.rfile.read(length) if length else b""
                 path = urlsplit(self.path).path
                 if any(m == self.command and path.endswith(s) for m, s in proxy.rules):
                     proxy.faults += 1
@@ -67,6 +70,17 @@ class FaultProxy:
                 if self.command != "HEAD":
                     self.wfile.write(data)
                 conn.close()
+
+            def _read_chunked(self) -> bytes:
+                parts = []
+                while True:
+                    size = int(self.rfile.readline().split(b";")[0].strip() or b"0", 16)
+                    if size == 0:
+                        while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                            pass  # trailers
+                        return b"".join(parts)
+                    parts.append(self.rfile.read(size))
+                    self.rfile.readline()  # the CRLF after the chunk
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 

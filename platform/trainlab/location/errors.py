@@ -3,7 +3,9 @@
 - *absent*: the object or file is not there;
 - *corrupt*: it is there and does not parse or match its checksum;
 - *unavailable*: timeouts, 5xx, throttling, refused connections: it may well be
-  there.
+  there, and a later try may succeed;
+- *refused*: the storage answered and will not take it (a full disk, a
+  read-only mount, no permission): trying again at once does not help.
 
 Only absent or corrupt may make a checkpoint invalid; nothing is ever deleted on
 a read that did not succeed. `read_retrying` retries an unavailable read with
@@ -12,6 +14,7 @@ backoff, as S3 clients do, then raises `StoreUnavailable` (exit 74).
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -51,6 +54,15 @@ class Unavailable(StorageError):
     kind = "unavailable"
 
 
+class Refused(StorageError):
+    """The storage answered and will not take it: no space, read-only, no permission."""
+
+    kind = "refused"
+
+
+REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
 class StoreUnavailable(UserError):
     """Storage stayed unavailable through every retry: the command stops, nothing
     was changed (exit 74, the storage code; run it again when the store answers)."""
@@ -70,6 +82,8 @@ def storage_error(err: BaseException, what: str) -> StorageError:
     text = first_line(str(err)) or type(err).__name__
     if isinstance(err, FileNotFoundError | NotADirectoryError):
         return Absent(f"{what}: not there")
+    if isinstance(err, OSError) and err.errno in REFUSED_ERRNOS:
+        return Refused(err.errno, f"{what}: {text}")
     if isinstance(err, ValueError | UnicodeDecodeError | json.JSONDecodeError):
         return Corrupt(f"{what}: {text}")
     lowered = text.lower()
@@ -92,9 +106,9 @@ def _retry_delays() -> tuple[float, ...]:
 
 
 def read_retrying(read: Callable[[], T], what: str) -> T:
-    """`read()`, retried with backoff while storage is unavailable; an absent or
-    corrupt result raises its kind at once (`Absent`, `Corrupt`), and storage that
-    stays unavailable raises `StoreUnavailable` naming what could not be read."""
+    """`read()` (or a write), retried with backoff while storage is unavailable;
+    any other kind raises at once (`Absent`, `Corrupt`, `Refused`), and storage that
+    stays unavailable raises `StoreUnavailable` naming what could not be done."""
     delays = _retry_delays()
     for attempt in range(len(delays) + 1):
         try:

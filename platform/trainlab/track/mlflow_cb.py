@@ -533,17 +533,14 @@ class MlflowCallback(Callback):
             {"text": to_yaml(ctx.cfg), "file": "config.yaml"},
             {"data": ctx.plan, "file": "plan.json"},
         ]
-        if ctx.manifest_path and Path(ctx.manifest_path).is_file():
-            artifacts.append(
-                {"path": str(Path(ctx.manifest_path).resolve()), "artifact_path": "data"}
-            )
-        elif "://" in ctx.manifest_path:  # a dataset in object storage: its manifest's text
+        if ctx.manifest_path:  # the dataset's manifest, wherever the dataset is
             from trainlab.errors import UserError
             from trainlab.location import locate
 
             try:
-                data = locate(ctx.manifest_path).read_bytes()
-                artifacts.append({"text": data.decode("utf-8"), "file": "data/manifest.json"})
+                manifest = locate(ctx.manifest_path)
+                text = manifest.read_bytes().decode("utf-8")
+                artifacts.append({"text": text, "file": f"data/{manifest.name}"})
             except (OSError, UserError, UnicodeDecodeError) as e:
                 log.warning("%s: not recorded (%s)", ctx.manifest_path, e)
         # The environment (trainlab.environment) and a repeat's group (trainlab.groups).

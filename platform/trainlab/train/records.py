@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -35,8 +36,16 @@ from typing import Any
 
 from trainlab.environment import run_environment
 from trainlab.groups import summary_group
+from trainlab.location import StoreUnavailable, Unavailable, read_retrying
 from trainlab.runloc import RunLocation
 from trainlab.runstatus import RunStatus
+
+log = logging.getLogger(__name__)
+# A per-step record that storage could not take is said at most this often, and
+# after one the per-step records wait this long before asking storage again (a
+# failing request costs the step its SDK's retries: about 1-2 s).
+OUTAGE_WARN_EVERY_S = 60.0
+OUTAGE_BACKOFF_S = 10.0
 
 SUMMARY = "run_summary.json"
 FAILURES = "failures.jsonl"
@@ -236,8 +245,29 @@ class RunRecords:
     # ------------------------------------------------------------------ progress
 
     def write_progress(self, step: int) -> None:
-        """Rank 0's newest logged step, for failures that take the agent down too."""
-        self.loc.write_text(f"logs/{PROGRESS}", json.dumps({"step": step, "time": time.time()}))
+        """Rank 0's newest logged step, for failures that take the agent down too.
+        Written every step: storage that does not take it (an object store's
+        outage) is warned about and training goes on; a later step writes it again."""
+        if self._in_outage():
+            return
+        try:
+            self.loc.write_text(
+                f"logs/{PROGRESS}", json.dumps({"step": step, "time": time.time()})
+            )
+        except OSError as e:
+            self._outage(f"logs/{PROGRESS} not written", e)
+
+    def _in_outage(self) -> bool:
+        return time.monotonic() < getattr(self, "_quiet_until", float("-inf"))
+
+    def _outage(self, what: str, error: OSError) -> None:
+        """A per-step record storage did not take: one warning a minute at most, and
+        no per-step request for OUTAGE_BACKOFF_S."""
+        now = time.monotonic()
+        self._quiet_until = now + OUTAGE_BACKOFF_S
+        if now - getattr(self, "_warned_at", float("-inf")) >= OUTAGE_WARN_EVERY_S:
+            self._warned_at = now
+            log.warning("%s (%s); training goes on, it is tried again next step", what, error)
 
     def last_logged_step(self) -> int | None:
         progress = self._progress()
@@ -269,7 +299,15 @@ class RunRecords:
         self.loc.write_text(f"logs/{INTERRUPT_FLAG}", "")
 
     def interrupt_requested(self) -> bool:
-        return self.loc.exists(f"logs/{INTERRUPT_FLAG}")
+        """Whether the driver asked to stop (asked every step: storage that does not
+        answer is no request, and is warned about)."""
+        if self._in_outage():
+            return False
+        try:
+            return self.loc.exists(f"logs/{INTERRUPT_FLAG}")
+        except OSError as e:
+            self._outage(f"logs/{INTERRUPT_FLAG} not read", e)
+            return False
 
     def clear_interrupt(self) -> None:
         """A new start of the run (a resume) is not interrupted by an old Ctrl-C."""
@@ -384,8 +422,14 @@ class RunRecords:
     # ------------------------------------------------------------------ summary
 
     def write_summary(self, summary: dict[str, Any]) -> str:
-        """Write run_summary.json; returns where (a path, or the store URI)."""
-        self.loc.write_text(SUMMARY, json.dumps(summary, indent=2, default=str) + "\n")
+        """Write run_summary.json; returns where (a path, or the store URI). Storage
+        that is unavailable is retried with backoff (trainlab.location.read_retrying)
+        before the write fails (an OSError: the trainer's storage fault)."""
+        text = json.dumps(summary, indent=2, default=str) + "\n"
+        try:
+            read_retrying(lambda: self.loc.write_text(SUMMARY, text), self.loc.uri_of(SUMMARY))
+        except StoreUnavailable as e:
+            raise Unavailable(str(e)) from e
         return self.loc.uri_of(SUMMARY)
 
     def read_summary(self) -> dict[str, Any] | None:
@@ -487,17 +531,35 @@ def failed_summary(job: Any, error: str) -> dict[str, Any]:
 
 
 def _summary_at_newest_checkpoint(job: Any, status: str, **extra: Any) -> dict[str, Any]:
-    """A summary written from the driver, at the run's newest valid checkpoint."""
+    """A summary written from the driver, at the run's newest valid checkpoint.
+    Storage that does not answer (an object store's outage) still gives one: at
+    the last step rank 0 logged, naming no checkpoint and saying why."""
     from trainlab.train import checkpoint as ck
 
-    catalog = ck.catalog(job.location)
-    newest = catalog.find_resume(require_valid=job.cfg.train.checkpoint.validate)
+    records = RunRecords(job.location)
+    try:
+        catalog = ck.catalog(job.location)
+        newest = catalog.find_resume(require_valid=job.cfg.train.checkpoint.validate)
+        best = ck.best(catalog.committed())
+        restarts = records.restarts()
+    except (OSError, StoreUnavailable) as e:
+        log.error("the run's storage did not answer (%s): the summary names no checkpoint", e)
+        why = f"its storage did not answer ({e}): the newest checkpoint is not known"
+        error = extra.pop("error", None)
+        return run_summary(
+            job,
+            status,
+            step=0,
+            restarts=0,
+            error=f"{error}; {why}" if error else why,
+            **extra,
+        )
     return run_summary(
         job,
         status,
         step=newest.step if newest else 0,
-        restarts=RunRecords(job.location).restarts(),
+        restarts=restarts,
         last_checkpoint=newest,
-        best_checkpoint=ck.best(catalog.committed()),
+        best_checkpoint=best,
         **extra,
     )

@@ -74,6 +74,7 @@ def test_checkpoint_of_another_dataset_is_refused_unless_allowed(dataset, tmp_pa
 
     meta = {
         "step": 4,
+        "format": "dcp",
         "valid": True,
         "config_hash": config_hash(cfg),
         "dataset_fingerprint": "old",

@@ -336,3 +336,48 @@ def test_a_commit_whose_names_nest_is_refused_and_the_older_one_taken(run, s3_en
     (uri, why), = store.refusals()
     assert uri.endswith("step-00000020") and "'zz' and 'zz/b' nest" in why
     assert store.fetch_newest().step == 10
+
+
+def test_an_outage_during_training_costs_no_step_and_no_record(run, s3_env, s3_server,
+                                                                monkeypatch, tmp_path, caplog):
+    """The store answers 503 to everything: the per-step records of rank 0's agent
+    (progress, the driver's interrupt flag) are warned about once and training goes
+    on; the run summary is retried until the store is back (here after ~1 s), and a
+    store that stays down fails the write as a storage fault (an OSError), after
+    the retries. (An outage of seconds used to end the run at the next step.)"""
+    import threading
+
+    from tests.faultproxy import FaultProxy
+    from trainlab.location import Unavailable
+
+    s3, bucket = s3_env
+    monkeypatch.setenv("TRAINLAB_STORE_RETRY_S", "8")
+    with FaultProxy(s3_server) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+        records = RunRecords(RunLocation.of(run.uri, str(tmp_path / "node")))
+        for method in ("GET", "PUT", "HEAD", "POST", "DELETE"):
+            proxy.fail(method, "")
+        with caplog.at_level(logging.WARNING, logger="trainlab.train.records"):
+            for step in (1, 2, 3):
+                records.write_progress(step)  # never raises
+                assert records.interrupt_requested() is False
+        warned = [r for r in caplog.records if "training goes on" in r.getMessage()]
+        assert len(warned) == 1 and proxy.faults >= 1
+        faults = proxy.faults  # after one failure the per-step records wait (backoff)
+        records.write_progress(4)
+        assert proxy.faults == faults
+        threading.Timer(1.0, proxy.clear).start()  # the store comes back
+        where = records.write_summary({"status": "completed", "final_step": 3})
+        assert where.endswith("/run_summary.json")
+        records._quiet_until = 0.0  # the backoff over
+        records.write_progress(5)
+        assert records.last_logged_step() == 5
+        for method in ("GET", "PUT", "HEAD"):
+            proxy.fail(method, "")
+        monkeypatch.setattr("trainlab.location.errors.RETRY_DELAYS", (0.1,))
+        monkeypatch.setenv("TRAINLAB_STORE_RETRY_S", "0.1")
+        with pytest.raises(Unavailable, match="unavailable through 2 tries"):
+            records.write_summary({"status": "failed"})
+    key = f"{run.key('run_summary.json').split('/', 1)[1]}"
+    body = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
+    assert body == {"status": "completed", "final_step": 3}  # the later write never landed

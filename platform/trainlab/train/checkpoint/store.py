@@ -78,7 +78,7 @@ def _sha_and_copy(src: Path, out: Any) -> tuple[int, str]:
 
 
 class CheckpointStore:
-    """The checkpoints of one remote run (`loc.remote`)."""
+    """The checkpoints of one run in object storage."""
 
     def __init__(self, loc: RunLocation):
         self.loc = loc

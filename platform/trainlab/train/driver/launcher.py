@@ -441,7 +441,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
             )
         summary = failed_summary(job, error)
         summary["lost_nodes"] = lost_nodes(e)  # for a job retry to avoid (train.placement)
-        RunRecords(job.run_dir).write_summary(summary)
+        _keep_summary(job, summary)
         _abandon(job, summary)
         raise TrainingFailed(summary) from None
     summary = RunRecords(job.run_dir).read_summary()
@@ -452,6 +452,22 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     return summary
 
 
+def _keep_summary(job: TrainJob, summary: dict[str, Any]) -> None:
+    """The driver's summary of a run that ended without one, written to the run;
+    when its storage does not take it (an object store's outage, after retries),
+    to this node's working copy instead, said in one line: never lost with the
+    driver's traceback."""
+    from trainlab.train.records import SUMMARY
+
+    try:
+        RunRecords(job.run_dir).write_summary(summary)
+    except OSError as e:
+        local = RunLocation.of(job.run_dir).local / SUMMARY
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+        log.error("%s could not be written to the run (%s); it is kept at %s", SUMMARY, e, local)
+
+
 def _interrupted(job: TrainJob, shutdown: bool = False) -> dict[str, Any]:
     """The run's summary when the user stopped it before its training processes
     could (status "interrupted", newest valid checkpoint); with `shutdown`, Ray's
@@ -459,7 +475,7 @@ def _interrupted(job: TrainJob, shutdown: bool = False) -> dict[str, Any]:
     processes with them)."""
     summary = interrupted_summary(job)
     records = RunRecords(job.run_dir)
-    records.write_summary(summary)
+    _keep_summary(job, summary)
     if records.attempts():  # a training process started: its MLflow run may exist
         _abandon(job, summary)
     ray = sys.modules.get("ray")  # a Ctrl-C during `import ray` leaves it half imported
