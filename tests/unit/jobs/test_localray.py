@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 import pytest
 
@@ -29,6 +30,13 @@ def unset_ray_vars(monkeypatch) -> None:
     for var in RAY_VARS:
         monkeypatch.setenv(var, "")
         monkeypatch.delenv(var)
+
+
+@pytest.fixture(autouse=True)
+def no_ray_in_this_process(monkeypatch):
+    """The notes ask whether Ray is up in this process: an earlier test of the
+    session may have started it in pytest's; these tests are about a new process."""
+    monkeypatch.delitem(sys.modules, "ray", raising=False)
 
 
 @pytest.fixture
