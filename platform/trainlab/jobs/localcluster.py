@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.errors import UserError
+from trainlab.home import home_dir
 from trainlab.jobs.auth import ensure_token
 
 HOST = "127.0.0.1"
@@ -41,11 +42,6 @@ SINGLE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # Ray's `ray start`, run from this environment with the adjustments of
 # trainlab.jobs.raynode (extra loopback nodes allowed, patient registration).
 RAY_START = [sys.executable, "-m", "trainlab.jobs.raynode", "start"]
-
-
-def home_dir() -> Path:
-    """Where trainlab keeps local state: $TRAINLAB_HOME or ~/.trainlab."""
-    return Path(os.environ.get("TRAINLAB_HOME") or Path.home() / ".trainlab").expanduser()
 
 
 def state_path() -> Path:

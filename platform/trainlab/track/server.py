@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.errors import UserError
+from trainlab.home import home_dir
 from trainlab.redact import redact, url_credentials
 
 HOST = "127.0.0.1"
@@ -75,11 +76,6 @@ DEFAULT_PERMISSION = "EDIT"
 PG_BIN_GLOB = "/usr/lib/postgresql/*/bin"
 AUTH_CACHE_TTL_S = 60
 GRACEFUL_SHUTDOWN_S = 1
-
-
-def home_dir() -> Path:
-    """Where trainlab keeps local state: $TRAINLAB_HOME or ~/.trainlab."""
-    return Path(os.environ.get("TRAINLAB_HOME") or Path.home() / ".trainlab").expanduser()
 
 
 ROOT_DEFAULT_DIR = Path("/var/lib/trainlab/tracking")

@@ -11,6 +11,8 @@ Everything here imports mlflow lazily: config commands never pay for it.
 from __future__ import annotations
 
 import os
+import shutil
+import sqlite3
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -133,10 +135,10 @@ def client_for(uri: str, flush_records: bool = True) -> MlflowClient:
 
 
 def _create_embedded(db: Path) -> None:
-    """Create the embedded store's tables in `.mlflow.db.new-{pid}` and rename it to
-    `db`. MLflow creates its tables one statement at a time: a process killed in
-    the middle (a worker group torn down by Ray, a Ctrl-C) would leave a database
-    on which every later open fails ("table ... already exists"), and every record
+    """Create the embedded store in `.mlflow.db.new-{pid}` and rename it to `db`.
+    MLflow creates its tables one statement at a time: a process killed in the
+    middle (a worker group torn down by Ray, a Ctrl-C) would leave a database on
+    which every later open fails ("table ... already exists"), and every record
     of the runs root would wait in journals. The caller holds the store's lock, so
     side files found here are leftovers of killed creators.
 
@@ -144,22 +146,102 @@ def _create_embedded(db: Path) -> None:
     `./mlruns` of whichever process opened it first (a Ray worker: Ray's session
     folder). trainlab records every run in a named experiment, so the store is
     made with its own artifact root (`{runs root}/mlartifacts`) and Default is
-    deleted (kept as MLflow needs it, out of the UI and of `search_experiments`)."""
+    deleted (kept as MLflow needs it, out of the UI and of `search_experiments`).
+
+    Creating MLflow's tables runs its ~50 migrations (3.8 s on our machines, paid by
+    every new runs root: a Tune sweep's, each test's). They run once per MLflow
+    version into a template in trainlab's cache (`_template`); a new store is a
+    copy of it with Default's artifact root set, the migrations run again only
+    where the cache cannot be written or read."""
+    for stale in db.parent.glob(f".{db.name}.new-*"):
+        stale.unlink(missing_ok=True)
+    side = db.with_name(f".{db.name}.new-{os.getpid()}")
+    artifacts = (db.parent / ARTIFACTS_DIR).as_uri()
+    template = _template()
+    try:
+        if template is None:
+            raise OSError("no template")
+        shutil.copyfile(template, side)
+        _point_default_at(side, artifacts)
+    except (OSError, sqlite3.Error):
+        side.unlink(missing_ok=True)
+        _build_store(side, artifacts)
+    os.replace(side, db)
+
+
+def _build_store(path: Path, artifacts: str) -> None:
+    """MLflow's tables (every migration) in a new database at `path`, Default deleted."""
     import sqlalchemy
     from mlflow.store.db.utils import _initialize_tables
     from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
 
-    for stale in db.parent.glob(f".{db.name}.new-*"):
-        stale.unlink(missing_ok=True)
-    side = db.with_name(f".{db.name}.new-{os.getpid()}")
-    engine = sqlalchemy.create_engine(f"sqlite:///{side}")
+    engine = sqlalchemy.create_engine(f"sqlite:///{path}")
     try:
         _initialize_tables(engine)
     finally:
         engine.dispose()
-    store = SqlAlchemyStore(f"sqlite:///{side}", (db.parent / ARTIFACTS_DIR).as_uri())
+    store = SqlAlchemyStore(f"sqlite:///{path}", artifacts)
     try:
         store.delete_experiment(store.DEFAULT_EXPERIMENT_ID)
     finally:
         store.engine.dispose()
-    os.replace(side, db)
+
+
+def _point_default_at(path: Path, artifacts: str) -> None:
+    """Default's artifact location in the store copied to `path`, as MLflow would
+    have made it with `artifacts` as the artifact root."""
+    con = sqlite3.connect(path)
+    try:
+        with con:
+            changed = con.execute(
+                "UPDATE experiments SET artifact_location = ? WHERE experiment_id = 0",
+                (f"{artifacts}/0",),
+            ).rowcount
+        if changed != 1:
+            raise sqlite3.DatabaseError("the template has no Default experiment")
+    finally:
+        con.close()
+
+
+def _template() -> Path | None:
+    """`{trainlab home}/cache/mlflow-store-{mlflow version}.db`: an embedded store
+    with every migration run and Default deleted, built on first use (under a
+    file lock, in a side file renamed into place). None where it cannot be made."""
+    import mlflow
+    from filelock import FileLock
+
+    from trainlab.home import cache_dir
+
+    path = cache_dir() / f"mlflow-store-{mlflow.__version__}.db"
+    if _usable(path):
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(path.with_name(path.name + ".lock")):
+            if not _usable(path):
+                for stale in path.parent.glob(f".{path.name}.new-*"):  # killed builders'
+                    stale.unlink(missing_ok=True)
+                side = path.with_name(f".{path.name}.new-{os.getpid()}")
+                try:
+                    _build_store(side, (path.parent / ARTIFACTS_DIR).as_uri())
+                    os.replace(side, path)
+                finally:
+                    side.unlink(missing_ok=True)
+    except OSError:
+        return None
+    return path if _usable(path) else None
+
+
+def _usable(template: Path) -> bool:
+    """A complete template: MLflow's migration table names a revision."""
+    if not template.is_file():
+        return False
+    try:
+        con = sqlite3.connect(f"{template.as_uri()}?mode=ro", uri=True)
+        try:
+            row = con.execute("SELECT version_num FROM alembic_version").fetchone()
+        finally:
+            con.close()
+    except sqlite3.Error:
+        return False
+    return bool(row and row[0])

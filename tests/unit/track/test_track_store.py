@@ -95,9 +95,11 @@ client_for(sys.argv[1])
 """
 
 
-def test_a_process_killed_while_creating_the_store_leaves_it_usable(tmp_path):
+def test_a_process_killed_while_creating_the_store_leaves_it_usable(tmp_path, monkeypatch):
     """A worker group torn down while its rank 0 creates a fresh embedded store
-    (seen in CI): the next process opens the store and records in it."""
+    (seen in CI; here: while it runs MLflow's migrations into the template): the
+    next process opens the store and records in it, nothing half-made left."""
+    import os
     import subprocess
     import sys
 
@@ -105,7 +107,10 @@ def test_a_process_killed_while_creating_the_store_leaves_it_usable(tmp_path):
 
     db = tmp_path / "runs" / "mlflow.db"
     uri = f"sqlite:///{db}"
-    killed = subprocess.run([sys.executable, "-c", _KILLED_CREATOR, uri], timeout=120)
+    monkeypatch.setenv("TRAINLAB_HOME", str(tmp_path / "home"))
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_CREATOR, uri], timeout=120, env=dict(os.environ)
+    )
     assert killed.returncode == 9
     assert not db.exists()  # nothing half-made under the store's name
     client = client_for(uri)
@@ -114,6 +119,8 @@ def test_a_process_killed_while_creating_the_store_leaves_it_usable(tmp_path):
     client.log_metric(run.info.run_id, "loss", 1.5, step=1)
     assert client.get_metric_history(run.info.run_id, "loss")[0].value == 1.5
     assert [p.name for p in db.parent.iterdir() if p.name.startswith(".")] == []
+    cache = tmp_path / "home" / "cache"
+    assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []
 
 
 def test_a_new_store_has_no_default_experiment_in_the_processs_folder(tmp_path, monkeypatch):
@@ -135,3 +142,35 @@ def test_a_new_store_has_no_default_experiment_in_the_processs_folder(tmp_path, 
     assert default.name == "Default" and default.lifecycle_stage == "deleted"
     assert default.artifact_location.startswith((tmp_path / "runs" / "mlartifacts").as_uri())
     assert list(elsewhere.iterdir()) == []
+
+
+def test_new_stores_are_copies_of_one_migrated_template(tmp_path, monkeypatch):
+    """MLflow's migrations run once per MLflow version (3.8 s each new runs root
+    paid before); a new store is the cached template with Default's artifact root
+    its own, and a damaged template is rebuilt rather than copied."""
+    import sqlite3
+
+    from mlflow.entities import ViewType
+
+    from trainlab.track.store import client_for, get_or_create_experiment
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("TRAINLAB_HOME", str(tmp_path / "home"))
+    stores = []
+    for name in ("a", "b"):
+        client = client_for(tracking_uri(tmp_path / name))
+        (default,) = client.search_experiments(view_type=ViewType.ALL)
+        assert default.lifecycle_stage == "deleted"
+        assert default.artifact_location == f"{(tmp_path / name / 'mlartifacts').as_uri()}/0"
+        stores.append(client)
+    (template,) = (tmp_path / "home" / "cache").glob("mlflow-store-*.db")
+    experiment = get_or_create_experiment(stores[0], "tiny", artifact_location(tmp_path / "a"))
+    run = stores[0].create_run(experiment)
+    assert stores[1].search_experiments() == []
+    assert sqlite3.connect(template).execute("SELECT count(*) FROM runs").fetchone() == (0,)
+    assert run.info.artifact_uri.startswith((tmp_path / "a" / "mlartifacts").as_uri())
+
+    template.write_bytes(b"not a database")  # damaged: rebuilt, the store made anyway
+    client = client_for(tracking_uri(tmp_path / "c"))
+    assert client.search_experiments() == []
+    assert sqlite3.connect(template).execute("SELECT count(*) FROM runs").fetchone() == (0,)
