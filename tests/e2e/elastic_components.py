@@ -17,7 +17,7 @@ from typing import Any
 
 from trainlab.train.loop.components import Component
 
-PACE_S = 1.0
+PACE_S = 2.0
 FULL_SIZE = 3  # the test's resource.num_workers.max (a worker's config holds its
 # actual size, not the range)
 

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 JOB_TIMEOUT_S = 900
-STEPS = 80
+STEPS = 40
 KILL_AT = 5
 
 

@@ -105,7 +105,9 @@ def _gs_bucket(env: dict, gcs_server: str) -> Bucket:
 REFERENCE: dict = {}
 
 
-@pytest.fixture(scope="module", params=["s3", "gs"])
+# gs:// repeats the s3 test through the other backend (140 s): extended; in make
+# test, tests/unit/train/test_store.py runs a gs:// run's files through the same code.
+@pytest.fixture(scope="module", params=["s3", pytest.param("gs", marks=pytest.mark.extended)])
 def world(request, tmp_path_factory):
     """The environment every command runs with (isolated trainlab home, the store's
     endpoint and test credentials), a bucket holding a prepared dataset, and the

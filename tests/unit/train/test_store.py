@@ -381,3 +381,31 @@ def test_an_outage_during_training_costs_no_step_and_no_record(run, s3_env, s3_s
     key = f"{run.key('run_summary.json').split('/', 1)[1]}"
     body = json.loads(s3.get_object(Bucket=bucket, Key=key)["Body"].read())
     assert body == {"status": "completed", "final_step": 3}  # the later write never landed
+
+
+def test_a_run_in_gcs_checkpoints_resumes_and_records_as_in_s3(gcs_env, tmp_path, monkeypatch):
+    """gs:// through the same code (the Google Cloud Storage emulator): the
+    per-rank save and commit, retention, a resume on a node with nothing cached,
+    the records of two nodes, the lock. (The multi-node cluster test of gs://,
+    tests/e2e/test_store_cluster.py, is `extended`: it repeats the s3 one.)"""
+    monkeypatch.setenv("TRAINLAB_SCRATCH_DIR", str(tmp_path / "scratch"))
+    monkeypatch.setenv("TRAINLAB_LOCK_SETTLE_S", "0.05")
+    run = RunLocation.of(f"gs://{gcs_env}/runs/r", str(tmp_path / "scratch"))
+    for step in (10, 20, 30):
+        (info,) = _save(run, step, world=2, keep_last=2)
+        assert info.uri == f"{run.uri}/checkpoints/step-{step:08d}"
+    store = CheckpointStore(run)
+    assert [i.step for i in store.committed()] == [20, 30]
+    run.write_text("checkpoints/step-00000040/.done-rank0", "{}")  # never committed
+    assert store.clean_uncommitted() == [40]
+    got = CheckpointStore(RunLocation.of(run.uri, str(tmp_path / "node2"))).fetch_newest()
+    assert got is not None and got.step == 30
+    assert (got.path / "rng-rank1.pt").read_bytes().startswith(b"rank 1 step 30")
+    a, b = RunRecords(run), RunRecords(RunLocation.of(run.uri, str(tmp_path / "node3")))
+    a.attempt_started("s1", 0, 2)
+    b.add_failures(Failure("s1", "e1", 1, 5, "killed", "killed"))
+    assert len(b.attempts()) == 1 and [f["rank"] for f in a.failures("s1")] == [1]
+    assert a.write_summary({"status": "completed"}) == f"{run.uri}/run_summary.json"
+    assert b.read_summary() == {"status": "completed"}
+    with RunLock.acquire(run), pytest.raises(RunLockHeld):
+        RunLock.acquire(run)
