@@ -185,3 +185,23 @@ def test_two_starts_of_one_config_take_two_names(dataset, tmp_path):
     with RunLock.acquire(first), contextlib.ExitStack() as stack:
         second = launcher._lock_new(stack, first, cfg, tmp_path)
         assert second.local.name == f"{first.local.name}-2"
+
+
+@pytest.mark.parametrize(
+    ("path", "said"),
+    [
+        ("os:system", "TypeError"),  # a callable, not a factory of components
+        ("builtins:list", "is not a Component"),  # returns no components
+        ("tests.train_helpers:no_such_factory", "AttributeError"),
+    ],
+)
+def test_a_component_that_cannot_be_built_is_refused_before_ray_starts(dataset, path, said):
+    """A factory that fails would fail on every rank at every restart (it was
+    retried train.max_failures times): refused once, as the config's problem."""
+    cfg = tiny_config(dataset, train={"components": [path]})
+    with pytest.raises(UserError, match=f"train.components: '{path}' failed to build.*{said}"):
+        launcher._checked_together(cfg)
+    good = tiny_config(
+        dataset, train={"components": ["tests.e2e.elastic_components:pace_below_three"]}
+    )
+    launcher._checked_together(good)

@@ -518,10 +518,29 @@ def _checked_together(cfg: ExperimentConfig) -> DataInfo:
     except UserError as e:
         problems += e.lines
     problems += _local_gpu_problems(cfg)
+    problems += _component_problems(cfg)
     if problems:
         raise UserError(problems)
     assert data is not None
     return data
+
+
+def _component_problems(cfg: ExperimentConfig) -> list[str]:
+    """Each `train.components` factory built once here, before Ray starts: one that
+    cannot be imported or fails when called (`os:system` is a TypeError, a missing
+    module an ImportError) would fail the same way on every rank at every restart
+    of `train.max_failures`, so it is a problem of the config, said once. (A
+    component's hooks are not run here: an error in one during training fails the
+    attempt like any other worker error.)"""
+    from trainlab.train.loop.components import build_components
+
+    problems = []
+    for path in cfg.train.components:
+        try:
+            build_components([path], cfg)
+        except Exception as e:  # noqa: BLE001 - the user's code: any error is theirs
+            problems.append(f"train.components: {path!r} failed to build: {type(e).__name__}: {e}")
+    return problems
 
 
 def _local_gpu_problems(cfg: ExperimentConfig) -> list[str]:
