@@ -305,9 +305,14 @@ def test_prep_on_several_nodes_equals_a_single_process_prep(cluster, tmp_path):
 train_tokenizer: {{vocab_size: 600}}
 shard_target_mb: 0.1
 sources:
-  - {{name: code, paths: ["{STDLIB}/email/**/*.py", "{STDLIB}/json/*.py", "{STDLIB}/http/*.py"], format: text}}
-  - {{name: more, paths: ["{STDLIB}/xml/**/*.py", "{STDLIB}/email/*.py"], format: text}}
+  - {{name: code, paths: ["{STDLIB}/email/**/*.py", "{STDLIB}/json/*.py", "{STDLIB}/http/*.py",
+                          "{STDLIB}/asyncio/*.py", "{STDLIB}/unittest/**/*.py"], format: text}}
+  - {{name: more, paths: ["{STDLIB}/xml/**/*.py", "{STDLIB}/email/*.py",
+                          "{STDLIB}/idlelib/**/*.py", "{STDLIB}/multiprocessing/**/*.py"], format: text}}
 """)
+    # Enough units (25; 1 s of tokenizing on 2 workers) that a node's task which
+    # starts a moment after another's still finds units to claim: with 6 units
+    # (0.3 s) the first task once took them all on a cold machine (unit_nodes 1).
     local = run_prep(sources, tmp_path / "local", executor="local")
     # A driver of the loopback-only cluster, as its nodes are (SINGLE_MACHINE_ENV).
     env = {
