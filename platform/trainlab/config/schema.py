@@ -697,6 +697,16 @@ class ExperimentConfig(Section):
         default_factory=TrackingConfig, json_schema_extra=NOT_IDENTITY
     )
 
+    @field_validator("purpose", "expectation", "owner")
+    @classmethod
+    def _no_credentials_in_free_text(cls, text: str) -> str:
+        """A URL's credentials in the experiment record's free text are masked as the
+        config is read, so config.yaml, the MLflow params and config artifact and the
+        tracking journal all hold the same masked text (docs/security.md)."""
+        from trainlab.redact import redact
+
+        return redact(text)
+
     @model_validator(mode="after")
     def _cross_field(self) -> ExperimentConfig:
         from trainlab.config.rules import (

@@ -104,6 +104,25 @@ def test_mlflow_param_and_tag_values_are_redacted():
     assert param_value({"a": "s3://k:fake-s@b"}) == '{"a": "s3://***@b"}'
 
 
+def test_credentials_in_the_experiments_free_text_are_masked_everywhere_it_is_written(
+    tmp_path,
+):
+    """A URL with credentials pasted into `purpose` was masked in the MLflow params
+    but kept verbatim in config.yaml, the config artifact and the journal: masked
+    as the config is read, every record holds the same masked text."""
+    from trainlab.config import config_hash, load_config, to_yaml
+    from trainlab.track.mlflow_cb import run_params
+
+    recipe = "trainers/recipes/tiny.yaml"
+    leaked = "compare with https://ana:fake-purpose-pw@dash.example/x?token=fake-tok"
+    cfg = load_config(recipe, [f"purpose={leaked}", "owner=https://u:fake-owner-pw@h"])
+    assert cfg.purpose == "compare with https://***@dash.example/x?token=***"
+    text = to_yaml(cfg) + repr(run_params(cfg, {}))
+    assert "fake-purpose-pw" not in text and "fake-tok" not in text
+    assert "fake-owner-pw" not in text and "dash.example" in text
+    assert config_hash(cfg) == config_hash(load_config(recipe))  # free text: no identity
+
+
 def test_uris_are_printed_without_their_credentials():
     assert redact("https://u:fake-pw@mlflow.example:5000") == "https://***@mlflow.example:5000"
     assert redact("GET https://h/o?X-Amz-Signature=fake-sig&a=1") == (
