@@ -152,6 +152,10 @@ def _fsdp_worker(rank: int, world: int, port: int, dataset: str, run_dir: str) -
         loader = WorkerLoader(job.data_spec, rank, world, backend="local")
         env = DistEnv(rank, world, 0, torch.device("cpu"))
         Trainer(job, loader, env, None).fit()
+        # Both ranks leave together: once, in CI, rank 1 tore its process group down
+        # while rank 0 was still finishing and died of SIGABRT ("terminate called
+        # without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
