@@ -7,6 +7,7 @@ reshard both ways), on the ep=1 curve."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -15,6 +16,7 @@ from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
 from tests.unit.train.layout_runner import Losses, grad_norms, run_layout
 from trainlab.train.loop.trainer import Trainer
 from trainlab.train.parallel.distributed import DistEnv
+from trainlab.train.records import RunRecords
 
 STEPS = 4
 # fp32; the layouts differ in float summation order only: the experts' rows of
@@ -92,5 +94,10 @@ def test_ep2_trains_as_ep1_and_reshards_to_one_process(dataset, tmp_path):
     trainer = Trainer(job, local_loader(job), DistEnv(), seen)
     trainer.fit()
     assert trainer.start_step == 2 and sorted(seen.losses) == [3, 4]
+    # the layout records name ep: the checkpoint's, and the attempt that resharded it
+    meta = json.loads((tmp_path / "ep2/checkpoints/step-00000002/checkpoint.json").read_text())
+    assert meta["layout"]["ep"] == 2
+    (attempt,) = RunRecords(resumed).attempts()
+    assert attempt["resharded_from"]["ep"] == 2 and "ep" not in attempt["layout"]
     for step, loss in seen.losses.items():
         assert loss == pytest.approx(reference[step], rel=RTOL), (step, seen.losses, reference)

@@ -323,13 +323,20 @@ def begin_save(
 
 
 def layout_of(cfg: ExperimentConfig) -> dict[str, Any]:
-    """What a checkpoint records of the layout that wrote it."""
+    """What a checkpoint (and each attempt) records of the layout that wrote it. The
+    expert-parallel degree only where it is above 1: a checkpoint of a run without
+    expert parallelism keeps the record it had before `parallel.ep` existed, so its
+    resume is not taken for a reshard."""
     dims, p = ParallelDims.of(cfg), cfg.parallel
-    return {**dims.degrees, "strategy": p.strategy, "zero_stage": p.zero_stage}
+    layout: dict[str, Any] = {**dims.degrees, "strategy": p.strategy, "zero_stage": p.zero_stage}
+    if (p.ep or 1) > 1:
+        layout["ep"] = p.ep
+    return layout
 
 
 def _describe(layout: dict[str, Any]) -> str:
-    return " ".join(f"{k}={layout.get(k)}" for k in ("tp", "pp", "dp", "strategy", "zero_stage"))
+    keys = ("tp", "pp", "dp", "strategy", "zero_stage")
+    return " ".join(f"{k}={layout.get(k)}" for k in keys) + f" ep={layout.get('ep', 1)}"
 
 
 # --------------------------------------------------------------------------- validation
