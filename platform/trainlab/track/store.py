@@ -158,14 +158,15 @@ def _create_embedded(db: Path) -> None:
     side = db.with_name(f".{db.name}.new-{os.getpid()}")
     artifacts = (db.parent / ARTIFACTS_DIR).as_uri()
     template = _template()
-    try:
-        if template is None:
-            raise OSError("no template")
-        shutil.copyfile(template, side)
-        _point_default_at(side, artifacts)
-    except (OSError, sqlite3.Error):
-        side.unlink(missing_ok=True)
-        _build_store(side, artifacts)
+    if template is not None:
+        try:
+            shutil.copyfile(template, side)
+            _point_default_at(side, artifacts)
+            os.replace(side, db)
+            return
+        except (OSError, sqlite3.Error):
+            side.unlink(missing_ok=True)
+    _build_store(side, artifacts)
     os.replace(side, db)
 
 

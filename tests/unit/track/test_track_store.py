@@ -174,3 +174,9 @@ def test_new_stores_are_copies_of_one_migrated_template(tmp_path, monkeypatch):
     client = client_for(tracking_uri(tmp_path / "c"))
     assert client.search_experiments() == []
     assert sqlite3.connect(template).execute("SELECT count(*) FROM runs").fetchone() == (0,)
+    # A home where no cache can be made (a file): the migrations run in place.
+    (tmp_path / "not-a-folder").write_text("")
+    monkeypatch.setenv("TRAINLAB_HOME", str(tmp_path / "not-a-folder"))
+    client = client_for(tracking_uri(tmp_path / "d"))
+    (default,) = client.search_experiments(view_type=ViewType.ALL)
+    assert default.artifact_location.startswith((tmp_path / "d" / "mlartifacts").as_uri())
