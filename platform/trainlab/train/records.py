@@ -187,7 +187,8 @@ class RunRecords:
 
     def resize_of_latest_attempt(self, first_step_at: float) -> dict[str, Any] | None:
         """The resize the newest attempt made, when its world size differs from the
-        attempt before it (an elastic run continued smaller after a loss, or larger
+        attempt the run last trained on (`_trained_before`: the one before it, past
+        restarts that failed before a step; an elastic run continued smaller after a loss, or larger
         once capacity returned): {step, from_world_size, to_world_size, from_dp,
         to_dp, reason, steps_redone, seconds}; None when the size did not change.
 
@@ -199,11 +200,12 @@ class RunRecords:
         starts = self.attempts()
         if len(starts) < 2:
             return None
-        before, now = starts[-2], starts[-1]
+        now = starts[-1]
         # A resize happens within one `trainlab train` (a later start at another
         # size, a resume or a job retry, is the user's choice or a new placement).
-        if before.get("session") != now.get("session"):
+        if starts[-2].get("session") != now.get("session"):
             return None
+        before = self._trained_before(starts, now)
         if before.get("world_size") == now.get("world_size"):
             return None
         grew = int(now["world_size"]) > int(before["world_size"])
@@ -227,6 +229,24 @@ class RunRecords:
             "steps_redone": max([0, *(r - start for r in reached)]),
             "seconds": round(first_step_at - loss_at, 3) if loss_at is not None else None,
         }
+
+    def _trained_before(self, starts: list[dict[str, Any]], now: dict[str, Any]) -> dict[str, Any]:
+        """The attempt of `now`'s session the run last trained on: the newest earlier
+        one that completed a step. A restart that failed before its first step (Ray
+        restarting the group at the old size on a view that still counted a lost
+        node) is passed over, so the resize is measured from where training was: its
+        size, the steps redone, the time since the loss. Without any first-step
+        record, the attempt just before."""
+        session = now.get("session")
+        earlier = [a for a in starts[:-1] if a.get("session") == session]
+        bounds = [float(a.get("time", 0.0)) for a in (*earlier, now)]
+        stepped = [
+            float(r.get("time", 0.0)) for r in self.first_steps() if r.get("session") == session
+        ]
+        for i in range(len(earlier) - 1, -1, -1):
+            if any(bounds[i] <= t < bounds[i + 1] for t in stepped):
+                return earlier[i]
+        return earlier[-1]
 
     def add_resize(self, session: str, record: dict[str, Any]) -> None:
         """Record a resize (`resize_of_latest_attempt`) in logs/attempts.jsonl."""

@@ -193,3 +193,28 @@ def test_node_chaos_picks_a_worker_off_the_driver_node():
     assert victim_rank(["head", None], "head") is None
     assert victim_rank(["head"], "head") is None
     assert raylet_ancestor(os.getpid()) is None  # not under a raylet here
+
+
+def test_a_restart_that_failed_before_a_step_is_not_where_a_resize_is_measured_from(
+    tmp_path: Path,
+):
+    """A node lost after step 5: Ray first restarted the group at 3 on a view that
+    still counted the node (that attempt never stepped), then at 2. The shrink is
+    from the 3 workers that trained, redoes step 5, and its time runs from the
+    loss (the e2e test once read steps_redone 0 from the failed restart)."""
+    from trainlab.train.records import Failure, RunRecords
+
+    (tmp_path / "logs").mkdir()
+    records = RunRecords(tmp_path)
+    t = time.time() - 100
+    _attempt(records, "s1", 0, 3, t)
+    records.first_step_done("s1", 1)  # stamped now: inside the first attempt's window
+    now = time.time()
+    records.loc.write_text("logs/progress.json", json.dumps({"step": 5, "time": now + 1}))
+    records.add_failures(Failure("s1", "e1", 2, 5, "lost", "lost", time=now + 2))
+    _attempt(records, "s1", 4, 3, now + 10)  # failed before its first step
+    records.add_failures(Failure("s1", "e2", 0, None, "lost", "lost", time=now + 20))
+    _attempt(records, "s1", 4, 2, now + 30)
+    shrink = records.resize_of_latest_attempt(now + 32)
+    assert (shrink["from_world_size"], shrink["to_world_size"]) == (3, 2)
+    assert (shrink["step"], shrink["steps_redone"], shrink["seconds"]) == (4, 1, 30.0)
