@@ -187,9 +187,8 @@ class RunRecords:
 
     def resize_of_latest_attempt(self, first_step_at: float) -> dict[str, Any] | None:
         """The resize the newest attempt made, when its world size differs from the
-        attempt the run last trained on (`_trained_before`: the one before it, past
-        restarts that failed before a step; an elastic run continued smaller after a loss, or larger
-        once capacity returned): {step, from_world_size, to_world_size, from_dp,
+        attempt the run last trained on (`_trained_before`) (an elastic run continued
+        smaller after a loss, or larger once capacity returned): {step, from_world_size, to_world_size, from_dp,
         to_dp, reason, steps_redone, seconds}; None when the size did not change.
 
         `steps_redone`: the steps the earlier attempt had reached (the newest step rank 0
