@@ -143,4 +143,13 @@ def _run(args: list[str]) -> None:
 
         click.echo("interrupted", err=True)
         sys.exit(Interrupts.exit_code())  # 130 after Ctrl-C, 143 after SIGTERM
+    except OSError as e:  # a full disk, a read-only mount: one line, exit 74
+        from trainlab.exitcodes import STORAGE_FAULT
+        from trainlab.location.errors import refused_write
+
+        line = refused_write(e)
+        if line is None:
+            raise
+        click.echo(f"error: {line} (free space or fix the mount, then run it again)", err=True)
+        sys.exit(STORAGE_FAULT)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -83,13 +83,31 @@ def storage_error(err: BaseException, what: str) -> StorageError:
     if isinstance(err, FileNotFoundError | NotADirectoryError):
         return Absent(f"{what}: not there")
     if isinstance(err, OSError) and err.errno in REFUSED_ERRNOS:
-        return Refused(err.errno, f"{what}: {text}")
+        reason = err.strerror or text
+        return Refused(err.errno, f"{what}: {reason[:1].lower()}{reason[1:]}")
     if isinstance(err, ValueError | UnicodeDecodeError | json.JSONDecodeError):
         return Corrupt(f"{what}: {text}")
     lowered = text.lower()
     if isinstance(err, OSError) and any(m in lowered for m in _ABSENT_MARKS):
         return Absent(f"{what}: not there ({text})")
     return Unavailable(f"{what}: {text}")
+
+
+# Errors of a write that the storage will not take whoever retries it.
+_DISK_FAULTS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO})
+
+
+def refused_write(err: BaseException) -> str | None:
+    """A command's one line for a write its storage refused (a full disk, a
+    read-only mount, a quota, a failing disk: exit 74, trainlab.exitcodes), or None
+    for any other error. `Refused` says what it was writing; a bare OSError its file."""
+    if isinstance(err, Refused):
+        return f"storage refused a write: {err.strerror or err}"
+    if isinstance(err, OSError) and err.errno in _DISK_FAULTS and not isinstance(err, StorageError):
+        reason = os.strerror(err.errno)
+        where = f"{err.filename}: " if err.filename else ""
+        return f"storage refused a write: {where}{reason[:1].lower()}{reason[1:]}"
+    return None
 
 
 # Retries of an unavailable read: delays in seconds (about 30 s in all), or

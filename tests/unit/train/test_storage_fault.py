@@ -33,9 +33,10 @@ import pytest
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
 from trainlab.train import checkpoint as ck
 from trainlab.train.loop.callbacks import Callback
+from trainlab.train.loop.components import Component
 from trainlab.train.loop.trainer import Trainer
 from trainlab.train.parallel.distributed import DistEnv
-from trainlab.train.records import RunRecords, failure_cause
+from trainlab.train.records import RESERVE, RunRecords, failure_cause
 
 # TINY saves every 4 steps: step 4 is written, step 8 is the one the disk fails.
 TRAIN = {"total_steps": 12, "checkpoint": {"every_steps": 4, "keep_last": 2, "keep_best": 1}}
@@ -236,3 +237,143 @@ def test_trainlab_train_on_a_full_disk_exits_74_with_the_cause_and_no_traceback(
     lines = res.stderr.strip().splitlines()
     assert lines[0] == f"unit: FAILED: {CAUSE}"
     assert "Traceback" not in res.stderr and "Traceback" not in res.stdout
+
+
+class Samples(Component):
+    """A user's component that writes its own file into the run after every step
+    (samples, a probe's output): on a full disk its write fails, not a save."""
+
+    def __init__(self, run_dir: Path, size: int = 256 * 1024):
+        self.run_dir, self.size = run_dir, size
+
+    def after_step(self, loop, step):
+        if loop.env.is_main:
+            (self.run_dir / "logs" / f"samples-{step}.bin").write_bytes(b"s" * self.size)
+
+
+def test_a_full_disk_in_a_components_own_write_ends_the_run_recorded(dataset, small_disk):
+    """ENOSPC outside a save (issue 38, item 3): the same end as a save's, the cause
+    naming the file, the failure and the summary written, the disk's reserve freed."""
+    run_dir = small_disk / "run"
+    ends = FillDisk(run_dir, margin=64 * 1024)
+    job = make_job(tiny_config(dataset, train=TRAIN), run_dir)
+    trainer = Trainer(job, local_loader(job), DistEnv(), ends)
+    trainer.components.insert(-1, Samples(run_dir))
+    with pytest.raises(ck.StorageFault) as raised:
+        trainer.fit()
+    fault = raised.value
+    assert fault.error.errno == errno.ENOSPC
+    step = trainer.step
+    assert 4 < step < 8  # the first write after the fill, before the next save
+    # (a write() that fails names no file: open() does, as in a read-only logs/)
+    cause = (
+        f"no space left on device while writing the run's files at step {step}; "
+        "newest valid checkpoint step 4"
+    )
+    assert str(fault) == cause
+    assert_recorded(run_dir, ends, cause, step=step, kept=[4])
+    assert not (run_dir / "logs" / RESERVE).exists()  # the room held for the records freed
+
+
+def test_a_storage_errno_crosses_the_agents_pipe_as_an_oserror():
+    """The agent's own write for a step (its progress record) failing on a full disk
+    reaches the training process as the OSError it was, so its trainer ends the run
+    as a storage fault rather than an error that is restarted."""
+    from trainlab.train.supervision.protocol import PipeClient, Reply
+
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/r/logs/progress.json")
+    assert Reply.failed(RuntimeError("no errno")).os_error is None
+    wrapped = RuntimeError("writing the progress")
+    wrapped.__cause__ = full
+    reply = Reply.failed(wrapped)
+    assert reply.os_error == (errno.ENOSPC, os.strerror(errno.ENOSPC), "/runs/r/logs/progress.json")
+
+    class Conn:
+        def send(self, request):
+            pass
+
+        def recv(self):
+            return reply
+
+    with pytest.raises(OSError) as raised:
+        PipeClient(Conn()).call(None)
+    assert raised.value.errno == errno.ENOSPC
+    assert ck.storage_error_in(raised.value, Path("/runs/r")) is not None
+
+
+def test_only_storage_errors_end_a_run_as_a_storage_fault(tmp_path):
+    run = tmp_path / "run"
+    denied = PermissionError(errno.EACCES, "Permission denied", str(run / "logs" / "x"))
+    elsewhere = PermissionError(errno.EACCES, "Permission denied", "/etc/secret")
+    assert ck.storage_error_in(denied, run) is denied  # a read-only logs/
+    assert ck.storage_error_in(elsewhere, run) is None  # the component's own mistake
+    assert ck.storage_error_in(ConnectionRefusedError(errno.ECONNREFUSED, "x"), run) is None
+    assert ck.storage_error_in(ValueError("bug"), run) is None
+    rofs = OSError(errno.EROFS, "Read-only file system")
+    assert ck.storage_error_in(RuntimeError("x"), run) is None
+    wrapped = RuntimeError("hook failed")
+    wrapped.__context__ = rofs
+    assert ck.storage_error_in(wrapped, run) is rofs
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """Makes a folder read-only as the OS enforces it: a read-only bind mount where
+    this process may mount (root ignores permission bits), else its mode bits."""
+    mounted: list[Path] = []
+
+    def make(folder: Path) -> None:
+        if os.geteuid() != 0:
+            folder.chmod(0o555)
+            return
+        for args in (["--bind", str(folder), str(folder)], ["-o", "remount,ro,bind", str(folder)]):
+            done = subprocess.run(["mount", *args], capture_output=True, timeout=10)
+            if done.returncode != 0:
+                pytest.fail(f"mount {args}: {done.stderr.decode().strip()}")
+        mounted.append(folder)
+
+    yield make
+    for folder in mounted:
+        subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=10)
+
+
+def test_a_read_only_logs_folder_stops_a_resume_in_one_line_exit_74(
+    dataset, tmp_path, monkeypatch, capsys, read_only
+):
+    """A run whose logs/ became read-only, extended: one line naming the file and
+    the cause, exit 74 (the storage code, not 1 with a traceback), nothing started
+    and the run's config and checkpoints as they were."""
+    from click.testing import CliRunner
+
+    from trainlab.cli import _run, cli
+    from trainlab.config import to_yaml
+    from trainlab.exitcodes import STORAGE_FAULT
+    from trainlab.train.driver import launcher
+
+    started: list[str] = []
+
+    def fit_in_process(cfg, job):
+        started.append(job.run_dir)
+        return Trainer(job, local_loader(job), DistEnv()).fit()
+
+    monkeypatch.setattr(launcher, "_fit", fit_in_process)
+    cfg = tiny_config(dataset, train={**TRAIN, "runs_root": str(tmp_path / "runs")})
+    config = tmp_path / "unit.yaml"
+    config.write_text(to_yaml(cfg))
+    res = CliRunner().invoke(cli, ["train", str(config), "--json"], standalone_mode=False)
+    assert res.exception is None and res.return_value == 0, res.output
+    run_dir = Path(started[0])
+    before = (run_dir / "config.yaml").read_text()
+    read_only(run_dir / "logs")
+    capsys.readouterr()
+    args = ["train", str(run_dir), "--resume", "--extend", "--set", "train.total_steps=16"]
+    with pytest.raises(SystemExit) as ended:
+        _run(args)
+    assert ended.value.code == STORAGE_FAULT == 74
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert err[0].startswith("error: storage refused a write: ")
+    assert f"{run_dir}/logs/" in err[0] and ("read-only" in err[0] or "permission" in err[0])
+    assert started == [str(run_dir)]  # nothing trained
+    assert (run_dir / "config.yaml").read_text() == before
+    assert [i.step for i in ck.committed(run_dir / "checkpoints")] == [8, 12]

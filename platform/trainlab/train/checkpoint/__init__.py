@@ -27,6 +27,7 @@ valid AND whose files still match their checksums, warning about each one skippe
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -86,6 +87,31 @@ class StorageFault(Exception):
         self.what, self.error, self.step = what, error, step
         self.cause = f"{fault_text(error)} while {what}"  # the trainer adds where to resume
         super().__init__(self.cause)
+
+
+# A write that fails with these means the run's storage will not take it (full, a
+# quota, a read-only or failing disk): the same write fails again, wherever it came
+# from (a checkpoint, a record, a component's or a callback's own file).
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS})
+
+
+def storage_error_in(error: BaseException, run_path: Path) -> OSError | None:
+    """The OSError behind `error` when it is a fault of the run's storage: one of
+    STORAGE_ERRNOS, a store's refusal (trainlab.location Refused), or no permission
+    on a file inside the run's directory `run_path` (a read-only logs/). None for
+    any other error, which a restart may get past."""
+    from trainlab.location.errors import Refused
+
+    found = os_error_in(error)
+    if found is None:
+        return None
+    if isinstance(found, Refused) or found.errno in STORAGE_ERRNOS:
+        return found
+    if found.errno in (errno.EACCES, errno.EPERM) and found.filename:
+        with contextlib.suppress(ValueError, OSError):
+            Path(os.path.abspath(found.filename)).relative_to(os.path.abspath(run_path))
+            return found
+    return None
 
 
 def fault_text(error: OSError) -> str:

@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -150,12 +151,22 @@ class Trainer:
         A write the disk fails (a checkpoint or a record: full, I/O error) ends the
         attempt: the partial checkpoint removed, the failure and the failed run
         summary recorded with the cause (`_fault`), then `ck.StorageFault` raised,
-        which the agent never restarts in place (trainlab.train.supervision.agent)."""
+        which the agent never restarts in place (trainlab.train.supervision.agent).
+        The same for a write that fails anywhere else in the loop (a component's or
+        a callback's own file, the agent's progress record) with a storage error
+        (`ck.storage_error_in`: a full disk, a read-only logs/): it would fail again."""
         try:
             return self._fit()
         except ck.StorageFault as fault:
             self._fault(fault)
             raise
+        except Exception as e:
+            error = ck.storage_error_in(e, self.job.run_path)
+            if error is None:
+                raise
+            fault = ck.StorageFault(f"writing {self._written(error)} at step {self.step}", error)
+            self._fault(fault)
+            raise fault from e
 
     def _fit(self) -> dict[str, Any] | None:
         """The loop of `fit`.
@@ -490,6 +501,15 @@ class Trainer:
             yield
         except OSError as e:
             raise ck.StorageFault(f"writing {what} at step {self.step}", e) from e
+
+    def _written(self, error: OSError) -> str:
+        """What a failed write wrote: its file, relative to the run when inside it."""
+        if not error.filename:
+            return "the run's files"
+        name = str(error.filename)
+        with contextlib.suppress(ValueError):
+            return str(Path(name).resolve().relative_to(self.job.run_path.resolve()))
+        return name
 
     def fault_cause(self, fault: ck.StorageFault) -> str:
         """`no space left on device while saving step 20; newest valid checkpoint

@@ -410,7 +410,7 @@ class Agent:
             value, outcome = self._handle(request, event)
             reply = Reply(value)
         except Exception as e:  # noqa: BLE001 - the training process raises it
-            reply = Reply(error=f"{type(e).__name__}: {e}")
+            reply = Reply.failed(e)
         try:
             conn.send(reply)
         except (BrokenPipeError, EOFError, OSError):

@@ -104,10 +104,25 @@ class StopRequest:
 
 @dataclass(frozen=True)
 class Reply:
-    """The agent's answer: `value`, or `error` (the text the child raises)."""
+    """The agent's answer: `value`, or `error` (the text the child raises). An
+    error that was an OSError with an errno (the agent's write of a record on a full
+    disk) carries it, `os_error` (errno, strerror, filename), so the child raises
+    an OSError its trainer can tell a storage fault by (`ck.storage_error_in`)."""
 
     value: Any = None
     error: str | None = None
+    os_error: tuple[int, str, str | None] | None = None
+
+    @classmethod
+    def failed(cls, e: BaseException) -> Reply:
+        from trainlab.train.checkpoint import os_error_in
+
+        found = os_error_in(e)
+        os_error = None
+        if found is not None and found.errno is not None:
+            filename = None if found.filename is None else str(found.filename)
+            os_error = (found.errno, found.strerror or str(found), filename)
+        return cls(error=f"{type(e).__name__}: {e}", os_error=os_error)
 
 
 # --------------------------------------------------------------------------- the child's start
@@ -140,6 +155,8 @@ class PipeClient:
         with self.lock:
             self.conn.send(request)
             reply: Reply = self.conn.recv()
+        if reply.os_error is not None:
+            raise OSError(*reply.os_error)
         if reply.error is not None:
             raise RuntimeError(reply.error)
         return reply.value
