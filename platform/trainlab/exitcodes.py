@@ -1,5 +1,5 @@
 """Process exit codes of trainlab commands, one table for the CLI, the job
-wrapper and `submit` (README "Failures" lists them for users).
+wrapper and `submit` (docs/training.md, "Failures", lists them for users).
 
 - 0  done (also: a completed run asked to resume, left untouched)
 - 1  an error that would happen again (code, numerics outside an alert's action)

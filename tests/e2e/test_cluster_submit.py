@@ -7,7 +7,7 @@ training jobs submitted to it:
   different nodes, the run recorded in MLflow under the job's id (a run whose
   home is object storage: tests/e2e/test_store_cluster.py);
 - plain `ray job submit --working-dir . -- python trainers/pretrain.py ...`
-  (the README's command, absolute data and runs paths): SUCCEEDED and recorded;
+  (docs/cluster.md's command, absolute data and runs paths): SUCCEEDED and recorded;
 - a training worker's process, or its whole node (the raylet), killed mid-run
   with no Ray Train restarts left: the job-level retry excludes that node (and
   says so), its workers run on other nodes, and the run resumes from its
@@ -341,7 +341,7 @@ sources:
 
 
 def test_plain_ray_job_submit_of_the_entry_script(cluster, dataset, tmp_path):
-    """The README's plain path (cluster/README.md): `ray job submit --working-dir .`
+    """The plain path (docs/cluster.md, cluster/README.md): `ray job submit --working-dir .`
     of the entry script with absolute data and runs paths, as short as a run with
     a checkpoint gets (2 steps, one worker: spanning nodes is tested above): it
     trains and lands in this runs root's MLflow store. (A relative path there is refused in one line: tests/unit/config/test_jobcopy.py.)"""
