@@ -69,7 +69,10 @@ RESIZE_REQUEST = "resize.json"
 # full, I/O error; the attempt ends, never restarted in place: trainlab.train.loop.trainer).
 INFRASTRUCTURE_KINDS = frozenset({"killed", "chaos", "lost"})
 STORAGE = "storage"
-FAILURE_KINDS = frozenset({*INFRASTRUCTURE_KINDS, "error", "peer", STORAGE})
+# A user's component (train.components) raised a programming error in a hook: the
+# same code fails again at the same step, so the attempt ends, never restarted.
+COMPONENT = "component"
+FAILURE_KINDS = frozenset({*INFRASTRUCTURE_KINDS, "error", "peer", STORAGE, COMPONENT})
 
 
 @dataclass(frozen=True)

@@ -244,6 +244,24 @@ def child_disk_full_recorded(args: ChildArgs, conn: Any) -> None:
     _fit(args, conn, _disk_full_recorded_at_3)
 
 
+BUG = (
+    "train.components 'team.probes:make': Probe.after_step at step 3 raised "
+    "TypeError: unsupported operand type(s) for +: 'int' and 'str'"
+)
+
+
+def _bug_at_3(args: ChildArgs, client: PipeClient, attempt: int, step: int) -> None:
+    """What the training process reports when a user's component has a bug
+    (trainlab.train.loop.components.ComponentError)."""
+    if step == 3:
+        client.call(Failed(step, f"ComponentError: {BUG}"))
+        os._exit(1)
+
+
+def child_component_bug(args: ChildArgs, conn: Any) -> None:
+    _fit(args, conn, _bug_at_3)
+
+
 class FakeTrainer:
     """trainlab.train.loop.trainer.Trainer's surface: (job, loader, env, callbacks), .fit(),
     .step; fails at the step in logs/fail_at when that file exists."""
@@ -445,6 +463,21 @@ def test_a_storage_fault_its_trainer_recorded_is_not_recorded_twice(tmp_path, mp
     [failure] = failures(job)
     assert failure["kind"] == "storage" and failure["error"] == DISK_FULL
     assert [e for e in recorder.events if e[0] == "end"] == [("end", "failed")]
+
+
+def test_a_components_bug_ends_the_run_without_a_restart(tmp_path, mp_context):
+    """A programming error in a user's component hook fails the same way at the same
+    step after a restart: the run ends at once, failure_cause "code" (exit 1)."""
+    job = make_job(tmp_path, max_failures=3)
+    recorder = Recorder()
+    summary = make_agent(job, mp_context, child_component_bug, recorder).run()
+    assert children(job) == 1
+    assert summary["status"] == "failed"
+    assert summary["error"] == f"{BUG} (not restarted: fix the component)"
+    assert summary["failure_cause"] == "code"
+    [failure] = failures(job)
+    assert failure["kind"] == "component" and failure["step"] == 3 and failure["error"] == BUG
+    assert recorder.events[-1] == ("end", "failed")
 
 
 def test_error_kind_tells_a_lost_peer_from_an_error():

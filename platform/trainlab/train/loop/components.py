@@ -81,14 +81,62 @@ class Component:
         """The loop ended with `status` (before the summary is written)."""
 
 
+# A hook of a user's component that raises one of these has a bug: the same code
+# fails the same way at the same step after a restart, so the run ends instead
+# (ComponentError; the agent never restarts it, trainlab.train.supervision.agent).
+# Other errors (an OSError, a RuntimeError from a collective whose peer died) are
+# restarted as any training process failure.
+PROGRAMMING_ERRORS = (
+    TypeError,
+    AttributeError,
+    NameError,
+    ImportError,
+    AssertionError,
+    LookupError,
+    ValueError,
+    ArithmeticError,
+    NotImplementedError,
+    RecursionError,
+)
+HOOKS = ("on_start", "loss_factor", "after_step", "due", "at_step_end", "on_end")
+
+
+class ComponentError(Exception):
+    """A user's component (train.components) raised a programming error in a hook:
+    the run ends as failed with it, without a restart."""
+
+    def __init__(self, path: str, component: object, hook: str, step: int, error: Exception):
+        self.path = path
+        first = (str(error).strip().splitlines() or [""])[0]
+        super().__init__(
+            f"train.components {path!r}: {type(component).__name__}.{hook} at step {step} "
+            f"raised {type(error).__name__}: {first}"[:480]
+        )
+
+
+def _guarded(path: str, component: Component, hook: str) -> Any:
+    method = getattr(component, hook)
+
+    def call(loop: Trainer, *args: Any) -> Any:
+        try:
+            return method(loop, *args)
+        except PROGRAMMING_ERRORS as e:
+            raise ComponentError(path, component, hook, loop.step, e) from e
+
+    return call
+
+
 def build_components(paths: tuple[str, ...] | list[str], cfg: Any) -> list[Component]:
-    """The components of `train.components`, from their factories' import paths."""
+    """The components of `train.components`, from their factories' import paths;
+    each hook guarded, so a programming error in it ends the run (ComponentError)."""
     out: list[Component] = []
     for path in paths:
         made = load_factory(path)(cfg)
         for c in made:
             if not isinstance(c, Component):
                 raise TypeError(f"train.components {path!r}: {c!r} is not a Component")
+            for hook in HOOKS:  # on the instance: isinstance and its own state unchanged
+                setattr(c, hook, _guarded(path, c, hook))
         out.extend(made)
     return out
 

@@ -47,6 +47,7 @@ from trainlab.train import checkpoint as ck
 from trainlab.train.job import TrainJob
 from trainlab.train.loop.callbacks import Callback
 from trainlab.train.records import (
+    COMPONENT,
     INTERRUPT_REASON,
     STORAGE,
     Failure,
@@ -89,11 +90,19 @@ PEER_LOST = (
 STORAGE_FAULT = "StorageFault: "
 
 
+# What a training process reports when a user's component had a bug in a hook
+# (trainlab.train.loop.components.ComponentError).
+COMPONENT_ERROR = "ComponentError: "
+
+
 def error_kind(message: str) -> str:
-    """`storage` when a write of the run's disk failed, `peer` when a training
-    process failed because another one died, else `error`."""
+    """`storage` when a write of the run's disk failed, `component` when a user's
+    component had a programming error, `peer` when a training process failed
+    because another one died, else `error`."""
     if message.startswith(STORAGE_FAULT):
         return STORAGE
+    if message.startswith(COMPONENT_ERROR):
+        return COMPONENT
     return "peer" if any(s in message for s in PEER_LOST) else "error"
 
 
@@ -305,6 +314,11 @@ class Agent:
             ]
             if faults:  # the same write would fail again: never restarted in place
                 return self._end_on_fault(str(faults[-1].get("error")))
+            bugs = [
+                f for f in self.records.failures(self.job.session) if f.get("kind") == COMPONENT
+            ]
+            if bugs:  # the same code would fail again at the same step
+                return self._end_on_bug(str(bugs[-1].get("error")))
             spent = len(self.records.failure_events(self.job.session))
             budget = self.job.cfg.train.max_failures
             if spent > budget:
@@ -449,6 +463,8 @@ class Agent:
                 error = f"rank {self.rank} failed at step {step}: {message}"
                 if kind == STORAGE:  # the cause, as its trainer would have recorded it
                     error = message[len(STORAGE_FAULT) :]
+                elif kind == COMPONENT:  # names the component, its hook and the step
+                    error = message[len(COMPONENT_ERROR) :]
                 self._record(event, step, error, kind)
                 return None, "failed"
             case Done():
@@ -501,6 +517,18 @@ class Agent:
             self.records.write_summary(summary)
         except OSError as e:
             log.error("could not write run_summary.json: %s", e)
+        self._submit_hook("on_run_end", (summary,))
+        self._drain_hooks()
+        return summary
+
+    def _end_on_bug(self, error: str) -> dict[str, Any] | None:
+        """A user's component raised a programming error: rank 0 writes the failed
+        run summary with it (failure_cause "code", exit 1) and closes the record."""
+        if self.rank != 0:
+            return None
+        ck.clean_staging(self.job.checkpoint_root)
+        summary = failed_summary(self.job, f"{error} (not restarted: fix the component)")
+        self.records.write_summary(summary)
         self._submit_hook("on_run_end", (summary,))
         self._drain_hooks()
         return summary
