@@ -28,6 +28,7 @@ from trainlab.location import gcs, s3
 from trainlab.location.core import APPENDS_SUFFIX, Backend, Location
 from trainlab.location.errors import (
     Absent,
+    Conflict,
     Corrupt,
     StorageError,
     StoreUnavailable,
@@ -43,6 +44,7 @@ __all__ = [
     "SETTINGS_ENV_VARS",
     "Absent",
     "Backend",
+    "Conflict",
     "Corrupt",
     "Location",
     "StorageError",

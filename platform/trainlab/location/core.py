@@ -97,6 +97,19 @@ class Backend:
     def make_dirs(self, path: str) -> None:
         """Nothing to do: an object store has no folders."""
 
+    # Conditional writes (compare-and-swap on one object: the run lease). A backend
+    # that has them sets `conditional` and implements the two below.
+    conditional: bool = False
+
+    def read_versioned(self, path: str) -> tuple[bytes, str] | None:
+        """The object and its version (an ETag), or None when it is not there."""
+        raise NotImplementedError(f"{self.scheme or 'file'}: no conditional writes")
+
+    def write_if(self, path: str, data: bytes, version: str | None) -> str:
+        """Write the object only if it is at `version` (None: only if it is not
+        there); its new version, else `Conflict`."""
+        raise NotImplementedError(f"{self.scheme or 'file'}: no conditional writes")
+
     # -------------------------------------------------------- the same everywhere
 
     def list(self, path: str) -> list[str]:
@@ -324,6 +337,24 @@ class Location:
 
     def write_text(self, rel: str, text: str) -> None:
         self.write_bytes(rel, text.encode())
+
+    @property
+    def conditional_writes(self) -> bool:
+        """Whether this storage can write an object only if it is at a version
+        (S3's If-None-Match / If-Match): `read_versioned` and `write_if`."""
+        return self.backend.conditional
+
+    def read_versioned(self, rel: str) -> tuple[bytes, str] | None:
+        """The file and its version, or None when it is not there."""
+        with self._kinds(rel):
+            return self.backend.read_versioned(self.fs_path(rel))
+
+    def write_if(self, rel: str, data: bytes, version: str | None) -> str:
+        """Write the file only if it is still at `version` (None: only if it is not
+        there), in one request however slow: `Conflict` when another writer came
+        first. Its new version otherwise."""
+        with self._kinds(rel):
+            return self.backend.write_if(self.fs_path(rel), data, version)
 
     def write_json(self, rel: str, obj: Any) -> None:
         self.write_bytes(rel, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())

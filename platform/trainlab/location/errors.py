@@ -60,6 +60,13 @@ class Refused(StorageError):
     kind = "refused"
 
 
+class Conflict(StorageError):
+    """A conditional write found the object at another version than expected (or
+    present where it was to be created): someone else wrote it first."""
+
+    kind = "conflict"
+
+
 REFUSED_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 
 

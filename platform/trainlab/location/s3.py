@@ -11,12 +11,14 @@ AWS_SESSION_TOKEN, AWS_PROFILE) or the node's instance role.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 from urllib.parse import urlsplit
 
 from trainlab.errors import UserError
 from trainlab.location.core import Backend
+from trainlab.location.errors import Conflict
 from trainlab.redact import redact
 
 ENDPOINT_ENV_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -53,6 +55,45 @@ class S3(Backend):
 
     def describe(self) -> str:
         return f"endpoint {redact(self.endpoint_url)}" if self.endpoint_url else ""
+
+    # Conditional writes: S3's If-None-Match / If-Match on PUT (AWS since 2024,
+    # MinIO, moto), through boto3, since pyarrow's filesystem has none.
+    conditional = True
+
+    @functools.cached_property
+    def client(self) -> Any:
+        import boto3
+
+        region = next((os.environ[v] for v in REGION_ENV_VARS if os.environ.get(v)), None)
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint_url, region_name=region or DEFAULT_REGION
+        )
+
+    def read_versioned(self, path: str) -> tuple[bytes, str] | None:
+        from botocore.exceptions import ClientError
+
+        bucket, _, key = path.partition("/")
+        try:
+            got = self.client.get_object(Bucket=bucket, Key=key)
+        except ClientError as e:
+            if e.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                return None
+            raise
+        return got["Body"].read(), str(got["ETag"])
+
+    def write_if(self, path: str, data: bytes, version: str | None) -> str:
+        from botocore.exceptions import ClientError
+
+        bucket, _, key = path.partition("/")
+        condition = {"IfNoneMatch": "*"} if version is None else {"IfMatch": version}
+        try:
+            put = self.client.put_object(Bucket=bucket, Key=key, Body=data, **condition)
+        except ClientError as e:
+            status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status in (409, 412):  # PreconditionFailed; 409: a concurrent conditional write
+                raise Conflict(f"{self.uri(path)}: written by another writer first") from e
+            raise
+        return str(put["ETag"])
 
 
 def backend(endpoint_url: str | None = None) -> S3:

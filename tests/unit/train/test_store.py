@@ -203,6 +203,57 @@ def test_one_writer_per_run_in_the_store(run, monkeypatch):
         assert run.read_jsonl("logs/lock.jsonl")[-1]["took_over_from"]["pid"] == int(dead)
 
 
+def test_a_slow_lease_write_never_admits_two_drivers(run, monkeypatch):
+    """Issue 38 item 7: driver A's write of the lease is slow (here: issued 1 s after
+    its read, as a delayed PUT lands); driver B takes the lease meanwhile. A's write
+    is conditional on the lease being absent, so it is refused, whatever the delay."""
+    import threading
+    import time
+
+    from trainlab.location.core import Location
+    from trainlab.train.driver.runlock import StoreRunLock
+
+    assert run.home.conditional_writes  # S3 (moto): If-None-Match / If-Match
+    real = Location.write_if
+    slow = threading.current_thread().name
+
+    def write_if(self, rel, data, version):
+        if threading.current_thread().name == slow:
+            time.sleep(1.0)
+        return real(self, rel, data, version)
+
+    monkeypatch.setattr(Location, "write_if", write_if)
+    taken: list[StoreRunLock] = []
+    other = threading.Thread(target=lambda: (time.sleep(0.2), taken.append(RunLock.acquire(run))))
+    other.start()
+    with pytest.raises(RunLockHeld, match="in use by another trainlab process"):
+        StoreRunLock.acquire(run)
+    other.join()
+    [b] = taken
+    assert json.loads(run.read_text(".lock.json"))["since"] == b.holder.since
+    b.release()
+    assert run.read_text(".lock.json") is None
+
+
+def test_a_driver_whose_lease_was_taken_over_stops_at_its_next_beat(run):
+    """A driver cut off from the store long enough for its lease to go stale, taken
+    over by another: its next beat is conditional on its own last version, finds
+    the other holder and ends this driver (on_lost; by default exit 75) instead of
+    training on beside the new one. Its release leaves the other's lease alone."""
+    from trainlab.train.driver.runlock import StoreRunLock
+
+    lost: list[tuple[str, object]] = []
+    a = StoreRunLock.acquire(run, on_lost=lambda uri, holder: lost.append((uri, holder)))
+    assert a.beat() and not lost  # renewing its own lease
+    theirs = {"host": "node-b", "pid": 4242, "since": 2.0, "beat": 2.0}
+    run.write_text(".lock.json", json.dumps(theirs))  # B took it while A was cut off
+    assert a.beat() is False
+    [(uri, holder)] = lost
+    assert uri == run.uri and (holder.host, holder.pid) == ("node-b", 4242)
+    a.release()
+    assert json.loads(run.read_text(".lock.json")) == theirs
+
+
 def test_gc_in_the_store_keeps_records_and_two_checkpoints_and_never_a_live_run(
     s3_env, tmp_path, monkeypatch
 ):

@@ -41,7 +41,9 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.errors import UserError
+from trainlab.exitcodes import INFRASTRUCTURE
 from trainlab.fileutil import write_text_atomic
+from trainlab.location import Conflict
 from trainlab.runloc import RunLocation
 
 log = logging.getLogger(__name__)
@@ -215,31 +217,38 @@ class StoreRunLock:
     """The lock of a run in object storage: a lease, `.lock.json` in the run's
     prefix, naming its holder and renewed every beat. A store has no file locks,
     so a holder counts as alive while its beat is fresh (TRAINLAB_LOST_AFTER_S),
-    or, on this host, while its process runs. Taking it writes this process's
-    record and reads it back after a pause: of two drivers starting within that
-    pause, the one whose record is read back wins and the other is refused. (A
-    store without conditional writes allows no stronger guarantee; the pause is
-    TRAINLAB_LOCK_SETTLE_S, default 1 s.)"""
+    or, on this host, while its process runs.
 
-    def __init__(self, loc: RunLocation, holder: Holder):
+    Where the store has conditional writes (S3: If-None-Match / If-Match;
+    `Location.conditional_writes`), taking the lease is one compare-and-swap:
+    created only if absent, or replaced only if still at the stale holder's
+    version, so of two drivers exactly one wins however slow either's request
+    is. Every beat is conditional on the version this holder wrote last: a beat
+    that finds another holder (the lease was taken over while this driver could
+    not reach the store) calls `on_lost`, which by default ends this driver at
+    once (`lost_lease`: exit 75, nothing more written; Ray ends its workers with
+    their job), so no two drivers train one run past one beat.
+
+    Without conditional writes (the GCS emulator here), taking it writes this
+    process's record and reads it back after a pause (TRAINLAB_LOCK_SETTLE_S,
+    default 1 s): of two drivers starting within that pause, the one whose record
+    is read back wins; a write slower than the pause can still admit two."""
+
+    def __init__(self, loc: RunLocation, holder: Holder, on_lost: Any = None):
         self.loc, self.holder = loc, holder
+        self.version: str | None = None  # what this holder wrote last (conditional)
+        self.on_lost = on_lost or lost_lease
+        self._released = False
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._beat_loop, name="trainlab-runlock", daemon=True
         )
 
     @classmethod
-    def acquire(cls, loc: RunLocation) -> StoreRunLock:
-        previous = _parse_holder(loc.read_text(HOLDER))
-        if previous is not None and _alive(previous):
-            raise RunLockHeld(loc.uri, previous)
+    def acquire(cls, loc: RunLocation, on_lost: Any = None) -> StoreRunLock:
         now = time.time()
-        lock = cls(loc, Holder(socket.gethostname(), os.getpid(), now, now))
-        lock._write()
-        time.sleep(float(os.environ.get("TRAINLAB_LOCK_SETTLE_S") or 1.0))
-        back = _parse_holder(loc.read_text(HOLDER))
-        if back != lock.holder:
-            raise RunLockHeld(loc.uri, back)
+        lock = cls(loc, Holder(socket.gethostname(), os.getpid(), now, now), on_lost)
+        previous = lock._take() if loc.home.conditional_writes else lock._take_settled()
         if previous is not None:
             log.warning(
                 "%s: took over the lock of %s, which ended without releasing it",
@@ -254,22 +263,65 @@ class StoreRunLock:
         lock._thread.start()
         return lock
 
+    def _take(self) -> Holder | None:
+        """The lease by compare-and-swap; the stale holder it replaced, if any."""
+        got = self.loc.home.read_versioned(HOLDER)
+        previous = _parse_holder(got[0].decode(errors="replace")) if got else None
+        if previous is not None and _alive(previous):
+            raise RunLockHeld(self.loc.uri, previous)
+        try:
+            self.version = self.loc.home.write_if(HOLDER, self._record(), got[1] if got else None)
+        except Conflict:
+            raise RunLockHeld(self.loc.uri, _parse_holder(self.loc.read_text(HOLDER))) from None
+        return previous
+
+    def _take_settled(self) -> Holder | None:
+        """The lease by write, pause, read back (no conditional writes)."""
+        previous = _parse_holder(self.loc.read_text(HOLDER))
+        if previous is not None and _alive(previous):
+            raise RunLockHeld(self.loc.uri, previous)
+        self._write()
+        time.sleep(float(os.environ.get("TRAINLAB_LOCK_SETTLE_S") or 1.0))
+        back = _parse_holder(self.loc.read_text(HOLDER))
+        if back != self.holder:
+            raise RunLockHeld(self.loc.uri, back)
+        return previous
+
+    def _record(self) -> bytes:
+        return (json.dumps(asdict(self.holder)) + "\n").encode()
+
     def _write(self) -> None:
-        self.loc.write_text(HOLDER, json.dumps(asdict(self.holder)) + "\n")
+        self.loc.write_text(HOLDER, self._record().decode())
+
+    def beat(self) -> bool:
+        """Renew the lease now; False (after `on_lost`) when another holder has it."""
+        self.holder = Holder(**{**asdict(self.holder), "beat": time.time()})
+        if self.version is None:
+            self._write()
+            return True
+        try:
+            self.version = self.loc.home.write_if(HOLDER, self._record(), self.version)
+        except Conflict:
+            self._stop.set()
+            self.on_lost(self.loc.uri, _parse_holder(self.loc.read_text(HOLDER)))
+            return False
+        return True
 
     def _beat_loop(self) -> None:
         while not self._stop.wait(beat_s()):
-            self.holder = Holder(**{**asdict(self.holder), "beat": time.time()})
             try:
-                self._write()
+                if not self.beat():
+                    return
             except OSError as e:
                 log.warning("could not renew the lock record of %s: %s", self.loc.uri, e)
 
     def release(self) -> None:
-        if self._stop.is_set():
+        """Stop beating and remove the record if it is still this holder's. Idempotent."""
+        if self._released:
             return
+        self._released = True
         self._stop.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         with contextlib.suppress(OSError):
             if _parse_holder(self.loc.read_text(HOLDER)) == self.holder:
@@ -280,6 +332,22 @@ class StoreRunLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def lost_lease(uri: str, holder: Holder | None) -> None:
+    """A driver whose lease another took (it could not renew it for
+    TRAINLAB_LOST_AFTER_S): it ends at once, writing nothing more to the run, so
+    one driver trains it; Ray ends the job's workers with it. Exit 75: a job retry
+    finds the lease held and is refused."""
+    who = holder.describe() if holder is not None else "another driver"
+    log.error(
+        "%s: the run's lease was taken over by %s while this driver could not renew it; "
+        "stopping this driver now, writing nothing more (the other one trains the run)",
+        uri,
+        who,
+    )
+    logging.shutdown()
+    os._exit(INFRASTRUCTURE)
 
 
 def _parse_holder(text: str | None) -> Holder | None:
