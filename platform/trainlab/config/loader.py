@@ -497,12 +497,44 @@ def _default(section: str, key: str) -> Any:
 
 NAME_MAX = 80  # under the schema's 100, leaving room for suffixes such as `-smoke`
 _UNSAFE = re.compile(r"[^A-Za-z0-9_.\-]+")
+# Short labels of the keys people set most, so names fit a table's column:
+# `tiny --set train.total_steps=20 --set train.eval_interval=10` is
+# `tiny_steps-20_eval-10`, not `tiny_total_steps-20_eval_interval-10`.
+LABELS = {
+    "total_steps": "steps",
+    "eval_interval": "eval",
+    "log_interval": "log",
+    "warmup_steps": "warmup",
+    "micro_batch_size": "mbs",
+    "global_batch_size": "gbs",
+    "grad_accum_steps": "accum",
+    "hidden_size": "d",
+    "num_layers": "layers",
+    "num_heads": "heads",
+    "num_kv_heads": "kv_heads",
+    "ffn_hidden_size": "ffn",
+    "expert_ffn_hidden_size": "expert_ffn",
+    "num_experts": "experts",
+    "seq_len": "seq",
+    "weight_decay": "wd",
+    "min_lr_ratio": "min_lr",
+    "vocab_size": "vocab",
+}
+
+
+def abbreviated(name: str) -> str:
+    """A run name of an earlier version (`tiny_total_steps-20`) as this version
+    names it (`tiny_steps-20`), so `--resume` with the same flags finds it."""
+    for long, short in LABELS.items():
+        name = re.sub(rf"_{long}(?=-|_|$)", f"_{short}", name)
+    return name
 
 
 def override_name(name: str, overrides: list[str] | tuple[str, ...]) -> str:
     """The name of a run that changes its config with `--set`: `tiny` with
     `--set train.lr=1e-3` is `tiny_lr-1e-3`. Each override of what is trained adds
-    `_{last key part}-{value as typed}` in the order given, filesystem-safe; an
+    `_{last key part}-{value as typed}` in the order given, filesystem-safe, with
+    the short labels of LABELS (`train.total_steps=20`: `_steps-20`); an
     explicit `--set name=...`, and overrides that do not change what is trained
     (layout, resources, paths, record, tracking), leave the name alone. Too long
     a name keeps its head and ends in a hash of the whole, so it stays unique
@@ -517,6 +549,7 @@ def override_name(name: str, overrides: list[str] | tuple[str, ...]) -> str:
         value = _UNSAFE.sub("-", item.partition("=")[2]).strip("-.")
         # A section chosen by name (train.optimizer.name=muon) reads as the section.
         label = keys[-2] if keys[-1] == "name" and len(keys) > 1 else keys[-1]
+        label = LABELS.get(label, label)
         parts.append(f"{label}-{value}" if value else label)
     if not parts:
         return name

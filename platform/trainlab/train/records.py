@@ -184,7 +184,12 @@ class RunRecords:
         return [r for r in self.loc.read_jsonl(f"logs/{ATTEMPTS}") if "first_step" in r]
 
     def restarts(self) -> int:
-        return max(0, len(self.attempts()) - 1)
+        """Restarts after a failure or a resize within one start of the run (one
+        `trainlab train`: its session): the attempts beyond each session's first.
+        A resume, an `--extend` or a job retry is a new start, not a restart
+        (logs/attempts.jsonl lists every attempt of every start)."""
+        attempts = self.attempts()
+        return max(0, len(attempts) - len({a.get("session") for a in attempts}))
 
     # ------------------------------------------------------------------ resizes
 

@@ -18,7 +18,7 @@ def printed(capsys, fn, *args) -> str:
 
 def summary(run_dir, **kw):
     return {
-        "name": "tiny_total_steps-20",
+        "name": "tiny_steps-20",
         "status": "completed",
         "final_step": 20,
         "final_loss": 7.1,
@@ -33,9 +33,9 @@ def summary(run_dir, **kw):
 
 
 def test_the_summary_names_the_directory_it_used(tmp_path, capsys):
-    second = tmp_path / "2026-12-05" / "tiny_total_steps-20-2"
+    second = tmp_path / "2026-12-05" / "tiny_steps-20-2"
     text = printed(capsys, train_cmd._print_done, summary(second))
-    assert text.startswith("tiny_total_steps-20-2: completed at step 20"), text
+    assert text.startswith("tiny_steps-20-2: completed at step 20"), text
     assert train_cmd.run_label({"name": "x", "run_dir": "s3://b/runs/2026-12-05/x-3"}) == "x-3"
 
 

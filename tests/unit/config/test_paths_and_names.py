@@ -96,7 +96,10 @@ def test_a_config_built_in_code_is_not_anchored_at_the_cwd(tmp_path, monkeypatch
     ("overrides", "name"),
     [
         (["train.lr=1e-3"], "tiny_lr-1e-3"),
-        (["train.lr=1e-3", "model.num_layers=4"], "tiny_lr-1e-3_num_layers-4"),
+        (["train.lr=1e-3", "model.num_layers=4"], "tiny_lr-1e-3_layers-4"),
+        # the keys people set most have short labels (loader.LABELS)
+        (["train.total_steps=20", "train.eval_interval=10", "train.lr=1e-2"],
+         "tiny_steps-20_eval-10_lr-1e-2"),
         (["data.mix={code: 1, docs: 2}"], "tiny_mix-code-1-docs-2"),
         (["train.lr=1e-3", "name=mine"], "tiny"),  # an explicit name wins (set below)
         # not what is trained: layout, resources, paths, record, tracking
@@ -116,6 +119,18 @@ def test_override_name_is_short_unique_and_deterministic():
     assert len(a) == len(b) == 80 and a != b and a[:70] == b[:70]
     assert a == override_name("tiny", [f"data.mix.source_{i}=0.{i}" for i in range(20)])
     ExperimentConfig.model_validate({"name": a})  # a valid name
+
+
+def test_resume_finds_a_run_named_before_labels_were_short(repo, tmp_path):
+    """`--resume` with the same flags finds a run an earlier version named with the
+    long labels (`exp_total_steps-200`), and its `-N` sequence."""
+    cfg = load_config(repo / "configs/exp/a.yaml", ["train.total_steps=200"], name_from_overrides=True)
+    assert cfg.name == "exp_steps-200"
+    old = rundir.new_run_dir(cfg).local_path().with_name("exp_total_steps-200-2")
+    old.mkdir(parents=True)
+    (old / "config.yaml").write_text("name: exp_total_steps-200\n")
+    assert rundir.latest_run_dir(cfg).local_path() == old
+    assert not rundir._is_run_of("exp_total_steps-2000", "exp_steps-200")
 
 
 def test_new_runs_are_named_after_their_changes_and_keep_the_sequence(repo, tmp_path):

@@ -169,12 +169,12 @@ def test_prepare_makes_paths_absolute_and_stages_the_resolved_config(repo, tmp_p
     assert prep.storage_uris == [str(repo / "runs")]
     prep = prepare(recipe, ["train.total_steps=30", f"train.runs_root={tmp_path}/runs"], repo)
     assert prep.run_dir.startswith(f"{tmp_path}/runs/")
-    assert prep.run_dir.endswith("/tiny_total_steps-30")  # named after the change
+    assert prep.run_dir.endswith("/tiny_steps-30")  # named after the change
     rel = stage_working_dir(prep, tmp_path / "wd")
     from trainlab.config import load_config
 
     shipped = load_config(tmp_path / "wd" / rel)
-    assert shipped.train.total_steps == 30 and shipped.name == "tiny_total_steps-30"
+    assert shipped.train.total_steps == 30 and shipped.name == "tiny_steps-30"
     assert shipped.data.path == str(repo / "data/demo/prepared")
     assert not (tmp_path / "wd" / "platform").exists()
     assert (tmp_path / "wd" / "trainers/recipes/tiny.yaml").is_file()

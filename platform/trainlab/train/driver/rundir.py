@@ -119,6 +119,14 @@ def latest_run_dir(cfg: ExperimentConfig, base_dir: Path | None = None) -> Locat
 
 
 def _is_run_of(dirname: str, name: str) -> bool:
+    """`dirname` is run `name` or its `-N`, also as an earlier version named it
+    (`tiny_total_steps-20` for `tiny_steps-20`: loader.abbreviated)."""
+    from trainlab.config.loader import abbreviated
+
+    return _named(dirname, name) or _named(abbreviated(dirname), name)
+
+
+def _named(dirname: str, name: str) -> bool:
     if dirname == name:
         return True
     suffix = dirname.removeprefix(name + "-")
