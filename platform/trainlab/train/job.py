@@ -44,6 +44,18 @@ class TrainJob:
     # An elastic run's job pinned to one size (`at_world_size`): it grows at a
     # checkpoint taken for it (trainlab.train.loop.growth).
     elastic: bool = False
+    # The driver that started the group: its lock record (host, pid, since). The
+    # agents and rank 0's commits stop when it is gone (`orphaned`); None: unchecked.
+    driver: tuple[str, int, float] | None = None
+
+    def orphaned(self) -> str | None:
+        """Why this job's worker group must stop (its driver is gone, or another
+        holds the run: trainlab.train.driver.runlock.orphaned), or None."""
+        if self.driver is None:
+            return None
+        from trainlab.train.driver.runlock import orphaned
+
+        return orphaned(self.location, self.driver)
 
     def at_world_size(self, n: int) -> TrainJob:
         """This job for a worker group of `n` workers: an elastic run's config pinned

@@ -262,6 +262,14 @@ def child_component_bug(args: ChildArgs, conn: Any) -> None:
     _fit(args, conn, _bug_at_3)
 
 
+def _slow(args: ChildArgs, client: PipeClient, attempt: int, step: int) -> None:
+    time.sleep(0.3)
+
+
+def child_slow(args: ChildArgs, conn: Any) -> None:
+    _fit(args, conn, _slow)
+
+
 class FakeTrainer:
     """trainlab.train.loop.trainer.Trainer's surface: (job, loader, env, callbacks), .fit(),
     .step; fails at the step in logs/fail_at when that file exists."""
@@ -478,6 +486,62 @@ def test_a_components_bug_ends_the_run_without_a_restart(tmp_path, mp_context):
     [failure] = failures(job)
     assert failure["kind"] == "component" and failure["step"] == 3 and failure["error"] == BUG
     assert recorder.events[-1] == ("end", "failed")
+
+
+def test_a_group_whose_driver_is_gone_stops_without_a_record(tmp_path, mp_context, monkeypatch):
+    """Issue 38 item 9: the driver was SIGKILLed (its lock record names a process
+    that is gone): each agent sees it within TRAINLAB_ORPHAN_CHECK_S, kills its
+    training process before it commits anything more, and ends: no restart, no
+    failure, no summary (the next driver's resume writes those)."""
+    import dataclasses
+    import socket
+    import subprocess
+
+    monkeypatch.setenv("TRAINLAB_ORPHAN_CHECK_S", "0.1")
+    dead = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True).stdout)  # fmt: skip
+    driver = (socket.gethostname(), dead, 1.0)
+    job = dataclasses.replace(make_job(tmp_path, max_failures=3), driver=driver)
+    record = {"host": driver[0], "pid": dead, "since": 1.0, "beat": time.time()}
+    (job.run_path / ".lock.json").write_text(json.dumps(record))
+    recorder = Recorder()
+    t0 = time.monotonic()
+    assert make_agent(job, mp_context, child_slow, recorder).run() is None
+    assert time.monotonic() - t0 < 1.5  # 6 steps of 0.3 s would take 1.8 s
+    assert children(job) == 1 and failures(job) == []
+    assert not (job.run_path / "run_summary.json").exists()
+    assert ("end", "completed") not in recorder.events
+
+
+def test_orphaned_tells_a_live_driver_from_a_gone_or_replaced_one(tmp_path):
+    import socket
+    import subprocess
+
+    from trainlab.runloc import RunLocation
+    from trainlab.train.driver.runlock import RunLock, current_holder, orphaned
+
+    loc = RunLocation.of(tmp_path / "run")
+    with RunLock.acquire(loc):
+        me = current_holder(loc)
+        driver = (me.host, me.pid, me.since)
+        assert orphaned(loc, driver) is None  # this process: alive, holding it
+        assert "another driver holds the run" in orphaned(loc, (me.host, me.pid, 2.0))
+    assert orphaned(loc, driver) is None  # released after its workers ended: nothing to say
+    gone = {"host": socket.gethostname(), "pid": 2**22 + 7, "since": 3.0, "beat": 3.0}
+    (tmp_path / "run" / ".lock.json").write_text(json.dumps(gone))
+    assert orphaned(loc, (gone["host"], gone["pid"], 3.0)) == (
+        f"its driver (pid {2**22 + 7} on this host) is gone"
+    )
+    # a driver killed but not reaped yet (a zombie: its parent was killed too) is gone
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while "Z" not in Path(f"/proc/{zombie.pid}/stat").read_text().rpartition(")")[2][:3]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    record = {**gone, "pid": zombie.pid}
+    (tmp_path / "run" / ".lock.json").write_text(json.dumps(record))
+    assert "is gone" in orphaned(loc, (gone["host"], zombie.pid, 3.0))
+    zombie.wait()
 
 
 def test_error_kind_tells_a_lost_peer_from_an_error():

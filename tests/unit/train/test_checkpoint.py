@@ -87,6 +87,18 @@ def test_no_checkpoint_means_fresh_start(tmp_path):
     assert ck.find_resume(tmp_path) is None
 
 
+def test_an_orphaned_group_commits_nothing(tmp_path):
+    """Rank 0 asks right before the commit whether its driver still holds the run
+    (TrainJob.orphaned): a reason raises Orphaned and the step is not committed."""
+    reasons = [None, "its driver (pid 7 on this host) is gone"]
+    writer = ck.CheckpointWriter(tmp_path, 0, 1, 5, 0, async_save=False,
+                                 orphaned=lambda: reasons.pop(0))  # fmt: skip
+    writer.submit(5, lambda s: ck.save_file({}, s / "model.pt"), {"step": 5}, None)
+    with pytest.raises(ck.Orphaned, match="not committing step 10: its driver"):
+        writer.submit(10, lambda s: ck.save_file({}, s / "model.pt"), {"step": 10}, None)
+    assert [i.step for i in ck.committed(tmp_path)] == [5]
+
+
 def test_validator_exception_marks_invalid(tmp_path):
     writer = ck.CheckpointWriter(tmp_path, 0, 1, 2, 1, async_save=False)
 

@@ -77,6 +77,12 @@ FAULT_TEXT = {
 }
 
 
+class Orphaned(RuntimeError):
+    """This worker group's driver is gone (killed) or another driver holds the run
+    now: the group must not commit anything more (trainlab.train.driver.runlock
+    `orphaned`); its agents end it without a restart."""
+
+
 class StorageFault(Exception):
     """A write of the run's storage failed (disk full, quota, I/O error, a folder
     gone): the attempt ends as failed with this cause, never restarted in place,
@@ -494,13 +500,18 @@ class CheckpointWriter:
         async_save: bool,
         after_commit: Callable[[], None] | None = None,
         store: Any = None,
+        orphaned: Callable[[], str | None] | None = None,
     ):
         """`after_commit`: called on rank 0 after each commit and pruning.
         `store`: a `trainlab.train.checkpoint.store.CheckpointStore` when the run
         lives in object storage: every rank uploads its part there and rank 0
-        commits there (`root` is then this node's scratch for staging)."""
+        commits there (`root` is then this node's scratch for staging).
+        `orphaned`: asked by rank 0 right before each commit; a reason (the driver
+        that started this group is gone, or another holds the run) raises
+        `Orphaned` instead of committing."""
         self.root, self.rank, self.world_size = root, rank, world_size
         self.after_commit = after_commit
+        self.orphaned = orphaned
         self.store = store
         self.keep_last, self.keep_best = keep_last, keep_best
         self._executor = ThreadPoolExecutor(1, "checkpoint") if async_save else None
@@ -514,6 +525,13 @@ class CheckpointWriter:
             path = self.root / f"{STAGING_PREFIX}{dir_name(step)}"
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def _check_driver(self, step: int) -> None:
+        """Rank 0, right before the commit of `step`: `Orphaned` when this group's
+        driver is gone (its partial checkpoint stays uncommitted: a resume cleans it)."""
+        reason = self.orphaned() if self.orphaned is not None else None
+        if reason is not None:
+            raise Orphaned(f"not committing step {step}: {reason}")
 
     def discard(self, step: int) -> None:
         """Remove the partial checkpoint of `step` (its staging directory)."""
@@ -553,6 +571,7 @@ class CheckpointWriter:
             if self.rank != 0:
                 return None
             wait_for_ranks(staging, self.world_size)
+            self._check_driver(step)
             info = commit(staging, self.root / dir_name(step), meta, validator)
             prune(self.root, self.keep_last, self.keep_best)
             if self.after_commit is not None:
@@ -595,6 +614,7 @@ class CheckpointWriter:
             if validator is not None:  # validation reads the whole checkpoint
                 store.download(step, files, staging, skip=set(own))
             full = committed_meta(staging, meta, files, validator)
+            self._check_driver(step)
             store.commit(step, full)
         except (SaveAbandoned, OSError, ValueError) as e:
             log.warning("%s", abandoned_text(step, store, e))
@@ -638,6 +658,14 @@ class CheckpointWriter:
             raise  # the disk failed it: recorded as such, never retried in place
         except Exception as e:
             raise RuntimeError(f"writing a checkpoint failed: {e}") from e
+
+    def abandon(self) -> None:
+        """After a fault: let the save in flight end, its outcome ignored, so the
+        cleanup that follows removes its staging after its writer stopped."""
+        future, self._future = self._future, None
+        if future is not None:
+            with contextlib.suppress(BaseException):
+                future.result()
 
     def completed(self) -> list[CheckpointInfo]:
         """Checkpoints committed since the last call (rank 0)."""

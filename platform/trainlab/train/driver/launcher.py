@@ -26,6 +26,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import sys
 import time
 import uuid
@@ -338,6 +339,7 @@ def _run(
         env=forwarded_env(cfg),
         torch_threads=max(1, int(cfg.resource.cpus_per_worker)),
         ray_job_id=ray_job_id(),
+        driver=_driver_record(loc),
     )
     log.info(
         "run %s: %s, %s worker(s), %s; run dir %s",
@@ -450,6 +452,17 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     if summary.get("status") == RunStatus.FAILED:  # the agents ran out of restarts
         raise TrainingFailed(summary)
     return summary
+
+
+def _driver_record(loc: RunLocation) -> tuple[str, int, float] | None:
+    """This driver's lock record (host, pid, since), which its workers check to
+    stop when it is gone (TrainJob.orphaned)."""
+    from trainlab.train.driver.runlock import current_holder
+
+    holder = current_holder(loc)
+    if holder is None or (holder.pid, holder.host) != (os.getpid(), socket.gethostname()):
+        return None
+    return (holder.host, holder.pid, holder.since)
 
 
 def _keep_summary(job: TrainJob, summary: dict[str, Any]) -> None:

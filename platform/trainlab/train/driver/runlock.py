@@ -361,15 +361,50 @@ def _parse_holder(text: str | None) -> Holder | None:
 def _alive(holder: Holder) -> bool:
     """A holder of a store lease is alive: its process runs (on this host), or
     its beat is fresh (on another)."""
-    if holder.on_this_host():
-        try:
-            os.kill(holder.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return holder.fresh()
+    if holder.on_this_host() and not pid_running(holder.pid):
+        return False
     return holder.fresh()
+
+
+def current_holder(loc: RunLocation) -> Holder | None:
+    """The run's lock record as it is now (None when there is none or it does not parse)."""
+    return _parse_holder(loc.read_text(HOLDER))
+
+
+def orphaned(loc: RunLocation, driver: tuple[str, int, float]) -> str | None:
+    """Why the worker group started by `driver` (host, pid, since: its lock record
+    when it started the group) must stop, or None while that driver holds the run:
+    another driver holds it now (a takeover after this one's lease went stale), or
+    the driver ran on this host and its process is gone (killed). A record that
+    cannot be read, or none (the driver released it after its workers ended),
+    says nothing: None."""
+    try:
+        holder = current_holder(loc)
+    except OSError:
+        return None
+    if holder is None:
+        return None
+    if (holder.host, holder.pid, holder.since) != tuple(driver):
+        return f"another driver holds the run now ({holder.describe()})"
+    if holder.on_this_host() and not pid_running(holder.pid):
+        return f"its driver (pid {holder.pid} on this host) is gone"
+    return None
+
+
+def pid_running(pid: int) -> bool:
+    """Whether process `pid` runs on this host: a killed process its parent has
+    not reaped yet (a zombie) does not."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: the signal said it exists
+    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def live_holder(run_dir: str | Path) -> str | None:

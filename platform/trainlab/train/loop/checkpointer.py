@@ -73,6 +73,7 @@ class Checkpointer:
             c.keep_best,
             c.async_save,
             store=self.store,
+            orphaned=job.orphaned if env.rank == 0 else None,
         )
         self.validation_batch: Batch | None = None  # rank 0, set before the first save
         # P0 rollbacks so far ({from_step, to_step, skipped, rule}): saved in every

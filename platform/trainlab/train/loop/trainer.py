@@ -530,6 +530,7 @@ class Trainer:
         that fail again are logged in one line each, never raised over the fault.
         `fault.cause` gets the cause."""
         step = fault.step if fault.step is not None else self.step
+        self.checkpointer.writer.abandon()  # a save still in flight ends before the cleanup
         if fault.step is not None:
             self.checkpointer.writer.discard(fault.step)
         if self.env.is_main:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import signal
 import socket
 import time
@@ -104,6 +105,12 @@ def error_kind(message: str) -> str:
     if message.startswith(COMPONENT_ERROR):
         return COMPONENT
     return "peer" if any(s in message for s in PEER_LOST) else "error"
+
+
+def orphan_check_s() -> float:
+    """How often an agent checks that its group's driver still holds the run
+    (TrainJob.orphaned; TRAINLAB_ORPHAN_CHECK_S, default 10 s)."""
+    return float(os.environ.get("TRAINLAB_ORPHAN_CHECK_S") or 10.0)
 
 
 # --------------------------------------------------------------------------- rendezvous
@@ -277,6 +284,7 @@ class Agent:
         )
         self._last_hook: Future | None = None
         self._stop = StopRequest()
+        self._orphaned: str | None = None  # why this group must stop (its driver is gone)
 
     def failed_flag(self, group: str, attempt: int) -> FailedFlag:
         """Set once any rank's training process of this attempt failed."""
@@ -306,6 +314,8 @@ class Agent:
             )
             flag = self.failed_flag(group, attempt)
             summary = self._attempt(args, flag, f"{group}-{attempt}", started)
+            if self._orphaned is not None:  # no barrier: the other agents see it alike
+                return None
             self.rendezvous.barrier()  # every agent's training process has ended
             if not flag.exists():
                 return summary
@@ -352,6 +362,7 @@ class Agent:
         failed: then it is killed). Returns the run summary, or None after a failure
         (recorded, and `failed_flag` set)."""
         self._summary = None
+        next_check = time.monotonic() + orphan_check_s()
         parent, child = self.ctx.Pipe()
         proc = self.ctx.Process(
             target=self.target, args=(args, child), daemon=False, name=f"trainlab-rank{self.rank}"
@@ -376,18 +387,42 @@ class Agent:
                 if failed_flag.exists():  # another rank's training process failed
                     proc.kill()  # SIGKILL; a no-op when it has just ended by itself
                     break
+                if time.monotonic() >= next_check:
+                    next_check = time.monotonic() + orphan_check_s()
+                    if self._stop_if_orphaned(proc):
+                        break
             proc.join()
         finally:
             parent.close()
             if self.feeder is not None:
                 self.feeder.stop()
                 self.feeder = None
+        if self._orphaned is None and (proc.exitcode != 0 or not done):
+            self._stop_if_orphaned(proc)  # a commit refused for it (ck.Orphaned), a kill
+        if self._orphaned is not None:
+            return None  # nothing recorded: the run is another driver's, or its own is gone
         if proc.exitcode != 0 or not done:
             if not reported:
                 self._record_death(proc.exitcode, event, started, failed_flag)
             failed_flag.touch()
             return None
         return self._summary
+
+    def _stop_if_orphaned(self, proc: Any) -> bool:
+        """Whether this group's driver is gone (or another holds the run: TrainJob.
+        orphaned); then the training process is killed before it commits anything
+        more, and this agent ends without a restart or a record."""
+        reason = self.job.orphaned()
+        if reason is None:
+            return False
+        log.error(
+            "rank %d: %s: stopping this worker group without committing anything more",
+            self.rank,
+            reason,
+        )
+        self._orphaned = reason
+        proc.kill()
+        return True
 
     def _record_death(
         self, exitcode: int | None, event: str, started: float, failed_flag: FailedFlag
