@@ -50,6 +50,11 @@ def fused_available(params: list) -> bool:
     )
 
 
+def mixed_kinds(params: list) -> bool:
+    """Whether `params` mixes plain tensors and DTensors."""
+    return len({hasattr(p, "device_mesh") for p in params}) > 1
+
+
 @register_optimizer
 class AdamWConfig(OptimizerConfig):
     name: Literal["adamw"] = "adamw"
@@ -68,6 +73,11 @@ class AdamWConfig(OptimizerConfig):
         # where it runs; the default too when all do (what the grad scaler asks).
         for group in groups:
             group["fused"] = fused_available(group["params"])
+            if not group["fused"] and mixed_kinds(group["params"]):
+                # torch's default on CUDA, `foreach`, refuses a mix of plain tensors
+                # and DTensors too (expert parallelism under DDP: the routed experts
+                # are DTensors, decaying with the dense matrices): the per-tensor loop
+                group["foreach"] = False
         if all(group["fused"] for group in groups):
             kwargs["fused"] = True
         if zero1:

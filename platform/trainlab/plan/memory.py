@@ -94,6 +94,24 @@ tensors are off by more than the data-parallel 10%: tp=2 -15% (DDP buckets no
 tp layout has, loss_parallel's logits), pp=2 +73% (the P/pp split, the data
 micro batch taken as the pipeline's, no gradients at the last stage's forward
 peak) (tests/unit/train/test_memtrace.py, docs/memory.md).
+
+Mixture of experts (`model.moe`: trainlab.models.moe; `parallel.ep`:
+trainlab.train.parallel.expert). An MoE layer keeps, in place of the dense MLP's
+tensors, its router's scores and choices and, per (token, expert) row, its
+dispatch buffers: the sorted rows, the grouped experts' four expert-wide
+tensors, their output in fp32 and the weighted rows (`_moe_layer_bytes`); the
+last MoE layer's forward is a high-water mark of its own (the combine's
+transient buffers). Expert parallelism (ep > 1, dp2ep): each device holds
+num_experts/ep of every layer's routed experts, whole. DDP and FSDP are told to
+leave them alone, so per device their fp32 weights, gradients and optimizer
+state are 1/ep of all (FSDP does not shard them further over dp/ep); they are
+in no DDP gradient bucket (expert parallelism all-reduces their gradients in
+place over edp) and in no FSDP all-gather or reduce-scatter; under FSDP mixed
+precision the grouped GEMM casts them to 16 bits, kept for its backward. Under
+DDP, AdamW's decayed group mixes tensors and the experts' DTensors, which the
+fused kernel refuses: that group steps unfused. Checked against the trace at
+ep = 1 (bf16, the CUDA grouped-GEMM path) within 1.5% of the traced tensors;
+ep > 1 is not traced.
 """
 
 from __future__ import annotations
@@ -103,6 +121,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainlab.config.schema import ExperimentConfig
+from trainlab.models.moe import expert_width, is_moe_layer
 from trainlab.models.registry import ParamShape, StepDtypes, arch_of, resolve_attention
 from trainlab.optim import PlanParam, StepMemory
 
@@ -112,6 +131,8 @@ __all__ = [
     "MemoryEstimate",
     "checkpoint_bytes_per_param",
     "estimate_memory",
+    "expert_parallel",
+    "experts_state_bytes",
     "framework_bytes",
     "layout_config",
     "memory_breakdown",
@@ -181,13 +202,16 @@ class MemoryEstimate:
     breakdowns: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
-def memory_breakdown(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> dict[str, float]:
+def memory_breakdown(
+    cfg: ExperimentConfig, layout: Any, micro_batch: int, ep: int | None = None
+) -> dict[str, float]:
     """Bytes per device at the step's peak, by category, plus `total`.
 
     `layout`: tp, pp, dp, zero_stage (trainlab.plan.Layout or alike); the
     precision, recomputation, sequence length, device kind, gradient
-    accumulation and checkpointing come from `cfg`."""
-    return estimate_memory(cfg, layout, micro_batch).memory
+    accumulation and checkpointing come from `cfg`; expert parallelism from
+    `ep`, else `parallel.ep` (`expert_parallel`)."""
+    return estimate_memory(cfg, layout, micro_batch, ep).memory
 
 
 # --------------------------------------------------------------------------- the model
@@ -247,7 +271,10 @@ def _shard(p: ParamShape, dp: int) -> int:
 # the block's elements (all, rank 0's, gathered with FSDP's row padding, of
 # Linear weights), are computed once.
 _SHAPES: dict[str, list[ParamShape]] = {}
-_BLOCKS: dict[tuple[str, int, bool], tuple[list[int], list[float], list[float], list[int]]] = {}
+_BLOCKS: dict[
+    tuple[str, int, bool, int],
+    tuple[list[int], list[float], list[float], list[float], list[float]],
+] = {}
 
 
 def _param_shapes(cfg: ExperimentConfig) -> list[ParamShape]:
@@ -259,19 +286,20 @@ def _param_shapes(cfg: ExperimentConfig) -> list[ParamShape]:
     return _SHAPES[key]
 
 
-_OPT: dict[tuple[str, str, int, bool, bool, int, bool], StepMemory] = {}
+_OPT: dict[tuple[str, str, int, bool, bool, int, bool, int], StepMemory] = {}
 
 
 def optimizer_memory(
-    cfg: ExperimentConfig, dp: int, fsdp: bool, zero1: bool, mp: int = 1
+    cfg: ExperimentConfig, dp: int, fsdp: bool, zero1: bool, mp: int = 1, ep: int = 1
 ) -> StepMemory:
     """Rank 0's optimizer state and step temporaries, as the configured optimizer
     counts them (trainlab.optim: each optimizer states its own figures) over the
     parameters rank 0 steps: ZeRO-1's greedy share, FSDP's row-padded shards, the
-    tp*pp split (`mp`)."""
+    tp*pp split (`mp`), and with expert parallelism (`ep` > 1) its num_experts/ep
+    routed experts (FSDP leaves them alone: not sharded over dp/ep)."""
     gpu = cfg.resource.use_gpu
     opt = cfg.train.optimizer
-    key = (cfg.model.model_dump_json(), opt.model_dump_json(), dp, fsdp, zero1, mp, gpu)
+    key = (cfg.model.model_dump_json(), opt.model_dump_json(), dp, fsdp, zero1, mp, gpu, ep)
     if key not in _OPT:
         if len(_OPT) > 256:
             _OPT.clear()
@@ -279,11 +307,24 @@ def optimizer_memory(
         whole = [PlanParam(s.name, s.shape, s.layer, s.numel) for s in shapes.values()]
         mine = _zero1_share(opt.plan_groups(whole), dp) if zero1 else whole
         params = [
-            PlanParam(p.name, p.shape, p.layer, (_shard(shapes[p.name], dp) if fsdp else p.numel) / mp)
+            PlanParam(p.name, p.shape, p.layer, _local(shapes[p.name], dp, fsdp, ep) / mp)
             for p in mine
         ]
-        _OPT[key] = opt.memory(params, gpu)
+        memory = opt.memory(params, gpu)
+        if ep > 1 and not fsdp and opt.name == "adamw":
+            memory = _mixed_adamw(params, memory, gpu)
+        _OPT[key] = memory
     return _OPT[key]
+
+
+def _mixed_adamw(params: list[PlanParam], memory: StepMemory, gpu: bool) -> StepMemory:
+    """AdamW under DDP with expert parallelism: the decayed group mixes plain
+    matrices with the experts' DTensors, which neither torch's fused kernel nor
+    `foreach` takes (trainlab.optim.adamw: `foreach` off for such a group), so that
+    group steps in the per-tensor loop: two temporaries of one tensor, on any device."""
+    decay = [p for p in params if len(p.shape) >= 2]
+    temp = 8 * max((p.local for p in decay), default=0.0)
+    return StepMemory(memory.state, max(memory.step_temporary, temp))
 
 
 def checkpoint_bytes_per_param(cfg: ExperimentConfig) -> float:
@@ -292,24 +333,61 @@ def checkpoint_bytes_per_param(cfg: ExperimentConfig) -> float:
     return cfg.train.optimizer.checkpoint_bytes_per_param(params)
 
 
+def is_routed_expert(p: ParamShape) -> bool:
+    """A routed experts' stacked weight of an MoE layer (trainlab.models.moe.experts:
+    `layers.i.mlp.experts.{gate,up,down}`, [num_experts, ...])."""
+    return p.layer is not None and ".mlp.experts." in p.name
+
+
+def expert_parallel(cfg: ExperimentConfig, layout: Any, ep: int | None = None) -> int:
+    """The ep the trainer runs `cfg` with at `layout`: `ep` when given (the planner's
+    choice, trainlab.plan.planner.choose_ep), else `layout.ep`, else
+    `parallel.ep`; 1 without model.moe, with tp/pp (the trainer splits experts
+    over data-parallel ranks only) or where ep does not divide dp."""
+    if cfg.model.moe is None:
+        return 1
+    ep = ep or getattr(layout, "ep", None) or cfg.parallel.ep or 1
+    if ep <= 1 or layout.tp * layout.pp > 1 or layout.dp % ep:
+        return 1
+    return ep
+
+
+def _experts_numel(cfg: ExperimentConfig) -> int:
+    """Elements of every MoE layer's routed experts (0 for a dense model)."""
+    return sum(p.numel for p in _param_shapes(cfg) if is_routed_expert(p))
+
+
+def _local(p: ParamShape, dp: int, fsdp: bool, ep: int) -> float:
+    """Elements of `p` rank 0 holds and steps: a routed experts' weight under expert
+    parallelism its num_experts/ep rows (a Shard(0) DTensor over the ep ranks,
+    which DDP and FSDP are told to leave alone: trainlab.train.parallel.expert),
+    else FSDP's row-padded shard, else all of it."""
+    if ep > 1 and is_routed_expert(p):
+        return p.numel / ep
+    return float(_shard(p, dp)) if fsdp else float(p.numel)
+
+
 def _block_sizes(
-    cfg: ExperimentConfig, dp: int, fsdp: bool
-) -> tuple[list[int], list[float], list[float], list[int]]:
-    """Per block: elements, rank 0's elements, gathered elements, Linear weights'."""
-    key = (cfg.model.model_dump_json(), dp, fsdp)
+    cfg: ExperimentConfig, dp: int, fsdp: bool, ep: int = 1
+) -> tuple[list[int], list[float], list[float], list[float], list[float]]:
+    """Per block: elements; rank 0's elements; FSDP's gathered elements (the
+    group's, padded; rank 0's elements without FSDP); rank 0's Linear weights';
+    rank 0's routed experts' elements that no FSDP group holds (ep > 1)."""
+    key = (cfg.model.model_dump_json(), dp, fsdp, ep)
     if key not in _BLOCKS:
         if len(_BLOCKS) > 256:
             _BLOCKS.clear()
         shapes = _param_shapes(cfg)
         layers = [[s for s in shapes if s.layer == i] for i in range(cfg.model.num_layers)]
         numel = [sum(s.numel for s in g) for g in layers]
-        local = [
-            float(sum(_shard(s, dp) for s in g)) if fsdp else float(n)
-            for g, n in zip(layers, numel, strict=True)
-        ]
-        padded = [x * dp if fsdp else x for x in local]
-        matmul = [sum(s.numel for s in g if s.matmul) for g in layers]
-        _BLOCKS[key] = (numel, local, padded, matmul)
+        local = [sum(_local(s, dp, fsdp, ep) for s in g) for g in layers]
+        own = [sum(s.numel / ep for s in g if ep > 1 and is_routed_expert(s)) for g in layers]
+        if fsdp:  # the experts at ep > 1 are in no FSDP group
+            padded = [float(x - o) * dp for x, o in zip(local, own, strict=True)]
+        else:
+            padded = list(local)
+        matmul = [sum(_local(s, dp, False, ep) for s in g if s.matmul) for g in layers]
+        _BLOCKS[key] = (numel, local, padded, matmul, own)
     return _BLOCKS[key]
 
 
@@ -350,6 +428,9 @@ class _Step:
     layer_local: list[float]
     layer_padded: list[float]
     notes: list[str]
+    ep: int = 1  # expert parallelism (trainlab.train.parallel.expert)
+    # per block: rank 0's routed experts held outside FSDP's groups (ep > 1)
+    layer_own: list[float] = field(default_factory=list)
     persistent: _Parts = field(default_factory=_Parts)  # parameters, optimizer, buckets, framework
     start: _Parts = field(default_factory=_Parts)  # + the gradients the last micro batch starts with
     carried: float = 0.0
@@ -357,13 +438,15 @@ class _Step:
     opt_temp: float = 0.0  # the optimizer step's temporaries
     # activations
     stored: list[float] = field(default_factory=list)  # per block (recomputed: its input)
-    saved_block: float = 0.0
-    work_block: float = 0.0
+    saved: list[float] = field(default_factory=list)  # per block: what it keeps for backward
+    work: list[float] = field(default_factory=list)  # per block: its backward working set
+    moe_transient: float = 0.0  # an MoE layer's forward dispatch buffers (not kept)
     model_saved: float = 0.0
     final_norm: float = 0.0
     mask: float = 0.0
     rope: float = 0.0
-    copies: list[float] = field(default_factory=list)  # autocast's 16-bit weight copies
+    # autocast's 16-bit weight copies (and the MoE experts' own casts)
+    copies: list[float] = field(default_factory=list)
     kept_copies: list[float] = field(default_factory=list)
     copy_root: float = 0.0
     gathered: list[float] = field(default_factory=list)  # FSDP's gathered parameters
@@ -382,34 +465,40 @@ class _Step:
         return self.local(ps) * self.dp if self.fsdp else self.numel(ps)
 
 
-def _step(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> _Step:
+def _step(cfg: ExperimentConfig, layout: Any, micro_batch: int, ep: int | None = None) -> _Step:
     """The step's terms: model state by category, then activations by block."""
     t = cfg.train
     tp, pp, dp, zero = layout.tp, layout.pp, layout.dp, layout.zero_stage
     fsdp = zero >= 2 and dp > 1
     zero1 = zero == 1 and dp > 1
     ddp = tp * pp * dp > 1 and not fsdp
+    ep = expert_parallel(cfg, layout, ep)
     d = step_dtypes(t.precision, fsdp, cfg.resource.use_gpu)
     m = cfg.model
     d = replace(d, attention=resolve_attention(m.attention, cfg.resource.use_gpu, m.dropout))
     mp = tp * pp  # model-parallel split (see the module docstring)
     notes = _notes(cfg, mp)
     root = [s for s in _param_shapes(cfg) if s.layer is None]
-    # Per block: elements, rank 0's, gathered (padded), of Linear weights.
-    layer_numel, layer_local, layer_padded, layer_matmul = (
-        [x / mp for x in xs] for xs in _block_sizes(cfg, dp, fsdp)
+    # Per block: elements, rank 0's, gathered (padded), of Linear weights, of routed
+    # experts outside FSDP's groups.
+    layer_numel, layer_local, layer_padded, layer_matmul, layer_own = (
+        [x / mp for x in xs] for xs in _block_sizes(cfg, dp, fsdp, ep)
     )
     s = _Step(cfg, d, tp, mp, dp, fsdp, fsdp and zero == 2, root, layer_local, layer_padded, notes)
+    s.ep, s.layer_own = ep, layer_own
     total_numel = s.numel(root) + sum(layer_numel)
     local_numel = s.local(root) + sum(layer_local)
     # Model state: parameters, the optimizer's state and step temporaries
-    # (trainlab.optim), DDP's buckets (gradient_as_bucket_view=False), framework;
+    # (trainlab.optim), DDP's buckets (gradient_as_bucket_view=False: every
+    # parameter but the routed experts at ep > 1, which DDP is told to ignore and
+    # expert parallelism all-reduces in place over edp), framework;
     # checkpoint_snapshot 0 (DCP stages to the host).
-    opt_memory = optimizer_memory(cfg, dp, fsdp, zero1, mp)
+    opt_memory = optimizer_memory(cfg, dp, fsdp, zero1, mp, ep)
+    bucketed = total_numel - (_experts_numel(cfg) / mp if ep > 1 else 0.0)
     s.persistent = _Parts(
         parameters=4 * local_numel,
         optimizer=opt_memory.state,
-        communication=4 * total_numel if ddp else 0.0,
+        communication=4 * bucketed if ddp else 0.0,
         framework=framework_bytes(cfg),
     )
     s.opt_temp = opt_memory.step_temporary
@@ -466,9 +555,16 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
         replicated = (2 * arch.norm_saved_bytes(m, d) + arch.block_input_extra_bytes(m, d)) * N
         # pp: the first stage holds pp micro batches of L/pp layers: L layers' worth.
         saved_block = replicated + (saved_block - replicated) / tp
-    s.saved_block = saved_block
-    s.work_block = arch.block_backward_bytes(m, d, N) / tp
-    s.stored = [input_block if c else saved_block for c in ckpt]
+    work_block = arch.block_backward_bytes(m, d, N) / tp
+    s.saved, s.work = [saved_block] * L, [work_block] * L
+    if m.moe is not None:  # an MoE layer's MLP in place of the dense one
+        dense_mlp = (arch.norm_saved_bytes(m, d, arch.mlp_inputs) + arch.mlp_saved_bytes(m, d)) * N
+        moe_saved, moe_work, s.moe_transient = _moe_layer_bytes(s, N)
+        for i in range(L):
+            if is_moe_layer(m.moe, i):
+                s.saved[i] = saved_block - dense_mlp + moe_saved
+                s.work[i] = moe_work
+    s.stored = [input_block if c else x for c, x in zip(ckpt, s.saved, strict=True)]
     # Model-level: RoPE's cos and sin (fp32; FSDP mixed precision gives each block a
     # 16-bit copy, counted in the block), the packed batch's dense bool mask on the
     # sdpa/eager path (built once before the blocks, shared by all and by FSDP's
@@ -482,6 +578,10 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
     # autocast's 16-bit weight copies (DDP/single, 16-bit): cached for the whole
     # forward, then kept by the saved tensors of blocks not recomputed.
     s.copies = [2 * x if d.autocast else 0.0 for x in layer_matmul]
+    if s.fsdp and d.compute < 4:
+        # FSDP mixed precision with ep > 1: the routed experts, fp32 and in no FSDP
+        # group, are cast to 16 bits by the grouped GEMM (kept for its backward).
+        s.copies = [c + 2 * own for c, own in zip(s.copies, s.layer_own, strict=True)]
     s.copy_root = 2 * s.numel([p for p in s.root if p.matmul]) if d.autocast else 0.0
     if d.autocast and m.tie_embeddings:
         s.copy_root += 2 * V * h / mp  # the output projection reads the embedding
@@ -497,6 +597,93 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
     # chunk's fp32 working set at a time.
     chunk = cfg.train.loss_chunk_tokens or N
     s.loss_chunk = 0.0 if tp > 1 else float(_chunk_working_bytes(min(chunk, N), V, d.compute))
+
+
+def _moe_layer_bytes(s: _Step, tokens: int) -> tuple[float, float, float]:
+    """One MoE layer's MLP part for `tokens` tokens (trainlab.models.moe, dropless
+    and balanced: each rank's experts get as many rows as it sends, tokens x
+    top_k), as the grouped-GEMM path runs it: what it keeps for backward, with
+    its input norm (as Architecture.norm_saved_bytes: under autocast a 16-bit copy
+    of the norm's output per Linear reading it, the router's and the shared
+    experts' two); its backward's working set; and its forward's transient
+    dispatch buffers.
+
+    Kept, per token: the router's fp32 scores (4 x num_experts; the sigmoid's
+    normalized probabilities' sum 4), its top-k ids (8 x k) and, normalized, the
+    chosen weights and their sum (4 x k + 8). Per (token, expert) row, the
+    dispatch buffers: the sorted rows in the compute dtype (the grouped GEMM's
+    input; under autocast its 16-bit cast of the fp32 rows), the experts' gate
+    and up outputs, the SiLU and the product (4 x expert width, compute dtype),
+    the experts' output in fp32 (the combine's weighted product keeps
+    `y.float()`) and the weighted rows in the compute dtype (`index_copy` keeps
+    its source), the row's weight (4), the permutation's and the combine's
+    int64 indices (16; at ep > 1 two more: the received rows' sort and its
+    inverse). The shared experts: a SwiGLU of their width.
+
+    Forward, at the combine's weighted product, besides what is kept: the sorted
+    rows (fp32 under autocast, whose 16-bit cast is what is kept; at ep > 1 the
+    rows sent, the received ones being kept), the experts' output (16-bit), the
+    combine's zeroed [tokens x k, hidden] slots and the fp32 product before its
+    cast.
+
+    Backward, the larger of two moments: the combine's (its fp32 gradient of
+    the rows, the weighted product's two gradients: 12 bytes per row element),
+    and the end of the experts' (the three stacked weights' gradients of this
+    rank, fp32 where the weights are: DDP, and FSDP at ep > 1, with the 16-bit
+    gradient of the cast; FSDP's 16-bit unsharded ones at ep = 1; the rows'
+    gradients; the expert-wide and combine tensors already freed)."""
+    m, d, ep = s.cfg.model, s.d, s.ep
+    moe, h, c = m.moe, m.hidden_size, d.compute
+    arch = arch_of(m)
+    k, e = moe.top_k, moe.num_experts
+    f = expert_width(moe, m.ffn_hidden_size)
+    shared = moe.shared_experts * f
+    router = 4 * e + 8 * k + (4 * k + 8 if moe.router.normalize_top_k else 0)
+    router += 4 if moe.router.score == "sigmoid" else 0
+    per_row = 2 * c * h + 4 * c * f + 4 * h + 4 + 16 + (16 if ep > 1 else 0)
+    consumers = 1 + (2 if shared else 0)
+    saved = arch.norm_saved_bytes(m, d, consumers) + router + k * per_row
+    saved += arch.mlp_tensors * c * shared
+    rows = k * tokens
+    # The rows as permuted (the MoE input's dtype: fp32 under autocast) are kept
+    # only where they are the grouped GEMM's input itself (no cast, ep = 1).
+    sent = (4 if d.autocast else c) if (d.autocast or ep > 1) else 0
+    transient = rows * h * (sent + (c if c < 4 else 0) + c + 4)
+    fp32_weights = not s.fsdp or ep > 1
+    w = e / ep * f * h  # one stacked expert weight of this rank
+    cast_grad = 2 * w if fp32_weights and c < 4 else 0.0  # the 16-bit copy's gradient
+    weight_grads = 3 * w * (4 if fp32_weights else d.grad) + cast_grad
+    late = weight_grads + rows * (c * h - 4 * c * f)
+    routed_work = max(12 * rows * h, late)
+    shared_work = 0.0
+    if shared:
+        weight = d.grad * h * shared - (c * h * shared if d.autocast else 0)
+        shared_work = arch.mlp_inputs * c * shared * tokens + weight
+    return saved * tokens, max(routed_work, shared_work), transient
+
+
+def _moe_forward_mark(s: _Step) -> dict[str, _Parts]:
+    """The last MoE layer's forward, in its combine: every block's saved tensors
+    up to it and its transient dispatch buffers (`_moe_layer_bytes`); autocast's
+    weight copies so far; FSDP's gathered root and blocks (ZeRO-3: this block's)
+    and one all-gather buffer."""
+    m = s.cfg.model
+    layers = [i for i in range(len(s.stored)) if is_moe_layer(m.moe, i)]
+    if not layers:
+        return {}
+    i = layers[-1]
+    params = s.gathered_root + (sum(s.gathered[: i + 1]) if s.zero2 else s.gathered[i])
+    # FSDP: one block's all-gather buffer in flight (the next block's, prefetched;
+    # the last block's own, not yet released, when it is the last)
+    prefetch = s.gathered[min(i + 1, len(s.gathered) - 1)] if s.fsdp else 0.0
+    acts = sum(s.stored[: i + 1]) + s.model_saved - s.final_norm + s.moe_transient
+    return {
+        f"block {i} forward": s.start.plus(
+            activations=acts + sum(s.copies[: i + 1]) + s.copy_root,
+            parameters=params,
+            communication=prefetch,
+        )
+    }
 
 
 def _chunk_working_bytes(chunk: int, vocab: int, logit_bytes: int) -> int:
@@ -576,7 +763,7 @@ def _backward_marks(s: _Step) -> dict[str, _Parts]:
             if not zero2 and i > 0:
                 comm += gathered[i - 1]  # the next block's all-gather, prefetched
         # Recomputed or not, the block's saved tensors exist in its backward.
-        acts = below + s.model_saved - s.final_norm + s.saved_block + s.work_block
+        acts = below + s.model_saved - s.final_norm + s.saved[i] + s.work[i]
         marks[f"block {i} backward"] = s.start.plus(
             activations=acts + sum(kept[:i]) + s.copies[i],
             gradients=done_grads + root_grads,
@@ -589,7 +776,7 @@ def _backward_marks(s: _Step) -> dict[str, _Parts]:
             rs = 4 * s.layer_padded[i]
             marks[f"block {i} reduce-scatter"] = s.start.plus(
                 activations=below + s.model_saved - s.final_norm + sum(kept[:i]),
-                gradients=done_grads + root_grads + d.grad * s.layer_padded[i],
+                gradients=done_grads + root_grads + d.grad * s.layer_padded[i] + 4 * s.layer_own[i],
                 parameters=s.gathered_root + (sum(gathered[:i]) if zero2 else 0.0),
                 communication=rs + (gathered[i - 1] if (i > 0 and not zero2) else 0.0),
             )
@@ -624,13 +811,53 @@ def _optimizer_mark(s: _Step) -> _Parts:
     return s.persistent.plus(gradients=s.all_grads, optimizer=s.opt_temp)
 
 
-def estimate_memory(cfg: ExperimentConfig, layout: Any, micro_batch: int) -> MemoryEstimate:
+def estimate_memory(
+    cfg: ExperimentConfig, layout: Any, micro_batch: int, ep: int | None = None
+) -> MemoryEstimate:
     """`memory_breakdown` with the high-water marks it is the largest of: the
     step's terms (`_step`: model state by category, activations by block), then
     each phase's marks."""
-    s = _step(cfg, layout, micro_batch)
-    marks = {**_forward_marks(s), **_backward_marks(s), "optimizer": _optimizer_mark(s)}
+    s = _step(cfg, layout, micro_batch, ep)
+    marks = {
+        **_moe_forward_mark(s),
+        **_forward_marks(s),
+        **_backward_marks(s),
+        "optimizer": _optimizer_mark(s),
+    }
     breakdowns = {name: mark.as_dict() for name, mark in marks.items()}
     phase = max(breakdowns, key=lambda name: breakdowns[name]["total"])
     phases = {name: b["total"] for name, b in breakdowns.items()}
     return MemoryEstimate(breakdowns[phase], phase, phases, s.notes, breakdowns)
+
+
+def experts_state_bytes(
+    cfg: ExperimentConfig, layout: Any, ep: int | None = None
+) -> dict[str, float]:
+    """The routed experts' share of the model state per device, as `_step` counts
+    it (so as the trainer holds it): their parameters and gradients (fp32, 4 bytes
+    per element rank 0 holds: num_experts/ep of them at ep > 1, FSDP's shard at
+    ep = 1, else all), the optimizer's state of them (trainlab.optim's own
+    figures) and DDP's gradient buckets (at ep = 1 only: at ep > 1 DDP ignores
+    them). Zeros for a dense model."""
+    t, dp, zero = cfg.train, layout.dp, layout.zero_stage
+    fsdp, zero1 = zero >= 2 and dp > 1, zero == 1 and dp > 1
+    ddp = layout.tp * layout.pp * dp > 1 and not fsdp
+    ep = expert_parallel(cfg, layout, ep)
+    mp = layout.tp * layout.pp
+    experts = [p for p in _param_shapes(cfg) if is_routed_expert(p)]
+    local = sum(_local(p, dp, fsdp, ep) for p in experts) / mp
+    mine = {p.name for p in experts}
+    if zero1:
+        whole = [PlanParam(p.name, p.shape, p.layer, p.numel) for p in _param_shapes(cfg)]
+        mine &= {p.name for p in _zero1_share(t.optimizer.plan_groups(whole), dp)}
+    stepped = [
+        PlanParam(p.name, p.shape, p.layer, _local(p, dp, fsdp, ep) / mp)
+        for p in experts
+        if p.name in mine
+    ]
+    return {
+        "parameters": 4 * local,
+        "gradients": 4 * local,
+        "optimizer": t.optimizer.memory(stepped, cfg.resource.use_gpu).state if stepped else 0.0,
+        "communication": 4 * _experts_numel(cfg) / mp if (ddp and ep == 1) else 0.0,
+    }

@@ -17,6 +17,11 @@ it open; an explicit value is respected):
 4. tensor parallelism (within a node), then pipeline parallelism (across
    nodes), composed with FSDP over what is left of the devices.
 
+An MoE (`model.moe`) runs data-parallel only; under `strategy: auto` each layout
+is sized with the parallel.ep `choose_ep` gives it there (each device then holds
+num_experts/ep of the routed experts), so expert parallelism can make an MoE fit
+at a layout that would not hold every expert on every device.
+
 The global batch is the experiment's (`data.global_batch_size`): every layout
 keeps it by choosing grad_accum_steps = global / (micro_batch x dp). Without it,
 the global batch is micro_batch x grad_accum_steps x dp and follows dp.
@@ -56,6 +61,9 @@ class Layout:
     pp: int
     dp: int
     zero_stage: int
+    # An MoE's parallel.ep (a plan's `parallel` has it: Layout(**plan.parallel));
+    # None: the memory model takes the planner's choice or the config's.
+    ep: int | None = None
 
     @property
     def strategy(self) -> str:
@@ -205,16 +213,19 @@ def candidate_layouts(cfg: ExperimentConfig) -> list[Layout]:
     arch = arch_of(m)
     measured = arch.measured  # pp, and tp without a plan, are refused (config rules)
     no_tp = measured and arch.tensor_parallel_refusal(m) is not None
+    # An MoE runs data-parallel only (expert parallelism borrows dp ranks): the
+    # config rules refuse tp and pp with model.moe.
+    moe = m.moe is not None
     out = []
     for tp in _divisors(world):
-        if no_tp and tp > 1:
+        if (no_tp or moe) and tp > 1:
             continue
         if tp > per_node or m.num_heads % tp or kv % tp or (p.tp and tp != p.tp):
             continue
         if m.vocab_size % tp or (m.ffn_hidden_size or 0) % tp:
             continue
         for pp in _divisors(world // tp):
-            if m.num_layers % pp or (p.pp and pp != p.pp) or (measured and pp > 1):
+            if m.num_layers % pp or (p.pp and pp != p.pp) or ((measured or moe) and pp > 1):
                 continue
             dp = world // (tp * pp)
             if p.dp and dp != p.dp:
@@ -244,12 +255,15 @@ def _variant(cfg: ExperimentConfig, **sections: dict[str, Any]) -> ExperimentCon
 
 
 def _memory(cfg: ExperimentConfig, lay: Layout, micro_batch: int) -> dict[str, float]:
-    """Bytes per device by category (and `total`) for `cfg` as configured at `lay`:
-    the trainer's memory model (`trainlab.plan.memory.memory_breakdown`).
+    """Bytes per device by category (and `total`) for `cfg` as configured at `lay`,
+    with the parallel.ep the plan gives it there (`choose_ep`: an MoE's routed
+    experts split over ep ranks): the trainer's memory model
+    (`trainlab.plan.memory.memory_breakdown`).
     `cfg.parallel.activation_checkpointing` must be a concrete mode (not auto)."""
     from trainlab.plan.memory import memory_breakdown  # memory.py imports this module
 
-    return memory_breakdown(cfg, lay, micro_batch)
+    ep = choose_ep(cfg, lay)[0] if cfg.model.moe is not None else 1
+    return memory_breakdown(cfg, lay, micro_batch, ep)
 
 
 def _batch_splits(cfg: ExperimentConfig, dp: int, pp: int = 1) -> tuple[list[tuple[int, int]], str]:
@@ -461,6 +475,7 @@ def _what_to_change(cfg: ExperimentConfig) -> list[str]:
             ):
                 fixes.append(f"parallel.strategy: {strategy} with parallel.zero_stage: {z}")
                 break
+    fixes += _ep_fixes(cfg)
     mb = d.micro_batch_size
     if mb != "auto" and mb > 1:
         smaller = {mb >> k for k in range(1, mb.bit_length())}
@@ -483,6 +498,27 @@ def _what_to_change(cfg: ExperimentConfig) -> list[str]:
             "more recomputation: the model needs devices with more memory"
         ]
     return ["to fit now, change one of: " + "; ".join(fixes)]
+
+
+def _ep_fixes(cfg: ExperimentConfig) -> list[str]:
+    """An MoE's expert parallelism as a lever (each device keeps num_experts/ep of
+    the routed experts): under `strategy: auto` with parallel.ep pinned, leaving it
+    to the planner (`choose_ep`); with a concrete strategy, the smallest larger ep
+    the trainer runs (dividing dp and num_experts; not with ZeRO-1) that fits."""
+    m, p = cfg.model, cfg.parallel
+    if m.moe is None:
+        return []
+    if p.strategy == "auto":
+        if p.ep is not None and _runs_and_fits(_variant(cfg, parallel={"ep": None})):
+            return ["parallel.ep: null (the planner picks it)"]
+        return []
+    dims = ParallelDims.of(cfg)
+    if dims.tp * dims.pp > 1 or dims.zero_stage == 1:
+        return []
+    for ep in _divisors(math.gcd(dims.dp, m.moe.num_experts)):
+        if ep > (p.ep or 1) and _runs_and_fits(_variant(cfg, parallel={"ep": ep})):
+            return [f"parallel.ep: {ep}"]
+    return []
 
 
 def _gib(b: float) -> str:
@@ -581,7 +617,10 @@ def choose_ep(cfg: ExperimentConfig, lay: Layout) -> tuple[int, str | None]:
     EP_EXPERTS_SHARE of the parameters, the largest ep that divides dp and
     num_experts and stays within a node (its all-to-all on the node's links), when
     the layout runs it (no tp/pp, not ZeRO-1); else 1. Each device then keeps
-    1/ep of the experts' weights, gradients and optimizer state."""
+    1/ep of the experts' weights, gradients and optimizer state (under FSDP,
+    which leaves them unsharded at ep > 1, that is more than ZeRO's 1/dp shards
+    when ep < dp, and no all-gather or reduce-scatter of them: `_memory` sizes
+    each layout with this ep, so the search sees either way)."""
     from trainlab.models.moe import moe_layer_count, moe_params
 
     m, p = cfg.model, cfg.parallel
@@ -607,18 +646,19 @@ def choose_ep(cfg: ExperimentConfig, lay: Layout) -> tuple[int, str | None]:
 
 def moe_share(
     cfg: ExperimentConfig,
-    memory: dict[str, float],
+    lay: Layout,
     ep: int = 1,
     micro_batch: int = 1,
     grad_accum: int = 1,
 ) -> dict[str, Any] | None:
-    """The routed experts of an MoE (model.moe): their parameters (all layers), the
-    parameters of one expert, and the bytes of their weights, gradients and
-    optimizer state per device, DDP's gradient buckets (communication) included:
-    the experts' fraction of each of those terms (every model state is sharded or
-    replicated alike at parallel.ep 1), divided by parallel.ep (each ep rank holds
-    num_experts/ep of them). None for a dense model."""
+    """The routed experts of an MoE (model.moe) at layout `lay` and parallel.ep:
+    their parameters (all layers), the parameters of one expert, and the bytes of
+    their weights, gradients, optimizer state and DDP gradient buckets per device
+    as memory_per_device_bytes counts them (`trainlab.plan.memory.
+    experts_state_bytes`: num_experts/ep of them per device at ep > 1, where DDP
+    and FSDP leave them alone). None for a dense model."""
     from trainlab.models.moe import moe_layer_count, moe_params
+    from trainlab.plan.memory import experts_state_bytes
 
     m = cfg.model
     if m.moe is None:
@@ -626,7 +666,6 @@ def moe_share(
     parts = moe_params(m.moe, m.hidden_size, m.ffn_hidden_size)
     routed = parts["routed"] * moe_layer_count(m.moe, m.num_layers)
     share = routed / count_params(m).total
-    states = ("parameters", "gradients", "optimizer", "communication")
     layers = moe_layer_count(m.moe, m.num_layers)
     width = parts["expert"] // (3 * m.hidden_size)
     act = 4 if cfg.train.precision == "fp32" else 2
@@ -637,15 +676,15 @@ def moe_share(
         "experts_params": routed,
         "expert_params": parts["expert"],
         "experts_share_of_params": round(share, 6),
-        # one ep rank's block: 1/ep of the experts (memory_per_device_bytes still
-        # counts them all: the estimate is high by the rest at ep > 1)
+        # rank 0's experts: 1/ep of them at ep > 1 (in memory_per_device_bytes too)
         "experts_bytes_per_device": {
-            k: int(round(memory.get(k, 0.0) * share / ep)) for k in states
+            k: int(round(v)) for k, v in experts_state_bytes(cfg, lay, ep).items()
         },
         # One MoE layer's dispatch buffers per micro batch, dropless, balanced: the
         # sorted rows and their outputs (2 x hidden) and the experts' gate, up and
-        # product (3 x width) per row, in the compute dtype (an estimate: not yet in
-        # memory_per_device_bytes, nor checked by the memory trace).
+        # product (3 x width) per row, in the compute dtype (a summary figure; the
+        # activations of memory_per_device_bytes count what the MoE layer keeps for
+        # backward, these buffers among them: trainlab.plan.memory._moe_layer_bytes).
         "dispatch_bytes_per_layer": int(rows * act * (2 * m.hidden_size + 3 * width)),
         # Bytes this rank sends by all-to-all per optimizer step at parallel.ep:
         # each row's hidden state out and its output back, in forward and again
@@ -736,7 +775,7 @@ def _plan_fixed(cfg: ExperimentConfig) -> Plan:
     return Plan(
         num_params=pc.total,
         num_params_active=_active_params(m, pc.total),
-        moe=moe_share(cfg, chosen.memory, ep, chosen.micro_batch, chosen.grad_accum),
+        moe=moe_share(cfg, lay, ep, chosen.micro_batch, chosen.grad_accum),
         params_breakdown=pc.as_dict(),
         optimizer=cfg.train.optimizer.name,
         checkpoint_bytes_per_param=_checkpoint_bytes_per_param(cfg),

@@ -191,7 +191,7 @@ def trace_step(
     hidden: dict[str, Any] = {}
     results = []
     for pp_rank in range(dims.pp):
-        with _fake_world(dims, dims.rank_of(pp_rank, 0, 0)) as env:
+        with _experts_as_on_gpu(run_cfg), _fake_world(dims, dims.rank_of(pp_rank, 0, 0)) as env:
             results.append(_trace(run_cfg, env, mb, hidden))
     result = max(results, key=lambda r: r.memory["total"])
     if dims.pp > 1:
@@ -203,6 +203,42 @@ def trace_step(
         )
     result.seconds = time.perf_counter() - t0
     return result
+
+
+@contextlib.contextmanager
+def _experts_as_on_gpu(cfg: ExperimentConfig) -> Iterator[None]:
+    """A mixture of experts (model.moe) is traced as the GPU bf16 run it plans: its
+    experts take `torch._grouped_mm`, whose meta kernel runs on fake tensors (the
+    CPU's paths read row counts back, data fake tensors do not have). Routing on
+    fakes is balanced in shape only: a dropless layer's rows are tokens x top_k
+    whatever the choice, as the estimate has them. Other MoE targets are refused in
+    one line."""
+    if cfg.model.moe is None:
+        yield
+        return
+    if not (cfg.resource.use_gpu and cfg.train.precision == "bf16"):
+        raise UserError(
+            "trace: a mixture of experts (model.moe) is traced as a GPU bf16 run "
+            "(resource.use_gpu: true, train.precision: bf16); its CPU paths read row "
+            "counts back, which fake tensors do not have"
+        )
+    if (cfg.parallel.ep or 1) > 1:
+        raise UserError(
+            f"trace: parallel.ep = {cfg.parallel.ep} is not traced (the all-to-all reads "
+            "its split sizes back); the plan counts ep from the trainer's rules (docs/moe.md)"
+        )
+    import torch
+
+    import trainlab.models.moe.experts as experts
+
+    real = experts.grouped_mm_available
+    experts.grouped_mm_available = lambda x: (
+        experts.compute_dtype(x) == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    )
+    try:
+        yield
+    finally:
+        experts.grouped_mm_available = real
 
 
 # --------------------------------------------------------------------------- the fake world

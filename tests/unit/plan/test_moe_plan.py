@@ -8,7 +8,7 @@ import pytest
 
 from trainlab.config import ExperimentConfig
 from trainlab.models import build_model
-from trainlab.plan import flops_per_token, plan
+from trainlab.plan import Layout, flops_per_token, plan
 
 
 def cfg(**moe) -> ExperimentConfig:
@@ -112,3 +112,152 @@ def test_strategy_auto_chooses_ep_when_the_experts_dominate():
     assert plan(few).to_json()["moe"]["experts_share_of_params"] < 0.5
     assert plan(few).parallel["ep"] == 1
     assert plan(auto(False, num_experts=16, expert_ffn_hidden_size=256)).parallel["ep"] == 1
+
+
+# --------------------------------------------------------------------------- memory at ep
+
+
+def wide(ep=None, strategy="ddp", zero=0, gpu_memory_gb=80.0, **moe) -> ExperimentConfig:
+    """An MoE whose routed experts are most of its parameters (83%), on 2 GPUs of a
+    node: 3 MoE layers of 8 experts of width 1024 after a dense one."""
+    parallel = {"strategy": strategy, "zero_stage": zero}
+    if ep is not None:
+        parallel["ep"] = ep
+    if strategy != "auto":
+        parallel["dp"] = 2
+    return ExperimentConfig.model_validate(
+        {
+            "name": "moe",
+            "model": {"hidden_size": 512, "num_layers": 4, "num_heads": 8, "vocab_size": 2048,
+                      "max_seq_len": 512, "ffn_hidden_size": 1536,
+                      "moe": {"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 1024,
+                              "first_dense_layers": 1, **moe}},
+            "data": {"seq_len": 512, "micro_batch_size": 2},
+            "train": {"precision": "bf16"},
+            "parallel": parallel,
+            "resource": {"num_workers": 2, "use_gpu": True, "gpus_per_node": 2,
+                         "gpu_memory_gb": gpu_memory_gb},
+        }
+    )  # fmt: skip
+
+
+def test_memory_per_device_drops_by_the_experts_state_at_ep():
+    """DDP at ep=2 (trainlab.train.parallel.expert): each device holds 4 of the 8
+    routed experts (fp32 weights and gradients, AdamW's two moments: half), and
+    DDP's gradient buckets leave them out (all of them: ep all-reduces them in
+    place). memory_per_device_bytes, what `fits` reads, drops by that much."""
+    one, two = plan(wide(ep=1)), plan(wide(ep=2))
+    assert one.parallel["ep"] == 1 and two.parallel["ep"] == 2
+    routed = one.moe["experts_params"]
+    m1, m2 = one.memory_per_device_bytes, two.memory_per_device_bytes
+    assert m1["parameters"] - m2["parameters"] == 4 * routed / 2
+    assert m1["communication"] - m2["communication"] == 4 * routed
+    s1, s2 = one.moe["experts_bytes_per_device"], two.moe["experts_bytes_per_device"]
+    assert s1 == {"parameters": 4 * routed, "gradients": 4 * routed,
+                  "optimizer": 8 * routed + 4 * 9, "communication": 4 * routed}  # fmt: skip
+    assert s2 == {"parameters": 2 * routed, "gradients": 2 * routed,
+                  "optimizer": 4 * routed + 4 * 9, "communication": 0}  # fmt: skip
+    share = sum(s1.values()) - sum(s2.values())  # 12 bytes per routed parameter
+    assert m1["total"] - m2["total"] == pytest.approx(share, rel=0.1)
+
+
+def test_ep_makes_an_moe_fit():
+    """2 GiB GPUs: at ep=1 the experts' state does not fit beside the rest; at
+    ep=2 it does. As configured (strategy ddp) the plan says to raise ep; under
+    strategy auto the planner picks ep=2 itself (the experts are most of the
+    parameters) and keeps ZeRO-0, where it needed ZeRO-1 before."""
+    small = {"gpu_memory_gb": 2.0}
+    ddp = plan(wide(ep=1, **small))
+    assert not ddp.fits
+    assert any(n.startswith("to fit now") and "parallel.ep: 2" in n for n in ddp.notes)
+    assert plan(wide(ep=2, **small)).fits
+    pinned = plan(wide(ep=1, strategy="auto", zero=None, **small))
+    assert pinned.fits and pinned.parallel["zero_stage"] == 1 and pinned.parallel["ep"] == 1
+    chosen = plan(wide(strategy="auto", zero=None, **small))
+    assert chosen.fits and chosen.parallel == {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 0, "ep": 2}
+    assert chosen.memory_per_device_bytes["total"] <= chosen.usable_memory_bytes
+    zero0 = plan(wide(ep=1, strategy="auto", zero=0, **small))
+    assert not zero0.fits and zero0.parallel["tp"] == 1  # no tensor parallelism for an MoE
+    assert any("parallel.ep: null" in n for n in zero0.notes)
+
+
+def test_fsdp_leaves_the_experts_whole_at_ep():
+    """FSDP is told to ignore the experts at ep > 1: each device holds its
+    num_experts/ep of them unsharded (fp32 weights, gradients and state), none in
+    a block's all-gather. At dp = ep = 2 that is the same state per device as
+    ZeRO-3's shards at ep=1."""
+    routed = plan(wide(ep=1)).moe["experts_params"]
+    for zero in (2, 3):
+        one = plan(wide(ep=1, strategy="fsdp", zero=zero)).moe["experts_bytes_per_device"]
+        two = plan(wide(ep=2, strategy="fsdp", zero=zero)).moe["experts_bytes_per_device"]
+        assert one["parameters"] == two["parameters"] == 4 * routed / 2
+        assert one["communication"] == two["communication"] == 0
+
+
+def test_dispatch_buffers_are_in_the_activations():
+    """Each (token, expert) row an MoE layer keeps for backward, per the hand
+    count of trainlab.plan.memory._moe_layer_bytes (DDP bf16: autocast): the
+    sorted rows (2 x hidden) and the weighted rows (2 x hidden) in bf16, the
+    experts' output in fp32 (4 x hidden), four expert-wide tensors (4 x 2 x
+    width), its weight and two int64 indices (20); and per token the chosen
+    weights and ids (12 x top_k)."""
+    from trainlab.plan.memory import estimate_memory
+
+    lay = Layout(1, 1, 2, 0)
+    h, f, tokens, layers = 512, 1024, 2 * 512, 3
+    per_row = 2 * h + 2 * h + 4 * h + 4 * 2 * f + 20
+    top = {k: estimate_memory(wide(ep=1, top_k=k), lay, 2) for k in (2, 4)}
+    grown = (
+        top[4].breakdowns["forward"]["activations"] - top[2].breakdowns["forward"]["activations"]
+    )
+    assert grown == layers * tokens * 2 * (per_row + 12)
+
+
+def test_a_dense_config_ignores_ep():
+    from trainlab.plan.memory import estimate_memory
+
+    c = cfg()
+    dense = c.model_copy(update={"model": c.model.model_copy(update={"moe": None})})
+    lay = Layout(1, 1, 2, 0)
+    assert (
+        estimate_memory(dense, lay, 2, ep=2).breakdowns == estimate_memory(dense, lay, 2).breakdowns
+    )
+
+
+# The dense estimate before expert parallelism entered the memory model (issue 39):
+# per-device totals in bytes, pinned; an MoE-only change must leave them as they are.
+DENSE_TOTALS = {
+    ("llama7b", (1, 1, 8, 0)): 155_284_751_500,
+    ("llama7b", (1, 1, 8, 1)): 108_180_586_604,
+    ("llama7b", (1, 1, 8, 3)): 39_785_524_364,
+    ("llama7b", (2, 1, 4, 0)): 83_896_616_076,
+    ("gpt2", (1, 1, 8, 0)): 4_209_475_856,
+    ("gpt2", (1, 1, 8, 1)): 3_522_735_620,
+    ("gpt2", (1, 1, 8, 3)): 2_199_075_344,
+    ("gpt2", (2, 1, 4, 0)): 2_752_157_200,
+}
+
+
+@pytest.mark.parametrize("key", sorted(DENSE_TOTALS), ids=lambda k: f"{k[0]}-{k[1]}")
+def test_dense_estimates_are_unchanged(key):
+    from trainlab.plan.memory import estimate_memory
+
+    models = {
+        "llama7b": ({"arch": "llama", "hidden_size": 4096, "num_layers": 32, "num_heads": 32,
+                     "ffn_hidden_size": 11008, "vocab_size": 32000, "max_seq_len": 4096,
+                     "tie_embeddings": False}, 4096),
+        "gpt2": ({"arch": "gpt2", "hidden_size": 768, "num_layers": 12, "num_heads": 12,
+                  "vocab_size": 50257, "max_seq_len": 1024, "tie_embeddings": True}, 1024),
+    }  # fmt: skip
+    name, layout = key
+    model, seq = models[name]
+    c = ExperimentConfig.model_validate(
+        {
+            "name": "m",
+            "model": model,
+            "data": {"seq_len": seq, "micro_batch_size": 1, "grad_accum_steps": 1},
+            "train": {"precision": "bf16"},
+            "resource": {"num_workers": 8, "use_gpu": True},
+        }
+    )
+    assert int(estimate_memory(c, Layout(*layout), 1).memory["total"]) == DENSE_TOTALS[key]

@@ -281,3 +281,68 @@ def test_plan_trace_cli_json(overrides):
     )
     assert p["trace"]["peak_phase"] in ("forward", "backward", "clip", "optimizer")
     assert p["trace"]["rank"] == (1 if overrides else 0)  # pp: the busiest pipeline rank
+
+
+# Mixture of experts (model.moe, docs/moe.md) at ep=1: the MoE layers' router, dispatch
+# buffers and grouped experts against the trace. The trace runs on CPU fake tensors,
+# where the experts would take paths a GPU run does not and fake tensors cannot run
+# (fp32: the CPU grouped GEMM, whose meta kernel takes bf16 only; bf16: the padded
+# batched matmul, which reads the busiest expert's row count back, data that fake
+# tensors do not have). A GPU bf16 run takes `torch._grouped_mm`, whose meta kernel
+# does run on fakes: the trace has the experts take it, as the CUDA target would
+# (memtrace `_experts_as_on_gpu`). Routing on fake tensors is balanced in shape only:
+# the dropless layer's rows are tokens x top_k whatever the choice, as the estimate
+# has them. ep > 1 is not traced (the all-to-all reads its split sizes back).
+MOE_MODEL = dict(
+    arch="llama", hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+    ffn_hidden_size=1536, vocab_size=2048, max_seq_len=1024, tie_embeddings=False,
+    moe={"num_experts": 16, "top_k": 4, "expert_ffn_hidden_size": 256, "first_dense_layers": 1},
+)  # fmt: skip
+MOE_MATRIX = [
+    (0, 1, {}),
+    (0, 2, {"shared_experts": 1}),
+    (2, 2, {"router": {"score": "sigmoid", "normalize_top_k": False}, "balance": "bias"}),
+    (3, 2, {}),
+]
+
+
+@pytest.mark.parametrize("case", MOE_MATRIX, ids=lambda c: f"moe-z{c[0]}-dp{c[1]}-{len(c[2])}")
+def test_moe_estimate_within_10_percent_of_the_trace(case):
+    import trainlab.models.moe.experts as experts
+
+    real = experts.grouped_mm_available
+    zero, dp, moe = case
+    model = {**MOE_MODEL, "moe": {**MOE_MODEL["moe"], **moe}}
+    cfg = ExperimentConfig.model_validate(
+        {
+            "name": "trace",
+            "model": model,
+            "data": {"seq_len": 1024, "micro_batch_size": 1, "grad_accum_steps": 1},
+            "train": {"precision": "bf16"},
+            "resource": {"num_workers": dp, "use_gpu": True},
+        }
+    )
+    layout = Layout(1, 1, dp, zero)
+    traced = trace_step(cfg, layout, 1)
+    assert experts.grouped_mm_available is real  # the trace's GPU path undone after it
+    est = estimate_memory(cfg, layout, 1)
+    t, e = traced.memory, est.memory
+    assert set(t) == set(e) == {*CATEGORIES, "total"}
+    assert abs(e["total"] / t["total"] - 1) <= 0.10, (est.phase, traced.phase)
+    tensors = (e["total"] - e["framework"]) / (t["total"] - t["framework"]) - 1
+    assert abs(tensors) <= 0.10, (est.phase, traced.phase, e, t)
+    assert e["optimizer"] == pytest.approx(t["optimizer"], rel=0.02, abs=2**20)
+    if zero < 2:
+        assert e["parameters"] == pytest.approx(t["parameters"], rel=0.01)
+        assert e["communication"] == pytest.approx(t["communication"], rel=0.01)
+
+
+def test_an_moe_trace_of_another_target_is_refused_in_one_line():
+    from trainlab.errors import UserError
+
+    cfg = ExperimentConfig.model_validate(
+        {"name": "trace", "model": MOE_MODEL, "data": {"seq_len": 256, "micro_batch_size": 1,
+         "grad_accum_steps": 1}, "train": {"precision": "fp32"}}
+    )  # fmt: skip
+    with pytest.raises(UserError, match="traced as a GPU bf16 run"):
+        trace_step(cfg, Layout(1, 1, 1, 0), 1)
