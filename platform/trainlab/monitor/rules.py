@@ -369,6 +369,20 @@ def build_rules(alerts: Any) -> list[Rule]:
     ]
 
 
+# The MoE router's rules: judged from the router metrics of a logged step (the same
+# on every rank: the statistics are all-reduced), not from every step's signals.
+ROUTER_RULES = ("expert_imbalance", "router_collapse")
+
+
+def p0_router_rules(alerts: Any) -> list[Rule]:
+    """The router rules configured as P0 (expert_imbalance, router_collapse): every
+    rank judges them at each logged step of an MoE and takes the P0 action alike
+    (trainlab.train.loop.metrics.P0Rules.check_router)."""
+    return [
+        r for r in build_rules(alerts) if r.name in ROUTER_RULES and r.severity == "P0" and r.enabled
+    ]
+
+
 def p0_step_rules(alerts: Any) -> list[Rule]:
     """The per-step statistical rules configured as P0 (loss_rising, grad_spike):
     the ones every rank judges to take the P0 action (trainlab.train.loop.metrics.P0Rules;

@@ -37,6 +37,8 @@ class TrainJob:
     # Import paths of factories `f(alerts) -> rules` of the P0 rules every rank judges
     # (trainlab.train.loop.metrics.P0Rules): the monitor's, named, not imported.
     p0_rules: tuple[str, ...] = ("trainlab.monitor.rules:p0_step_rules",)
+    # ... and those judged from an MoE's router metrics at each logged step.
+    p0_router_rules: tuple[str, ...] = ("trainlab.monitor.rules:p0_router_rules",)
     torch_threads: int = 1
     ray_job_id: str | None = None
     # Ray's id of the driver's node: train.chaos.kill_node_at_steps never loses it.

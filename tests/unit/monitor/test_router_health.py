@@ -81,3 +81,53 @@ def test_a_sustained_collapse_raises_p1_imbalance_and_the_configured_p0():
     assert got == [("router_collapse", "P0", 3), ("expert_imbalance", "P1", 4)]
     # one step of collapse is not sustained
     assert fired([good, bad, good, good], alerts) == []
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    from tests.train_helpers import dataset_dir
+
+    return dataset_dir(tmp_path_factory)
+
+
+@pytest.mark.parametrize("on_p0", ["checkpoint_and_stop", "rollback_and_skip"])
+def test_a_collapsed_router_configured_p0_is_acted_on(dataset, tmp_path, on_p0):
+    """router_collapse as P0 with tracking.alerts.on_p0 acting (issue 39): judged from
+    the router metrics of each logged step on every rank, acted on one step later as
+    every P0 signal is: the run stops (exit 4's status) at the logged step, or rolls
+    back to the checkpoint before it and skips the steps since (here the batches
+    that collapsed it)."""
+    from tests.train_helpers import local_loader, make_job, tiny_config
+    from trainlab.runstatus import RunStatus
+    from trainlab.train.loop.trainer import Trainer
+    from trainlab.train.parallel.distributed import DistEnv
+
+    cfg = tiny_config(
+        dataset,
+        model={"moe": {"num_experts": E, "top_k": K, "expert_ffn_hidden_size": 32}},
+        train={"total_steps": 8, "log_interval": 2, "eval_interval": 4,
+               "checkpoint": {"every_steps": 2, "keep_last": 4}},
+        tracking={"alerts": {"on_p0": on_p0, "max_rollbacks": 1,
+                             "router_collapse": {"severity": "P0", "window": 1}}},
+    )  # fmt: skip
+    job = make_job(cfg, tmp_path / "run")
+    trainer = Trainer(job, local_loader(job), DistEnv())
+    collapsed = Pinned(COLLAPSED)
+
+    def collapse_in_steps_3_4(gate):  # the gate's own weights stay (the checkpoints)
+        real = gate.forward  # (during step s the loop's counter is s - 1)
+        return lambda x: collapsed(x) if 2 <= trainer.step < 4 else real(x)
+
+    for layer in moe_layers(trainer.model):
+        layer.router.gate.forward = collapse_in_steps_3_4(layer.router.gate)
+    summary = trainer.fit()
+    if on_p0 == "checkpoint_and_stop":
+        assert summary["status"] == RunStatus.STOPPED_BY_ALERT
+        assert summary["final_step"] == 4 and summary["resume_step"] == 4
+        assert summary["stop_reason"].startswith("P0 alert router_collapse at step 4: ")
+        assert "moe/top_k_share 1" in summary["stop_reason"]
+    else:  # rolled back to step 2, the batches of steps 3-4 skipped, healthy again
+        [rollback] = summary["rollbacks"]
+        assert rollback == {"from_step": 4, "to_step": 2, "skipped": [3, 4],
+                            "rule": "router_collapse"}  # fmt: skip
+        assert summary["status"] == RunStatus.COMPLETED and summary["final_step"] == 8

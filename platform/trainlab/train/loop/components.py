@@ -151,6 +151,20 @@ class P0Guard(Component):
 
     def __init__(self) -> None:
         self.pending: PendingSignals | None = None
+        # A router rule that fired at a logged step (check_router), acted on at the
+        # next observation: (rule, step, what it saw).
+        self.router_fired: tuple[str, int, str] | None = None
+
+    def check_router(self, loop: Trainer, step: int, metrics: dict[str, float]) -> None:
+        """An MoE's router metrics of logged step `step` (the same on every rank)
+        to the P0 router rules; one that fires is acted on at the next observation,
+        one step later, like every step's own signals."""
+        rule = loop.p0_rules.check_router(step, metrics)
+        if rule is not None and loop.cfg.tracking.alerts.on_p0 != "notify":
+            seen = ", ".join(
+                f"{k} {metrics[k]:.3g}" for k in sorted(metrics) if k.startswith("moe/")
+            )
+            self.router_fired = (rule, step, seen)
 
     def launch(self, loop: Trainer, current: PendingSignals) -> str | None:
         """Queue step s's signals; judge step s-1's (read now). After a rollback
@@ -162,6 +176,9 @@ class P0Guard(Component):
     def observe(self, loop: Trainer) -> str | None:
         """Read the queued step's signals, hand them to rank 0's callbacks and the
         P0 rules; returns None, ROLLED_BACK or "stopped_by_alert"."""
+        if self.router_fired is not None:
+            (rule, at, seen), self.router_fired = self.router_fired, None
+            return self._act(loop, rule, at, f"P0 alert {rule} at step {at}: {seen}")
         pending, self.pending = self.pending, None
         if pending is None:
             return None
@@ -170,21 +187,26 @@ class P0Guard(Component):
         if loop.env.is_main:
             loop.callbacks.on_step_signals(signals.step, signals.metrics())
         rule = loop.p0_rules.check(signals)
-        alerts = loop.cfg.tracking.alerts
-        if rule is None or alerts.on_p0 == "notify":
+        if rule is None or loop.cfg.tracking.alerts.on_p0 == "notify":
             return None
         reason = f"P0 alert {rule} at step {signals.step}: {signals.describe()}"
+        return self._act(loop, rule, signals.step, reason)
+
+    def _act(self, loop: Trainer, rule: str, at: int, reason: str) -> str:
+        """The P0 action for `rule` seen at step `at`: a rollback to the newest valid
+        checkpoint before it (ROLLED_BACK), else a stop ("stopped_by_alert")."""
+        alerts = loop.cfg.tracking.alerts
         if alerts.on_p0 == "rollback_and_skip":
             done = len(loop.checkpointer.rollbacks)
             if done < alerts.max_rollbacks:
-                if self._rollback(loop, rule, signals.step):
+                if self._rollback(loop, rule, at):
                     return ROLLED_BACK
                 reason += " (no valid checkpoint before it to roll back to)"
             else:
                 reason += f" (tracking.alerts.max_rollbacks = {done} used up)"
         log.error("stopping: %s", reason)
         loop.stop_reason = reason
-        loop.stopped_at = signals.step
+        loop.stopped_at = at
         return RunStatus.STOPPED_BY_ALERT
 
     def _rollback(self, loop: Trainer, rule: str, at: int) -> bool:
@@ -300,7 +322,9 @@ class MetricsLog(Component):
             metrics[f"share/{source}"] = float(share)
         stats, moe = loop.state.model.moe_stats, loop.cfg.model.moe
         if stats is not None:  # an MoE: the logged step's router health (the same on every rank)
-            metrics.update(router_metrics(stats, moe.num_experts, moe.top_k))
+            router = router_metrics(stats, moe.num_experts, moe.top_k)
+            metrics.update(router)
+            loop.guard.check_router(loop, step, router)
         if loop.env.is_main:
             loop.callbacks.on_step_end(step, metrics)
             log.info(progress_line(step, loop.cfg.train.total_steps, metrics))

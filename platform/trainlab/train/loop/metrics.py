@@ -277,11 +277,24 @@ class P0Rules:
     over per-rank clocks or rank 0's own measurements (throughput, checkpoint age,
     disk) alert but never act."""
 
-    def __init__(self, alerts: Any, factories: tuple[str, ...] = ()):
+    def __init__(
+        self, alerts: Any, factories: tuple[str, ...] = (), router: tuple[str, ...] = ()
+    ):
         from trainlab.train.loop.callbacks import load_factory
 
         self.alerts = alerts
         self.rules = [rule for path in factories for rule in load_factory(path)(alerts)]
+        # An MoE's router rules (router_collapse, expert_imbalance as P0), judged from
+        # the router metrics of each logged step: the same on every rank.
+        self.router_rules = [rule for path in router for rule in load_factory(path)(alerts)]
+
+    def check_router(self, step: int, metrics: dict[str, float]) -> str | None:
+        """The router rule that fires at logged step `step`, or None."""
+        fired = None
+        for r in self.router_rules:
+            if r.observe(step, metrics, 0.0) is not None and fired is None:
+                fired = r.name
+        return fired
 
     def check(self, signals: StepSignals) -> str | None:
         """The rule that fires at this step, or None."""

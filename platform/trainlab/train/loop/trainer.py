@@ -118,7 +118,8 @@ class Trainer:
         self.stop_signal = NO_STOP  # the newest stop request every rank agreed on
         self.stop = NO_STOP  # this step's stop decision (MetricsLog, request_stop)
         self.last_signals = StepSignals(0, float("nan"), float("nan"), 0, 0.0, 0.0)
-        self.p0_rules = P0Rules(self.cfg.tracking.alerts, job.p0_rules)
+        router = job.p0_router_rules if self.cfg.model.moe is not None else ()
+        self.p0_rules = P0Rules(self.cfg.tracking.alerts, job.p0_rules, router)
         self.growth = GrowthHold(job.elastic)
         # The loop's components (trainlab.train.loop.components), in the order they act
         # at a step's end; more from train.components, before checkpointing.
