@@ -45,10 +45,7 @@ from trainlab.train.loop.metrics import (
     PendingSignals,
     progress_line,
 )
-
-# The loop the hooks get: a trainlab.train.loop.trainer.Trainer (not imported here: it
-# imports this module).
-Trainer = Any
+from trainlab.train.loop.protocol import Loop
 
 log = logging.getLogger("trainlab.train")
 
@@ -59,25 +56,25 @@ ROLLED_BACK = "rolled_back"
 class Component:
     """Base class: every hook is optional; each runs on every rank."""
 
-    def on_start(self, loop: Trainer) -> None:
+    def on_start(self, loop: Loop) -> None:
         """Before the first step of this start (after the checkpoint restore)."""
 
-    def loss_factor(self, loop: Trainer, step: int) -> float:
+    def loss_factor(self, loop: Loop, step: int) -> float:
         """A factor on step `step`'s loss (1-based; 1.0: none)."""
         return 1.0
 
-    def after_step(self, loop: Trainer, step: int) -> None:
+    def after_step(self, loop: Loop, step: int) -> None:
         """Right after optimizer step `step`, before its signals are read."""
 
-    def due(self, loop: Trainer, step: int, last: bool) -> bool:
+    def due(self, loop: Loop, step: int, last: bool) -> bool:
         """Whether `at_step_end` acts at this step (the loop then reads the step's
         own signals first, so nothing acts on a state it has not judged)."""
         return False
 
-    def at_step_end(self, loop: Trainer, step: int, last: bool) -> None:
+    def at_step_end(self, loop: Loop, step: int, last: bool) -> None:
         """After step `step` was judged healthy; may call `loop.request_stop`."""
 
-    def on_end(self, loop: Trainer, status: str) -> None:
+    def on_end(self, loop: Loop, status: str) -> None:
         """The loop ended with `status` (before the summary is written)."""
 
 
@@ -117,7 +114,7 @@ class ComponentError(Exception):
 def _guarded(path: str, component: Component, hook: str) -> Any:
     method = getattr(component, hook)
 
-    def call(loop: Trainer, *args: Any) -> Any:
+    def call(loop: Loop, *args: Any) -> Any:
         try:
             return method(loop, *args)
         except PROGRAMMING_ERRORS as e:
@@ -155,7 +152,7 @@ class P0Guard(Component):
         # next observation: (rule, step, what it saw).
         self.router_fired: tuple[str, int, str] | None = None
 
-    def check_router(self, loop: Trainer, step: int, metrics: dict[str, float]) -> None:
+    def check_router(self, loop: Loop, step: int, metrics: dict[str, float]) -> None:
         """An MoE's router metrics of logged step `step` (the same on every rank)
         to the P0 router rules; one that fires is acted on at the next observation,
         one step later, like every step's own signals."""
@@ -166,14 +163,14 @@ class P0Guard(Component):
             )
             self.router_fired = (rule, step, seen)
 
-    def launch(self, loop: Trainer, current: PendingSignals) -> str | None:
+    def launch(self, loop: Loop, current: PendingSignals) -> str | None:
         """Queue step s's signals; judge step s-1's (read now). After a rollback
         step s's signals are dropped: that step ran on the state rolled back from."""
         status = self.observe(loop)
         self.pending = None if status == ROLLED_BACK else current
         return status
 
-    def observe(self, loop: Trainer) -> str | None:
+    def observe(self, loop: Loop) -> str | None:
         """Read the queued step's signals, hand them to rank 0's callbacks and the
         P0 rules; returns None, ROLLED_BACK or "stopped_by_alert"."""
         if self.router_fired is not None:
@@ -192,7 +189,7 @@ class P0Guard(Component):
         reason = f"P0 alert {rule} at step {signals.step}: {signals.describe()}"
         return self._act(loop, rule, signals.step, reason)
 
-    def _act(self, loop: Trainer, rule: str, at: int, reason: str) -> str:
+    def _act(self, loop: Loop, rule: str, at: int, reason: str) -> str:
         """The P0 action for `rule` seen at step `at`: a rollback to the newest valid
         checkpoint before it (ROLLED_BACK), else a stop ("stopped_by_alert")."""
         alerts = loop.cfg.tracking.alerts
@@ -209,7 +206,7 @@ class P0Guard(Component):
         loop.stopped_at = at
         return RunStatus.STOPPED_BY_ALERT
 
-    def _rollback(self, loop: Trainer, rule: str, at: int) -> bool:
+    def _rollback(self, loop: Loop, rule: str, at: int) -> bool:
         """Reload the newest valid checkpoint before the alert's step and skip the
         batches since (every rank at the same step); False when there is none."""
         loop.checkpointer.wait()
@@ -237,7 +234,7 @@ class P0Guard(Component):
             loop.callbacks.on_rollback(dict(record))
         return True
 
-    def skip_target(self, loop: Trainer, step: int) -> int:
+    def skip_target(self, loop: Loop, step: int) -> int:
         """The step to continue from when the next steps' batches are skipped
         (train.skip_steps and the rollbacks' windows); `step` when none is."""
         windows = [tuple(w) for w in loop.cfg.train.skip_steps]
@@ -258,12 +255,12 @@ class Chaos(Component):
     """train.chaos: NaN / spike factors on a step's loss and a hard kill of one
     rank's process at a step; each fires once per run directory (a marker file)."""
 
-    def on_start(self, loop: Trainer) -> None:
+    def on_start(self, loop: Loop) -> None:
         chaos = loop.cfg.train.chaos
         steps = set(chaos.nan_at_steps) | set(chaos.spike_at_steps)
         self.fired = {s for s in steps if loop.records.loc.exists(self._marker(s))}
 
-    def loss_factor(self, loop: Trainer, step: int) -> float:
+    def loss_factor(self, loop: Loop, step: int) -> float:
         chaos = loop.cfg.train.chaos
         if step in self.fired:
             return 1.0
@@ -280,7 +277,7 @@ class Chaos(Component):
         log.warning("chaos: step %d's loss multiplied by %s", step, factor)
         return factor
 
-    def after_step(self, loop: Trainer, step: int) -> None:
+    def after_step(self, loop: Loop, step: int) -> None:
         """kill_at_steps: hard-kill this training process the first time step k is
         reached (right after optimizer step k, before its logs and checkpoint)."""
         chaos = loop.cfg.train.chaos
@@ -307,10 +304,10 @@ class MetricsLog(Component):
     at): the window's metrics to rank 0's callbacks, the log and Ray Train's
     report; then rank 0's stop request, broadcast so every rank agrees."""
 
-    def due(self, loop: Trainer, step: int, last: bool) -> bool:
+    def due(self, loop: Loop, step: int, last: bool) -> bool:
         return step % loop.cfg.train.log_interval == 0 or last or loop.stop_signal != NO_STOP
 
-    def at_step_end(self, loop: Trainer, step: int, last: bool) -> None:
+    def at_step_end(self, loop: Loop, step: int, last: bool) -> None:
         if not self.due(loop, step, last):
             return
         signals = loop.last_signals
@@ -341,13 +338,13 @@ class Evaluator(Component):
         self.at = 0  # the step of the latest evaluation
         self.best: float | None = None  # the lowest evaluation of this start
 
-    def on_start(self, loop: Trainer) -> None:
+    def on_start(self, loop: Loop) -> None:
         self.at = loop.step
 
-    def due(self, loop: Trainer, step: int, last: bool) -> bool:
+    def due(self, loop: Loop, step: int, last: bool) -> bool:
         return step % loop.cfg.train.eval_interval == 0 or last
 
-    def at_step_end(self, loop: Trainer, step: int, last: bool) -> None:
+    def at_step_end(self, loop: Loop, step: int, last: bool) -> None:
         if not self.due(loop, step, last):
             return
         loop.state.progress.val_losses = loop.evaluate()
@@ -369,15 +366,15 @@ class Checkpointing(Component):
         self.saved_at = time.time()  # when the newest state on disk was (or the start)
         self.last_valid_at = time.time()
 
-    def due(self, loop: Trainer, step: int, last: bool) -> bool:
+    def due(self, loop: Loop, step: int, last: bool) -> bool:
         return step % loop.cfg.train.checkpoint.every_steps == 0 or last
 
-    def at_step_end(self, loop: Trainer, step: int, last: bool) -> None:
+    def at_step_end(self, loop: Loop, step: int, last: bool) -> None:
         if self.due(loop, step, last) or loop.stop in (STOP_AND_SAVE, HOLD):
             self.save(loop)
         self.deliver(loop)
 
-    def save(self, loop: Trainer) -> None:
+    def save(self, loop: Loop) -> None:
         """keep_best ranks a checkpoint by the held-out evaluation of this very step
         (val_loss, as reported); one saved between evaluations is not ranked."""
         t0 = time.perf_counter()
@@ -385,7 +382,7 @@ class Checkpointing(Component):
         loop.checkpointer.save(evaluated=loop.evaluator.at == loop.step)
         loop.meter.record_checkpoint(time.perf_counter() - t0)
 
-    def deliver(self, loop: Trainer) -> None:
+    def deliver(self, loop: Loop) -> None:
         for info in loop.checkpointer.completed():
             loop.checkpoints = [c for c in loop.checkpoints if c.step != info.step] + [info]
             loop.last_checkpoint = info
@@ -399,7 +396,7 @@ class Checkpointing(Component):
             )
             loop.callbacks.on_checkpoint(info.step, info.where, info.valid, info.val_loss)
 
-    def on_end(self, loop: Trainer, status: str) -> None:
+    def on_end(self, loop: Loop, status: str) -> None:
         loop.checkpointer.wait()
         loop.checkpointer.close()
         self.deliver(loop)

@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import torch
 
+from trainlab.train.loop.protocol import Loop
+
 log = logging.getLogger("trainlab.train")
 
-# The loop: a trainlab.train.loop.trainer.Trainer (not imported here: it imports this module).
-Trainer = Any
 
 CHECK_EVERY_S = 1.0  # rank 0 reads the request at most this often (a store read)
 POLL_S = 0.5  # while holding
@@ -40,7 +39,7 @@ class GrowthHold:
         self.checked_at = float("-inf")
         self.asked_id: str | None = None  # the request rank 0 asked the ranks to hold for
 
-    def ask(self, loop: Trainer) -> bool:
+    def ask(self, loop: Loop) -> bool:
         """Rank 0: whether to ask every rank to hold at this step (once per request)."""
         if not (self.elastic and loop.env.is_main):
             return False
@@ -57,7 +56,7 @@ class GrowthHold:
         loop.records.growth_accepted(self.asked_id)  # the controller waits for the commit
         return True
 
-    def hold(self, loop: Trainer, step: int) -> None:
+    def hold(self, loop: Loop, step: int) -> None:
         """Every rank, after the step's checkpoint was begun: wait for its commit,
         say it is ready (rank 0), then wait together for the restart (the process
         ends) or for the controller to cancel. Rank 0 decides; the other ranks learn

@@ -22,6 +22,7 @@ from typing import Any
 
 from trainlab.train.job import NODE_ID_ENV
 from trainlab.train.loop.components import Component
+from trainlab.train.loop.protocol import Loop
 from trainlab.train.records import Failure
 
 log = logging.getLogger("trainlab.train")
@@ -58,7 +59,7 @@ class NodeChaos(Component):
     """Kills the raylet of a node hosting a training worker (not the driver's) the
     first time each step of train.chaos.kill_node_at_steps is reached."""
 
-    def after_step(self, loop: Any, step: int) -> None:
+    def after_step(self, loop: Loop, step: int) -> None:
         if step not in loop.cfg.train.chaos.kill_node_at_steps:
             return
         if loop.records.loc.exists(marker(step)):  # checked by every rank before agreeing
@@ -93,7 +94,7 @@ class NodeChaos(Component):
         os.kill(os.getpid(), signal.SIGKILL)
 
     @staticmethod
-    def _nodes(loop: Any) -> list[str | None]:
+    def _nodes(loop: Loop) -> list[str | None]:
         """Every rank's node id (a collective: every rank calls it at the same step)."""
         mine = os.environ.get(NODE_ID_ENV)
         if loop.env.world_size == 1:
