@@ -109,12 +109,16 @@ REFERENCE: dict = {}
 # test, tests/unit/train/test_store.py runs a gs:// run's files through the same code.
 @pytest.fixture(scope="module", params=["s3", pytest.param("gs", marks=pytest.mark.extended)])
 def world(request, tmp_path_factory):
+    server = request.getfixturevalue("s3_server" if request.param == "s3" else "gcs_server")
+    return make_world(request.param, server, tmp_path_factory.mktemp(f"store-cluster-{request.param}"))
+
+
+def make_world(scheme: str, server: str, base: Path) -> dict:
     """The environment every command runs with (isolated trainlab home, the store's
     endpoint and test credentials), a bucket holding a prepared dataset, and the
     driver's own scratch directory."""
     from devtools.datasets import write_stdlib_dataset
 
-    base = tmp_path_factory.mktemp(f"store-cluster-{request.param}")
     env = {
         **os.environ,
         "TRAINLAB_HOME": str(base / "home"),
@@ -130,10 +134,7 @@ def world(request, tmp_path_factory):
         "RAY_AUTH_MODE",
     ):
         env.pop(var, None)
-    if request.param == "s3":
-        bucket = _s3_bucket(env, request.getfixturevalue("s3_server"))
-    else:
-        bucket = _gs_bucket(env, request.getfixturevalue("gcs_server"))
+    bucket = _s3_bucket(env, server) if scheme == "s3" else _gs_bucket(env, server)
     local = base / "prepared"
     write_stdlib_dataset(local, code_docs=40, prose_docs=120, vocab_size=2048)
     for path in sorted(p for p in local.rglob("*") if p.is_file()):
