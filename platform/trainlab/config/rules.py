@@ -142,12 +142,8 @@ def _moe_layout(cfg: dict[str, Any]) -> Iterator[Problem]:
             "runs with strategy ddp (zero_stage 0) or fsdp (2, 3) for the dense parts; "
             "not with strategy auto or ZeRO-1 yet (docs/moe.md)",
         )  # fmt: skip
-    if p["activation_checkpointing"] != "none":
-        yield Problem(
-            "parallel.activation_checkpointing", p["activation_checkpointing"],
-            "not with model.moe yet: a recomputed forward would count the router's "
-            "step statistics twice (docs/moe.md)",
-        )  # fmt: skip
+    # parallel.activation_checkpointing runs with model.moe: a recomputed MoE block
+    # records no routing statistics (trainlab.train.parallel.recompute).
 
 
 @rule("parallel", "model")

@@ -109,9 +109,11 @@ in no DDP gradient bucket (expert parallelism all-reduces their gradients in
 place over edp) and in no FSDP all-gather or reduce-scatter; under FSDP mixed
 precision the grouped GEMM casts them to 16 bits, kept for its backward. Under
 DDP, AdamW's decayed group mixes tensors and the experts' DTensors, which the
-fused kernel refuses: that group steps unfused. Checked against the trace at
-ep = 1 (bf16, the CUDA grouped-GEMM path) within 1.5% of the traced tensors;
-ep > 1 is not traced.
+fused kernel refuses: that group steps unfused. A recomputed MoE block
+(activation checkpointing) keeps its input like any other; the last MoE layer's
+forward mark then adds what its forward still holds at the combine. Checked
+against the trace at ep = 1 (bf16, the CUDA grouped-GEMM path) within 1.5% of
+the traced tensors, with and without recomputation; ep > 1 is not traced.
 """
 
 from __future__ import annotations
@@ -441,6 +443,9 @@ class _Step:
     saved: list[float] = field(default_factory=list)  # per block: what it keeps for backward
     work: list[float] = field(default_factory=list)  # per block: its backward working set
     moe_transient: float = 0.0  # an MoE layer's forward dispatch buffers (not kept)
+    # what a recomputed MoE block's forward holds at its combine besides its input
+    moe_recomputed: float = 0.0
+    recomputed: list[bool] = field(default_factory=list)  # per block: checkpointed
     model_saved: float = 0.0
     final_norm: float = 0.0
     mask: float = 0.0
@@ -559,11 +564,12 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
     s.saved, s.work = [saved_block] * L, [work_block] * L
     if m.moe is not None:  # an MoE layer's MLP in place of the dense one
         dense_mlp = (arch.norm_saved_bytes(m, d, arch.mlp_inputs) + arch.mlp_saved_bytes(m, d)) * N
-        moe_saved, moe_work, s.moe_transient = _moe_layer_bytes(s, N)
+        moe_saved, moe_work, s.moe_transient, s.moe_recomputed = _moe_layer_bytes(s, N)
         for i in range(L):
             if is_moe_layer(m.moe, i):
                 s.saved[i] = saved_block - dense_mlp + moe_saved
                 s.work[i] = moe_work
+    s.recomputed = ckpt
     s.stored = [input_block if c else x for c, x in zip(ckpt, s.saved, strict=True)]
     # Model-level: RoPE's cos and sin (fp32; FSDP mixed precision gives each block a
     # 16-bit copy, counted in the block), the packed batch's dense bool mask on the
@@ -599,14 +605,16 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
     s.loss_chunk = 0.0 if tp > 1 else float(_chunk_working_bytes(min(chunk, N), V, d.compute))
 
 
-def _moe_layer_bytes(s: _Step, tokens: int) -> tuple[float, float, float]:
+def _moe_layer_bytes(s: _Step, tokens: int) -> tuple[float, float, float, float]:
     """One MoE layer's MLP part for `tokens` tokens (trainlab.models.moe, dropless
     and balanced: each rank's experts get as many rows as it sends, tokens x
     top_k), as the grouped-GEMM path runs it: what it keeps for backward, with
     its input norm (as Architecture.norm_saved_bytes: under autocast a 16-bit copy
     of the norm's output per Linear reading it, the router's and the shared
-    experts' two); its backward's working set; and its forward's transient
-    dispatch buffers.
+    experts' two); its backward's working set; its forward's transient
+    dispatch buffers; and what the forward of a recomputed block (activation
+    checkpointing: nothing kept) still holds at the combine besides its input
+    and those buffers.
 
     Kept, per token: the router's fp32 scores (4 x num_experts; the sigmoid's
     normalized probabilities' sum 4), its top-k ids (8 x k) and, normalized, the
@@ -631,7 +639,14 @@ def _moe_layer_bytes(s: _Step, tokens: int) -> tuple[float, float, float]:
     and the end of the experts' (the three stacked weights' gradients of this
     rank, fp32 where the weights are: DDP, and FSDP at ep > 1, with the 16-bit
     gradient of the cast; FSDP's 16-bit unsharded ones at ep = 1; the rows'
-    gradients; the expert-wide and combine tensors already freed)."""
+    gradients; the expert-wide and combine tensors already freed).
+
+    Recomputed, at the combine's weighted product: the residual after attention
+    and the MLP norm's output (the residual's dtype), the router's outputs, the
+    sorted rows (where the transient buffers do not count them), the fp32 copy
+    of the experts' output the product reads (none in fp32), the rows' weights
+    and indices. (Backward recomputes the block and then holds what a block not
+    recomputed keeps: its backward marks are the same.)"""
     m, d, ep = s.cfg.model, s.d, s.ep
     moe, h, c = m.moe, m.hidden_size, d.compute
     arch = arch_of(m)
@@ -659,14 +674,17 @@ def _moe_layer_bytes(s: _Step, tokens: int) -> tuple[float, float, float]:
     if shared:
         weight = d.grad * h * shared - (c * h * shared if d.autocast else 0)
         shared_work = arch.mlp_inputs * c * shared * tokens + weight
-    return saved * tokens, max(routed_work, shared_work), transient
+    rows_live = (0 if sent else d.residual * h) + (4 * h if c < 4 else 0) + 4 + 16
+    recomputed = (2 * d.residual * h + router) * tokens + rows * rows_live
+    return saved * tokens, max(routed_work, shared_work), transient, recomputed
 
 
 def _moe_forward_mark(s: _Step) -> dict[str, _Parts]:
     """The last MoE layer's forward, in its combine: every block's saved tensors
-    up to it and its transient dispatch buffers (`_moe_layer_bytes`); autocast's
-    weight copies so far; FSDP's gathered root and blocks (ZeRO-3: this block's)
-    and one all-gather buffer."""
+    up to it (a recomputed block's: its input) and its transient dispatch buffers
+    (`_moe_layer_bytes`; recomputed, also the tensors its forward still holds);
+    autocast's weight copies so far; FSDP's gathered root and blocks (ZeRO-3:
+    this block's) and one all-gather buffer."""
     m = s.cfg.model
     layers = [i for i in range(len(s.stored)) if is_moe_layer(m.moe, i)]
     if not layers:
@@ -677,6 +695,8 @@ def _moe_forward_mark(s: _Step) -> dict[str, _Parts]:
     # the last block's own, not yet released, when it is the last)
     prefetch = s.gathered[min(i + 1, len(s.gathered) - 1)] if s.fsdp else 0.0
     acts = sum(s.stored[: i + 1]) + s.model_saved - s.final_norm + s.moe_transient
+    if s.recomputed[i]:
+        acts += s.moe_recomputed
     return {
         f"block {i} forward": s.start.plus(
             activations=acts + sum(s.copies[: i + 1]) + s.copy_root,

@@ -21,11 +21,20 @@ count the step's routing statistics:
   over the data-parallel ranks in one all-reduce after the optimizer step,
   moves the aux-loss-free bias (`balance: bias`) once from the whole step's
   counts, and returns them for the router metrics.
+
+Under activation checkpointing (trainlab.train.parallel.recompute) backward runs
+a checkpointed block's forward again to rebuild its saved tensors. That second
+forward rebuilds the aux loss's part of the graph like any other (the graph
+backward uses is the first forward's, so the injected gradient counts once) but
+records no statistics: the recomputation runs inside `recomputing()`, which the
+block's checkpoint wrapper enters around it, full or selective. So a token is
+counted once per forward whether or not its block is recomputed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -40,6 +49,26 @@ from trainlab.models.moe.router import Router
 STAT_COLUMNS = ("tokens", "dropped", "entropy_sum", "aux_sum")
 # What runs the sorted rows through the experts: (rows, counts, experts) -> rows.
 Exchange = Callable[[torch.Tensor, torch.Tensor, GroupedExperts], torch.Tensor]
+
+# How many recomputations (activation checkpointing's second forward, run by
+# backward) are in progress: a plain module global, not a thread-local, so that a
+# compiled block's guards can read it (backward runs the recomputation on the
+# thread that runs backward; no forward runs beside it).
+_recomputing = 0
+
+
+@contextlib.contextmanager
+def recomputing() -> Iterator[None]:
+    """Inside: a checkpointed block's forward run again by backward, whose
+    routing statistics the first forward already recorded (MoE layers record
+    none). trainlab.train.parallel.recompute enters it as the checkpoint's
+    recompute context."""
+    global _recomputing
+    _recomputing += 1
+    try:
+        yield
+    finally:
+        _recomputing -= 1
 
 
 class SharedExperts(nn.Module):
@@ -110,7 +139,8 @@ class MoE(nn.Module):
                 scale = self.loss_scale if self.loss_scale is not None else 1.0 / n
                 scale = torch.as_tensor(scale, dtype=aux_sum.dtype, device=aux_sum.device)
                 out = _InjectAuxGrad.apply(out, aux_sum, self.aux_coef * self.layer_share * scale)
-            self._record(routing.probs.detach(), p, aux_sum.detach(), n)
+            if not _recomputing:  # recomputed: the first forward recorded them
+                self._record(routing.probs.detach(), p, aux_sum.detach(), n)
         if self.shared is not None:
             out = out + self.shared(flat)
         return out.view(shape)
