@@ -14,7 +14,8 @@ imports only those listed after it: tests/unit/test_import_graph.py):
                    in place), child (a training process: process group, then the
                    trainer), protocol (the pipe between them), failures, logs
     loop/          trainer (fit: batch, step, components), components (P0 guard,
-                   chaos, metrics log, evaluator, checkpointing), callbacks (rank
+                   chaos, metrics log, evaluator, checkpointing), protocol (the
+                   typed Loop its components get), callbacks (rank
                    0's side effects), state (the stateful parts), step (the loss
                    and one optimizer step), checkpointer (the state in and out of
                    DCP checkpoints), metrics, schedule, rng
@@ -22,8 +23,13 @@ imports only those listed after it: tests/unit/test_import_graph.py):
     job            what the driver hands every worker (TrainJob)
     parallel/      the techniques applied from outside (FSDP/replicate, tensor,
                    pipeline, recomputation), the mesh and the process groups
-    checkpoint/    the disk protocol (atomic commits, checksums, retention) and
-                   its object-storage form (store: per-rank parts, commit marker)
+    checkpoint/    names, info (a checkpoint's record), validation (checksums,
+                   the validator's outcome), local (a directory's catalog,
+                   retention), disk (the atomic commit), writer (one rank's
+                   saves, async), faults, and store (the object-storage form:
+                   per-rank parts, commit marker)
+    lockrecord     the run lock's record (.lock.json): who holds the run; the
+                   workers stop when their driver is gone (`orphaned`)
     memtrace       the planner's check: one real step on fake tensors
 """
 

@@ -138,7 +138,7 @@ def test_a_kill_during_pruning_leaves_no_step_folder_without_its_commit(tmp_path
         (Path(path) / ck.META_FILE).unlink()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ck.shutil, "rmtree", killed)
+    monkeypatch.setattr(ck.local.shutil, "rmtree", killed)  # what remove_checkpoint calls
     with pytest.raises(KeyboardInterrupt):
         ck.prune(tmp_path, keep_last=1, keep_best=0)
     monkeypatch.undo()
