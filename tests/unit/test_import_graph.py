@@ -175,6 +175,7 @@ TRAIN_LAYERS = (
     "loop",
     "records",
     ("job", "parallel", "checkpoint"),
+    "lockrecord",
 )
 
 

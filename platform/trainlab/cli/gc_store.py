@@ -20,6 +20,7 @@ from typing import Any
 
 from trainlab.runloc import RunLocation
 from trainlab.train import checkpoint as ck
+from trainlab.train import lockrecord
 from trainlab.train.checkpoint.store import CheckpointStore
 from trainlab.train.driver import runlock
 
@@ -67,7 +68,7 @@ def live_reason(holder: str) -> str:
 
 
 def _holder(loc: RunLocation) -> str | None:
-    holder = runlock._parse_holder(loc.read_text(runlock.HOLDER))
+    holder = lockrecord.parse_holder(loc.read_text(lockrecord.HOLDER))
     return holder.describe() if holder is not None and runlock._alive(holder) else None
 
 

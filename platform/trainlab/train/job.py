@@ -52,10 +52,10 @@ class TrainJob:
 
     def orphaned(self) -> str | None:
         """Why this job's worker group must stop (its driver is gone, or another
-        holds the run: trainlab.train.driver.runlock.orphaned), or None."""
+        holds the run: trainlab.train.lockrecord.orphaned), or None."""
         if self.driver is None:
             return None
-        from trainlab.train.driver.runlock import orphaned
+        from trainlab.train.lockrecord import orphaned
 
         return orphaned(self.location, self.driver)
 

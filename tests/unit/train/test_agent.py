@@ -518,7 +518,8 @@ def test_orphaned_tells_a_live_driver_from_a_gone_or_replaced_one(tmp_path):
     import subprocess
 
     from trainlab.runloc import RunLocation
-    from trainlab.train.driver.runlock import RunLock, current_holder, orphaned
+    from trainlab.train.driver.runlock import RunLock
+    from trainlab.train.lockrecord import current_holder, orphaned
 
     loc = RunLocation.of(tmp_path / "run")
     with RunLock.acquire(loc):

@@ -38,10 +38,6 @@ def _localns() -> dict[str, object]:
         "ExperimentConfig": "trainlab.config.schema", "TrainJob": "trainlab.train.job",
         "Callback": "trainlab.train.loop.callbacks",
         "Checkpointer": "trainlab.train.loop.checkpointer",
-        "Checkpointing": "trainlab.train.loop.components",
-        "Component": "trainlab.train.loop.components",
-        "Evaluator": "trainlab.train.loop.components",
-        "P0Guard": "trainlab.train.loop.components", "GrowthHold": "trainlab.train.loop.growth",
         "Meter": "trainlab.train.loop.metrics", "P0Rules": "trainlab.train.loop.metrics",
         "StepSignals": "trainlab.train.loop.metrics", "TrainState": "trainlab.train.loop.state",
         "StreamLoader": "trainlab.train.loop.stream",
@@ -72,7 +68,11 @@ def test_the_trainer_has_every_member_of_the_loop_protocol(tmp_path_factory, tmp
     for name, kind in hints.items():
         assert hasattr(trainer, name), f"Loop.{name} is not on the Trainer"
         value = getattr(trainer, name)
-        concrete = inspect.isclass(kind) and not getattr(kind, "_is_protocol", False)
+        concrete = (
+            inspect.isclass(kind)
+            and kind is not typing.Any
+            and not getattr(kind, "_is_protocol", False)
+        )
         # (callbacks: rank 0's Callback, a CallbackList of none elsewhere: duck-typed)
         if concrete and name != "callbacks" and not isinstance(value, kind):
             pytest.fail(f"Loop.{name}: {type(value).__name__}, declared {kind.__name__}")

@@ -457,7 +457,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
 def _driver_record(loc: RunLocation) -> tuple[str, int, float] | None:
     """This driver's lock record (host, pid, since), which its workers check to
     stop when it is gone (TrainJob.orphaned)."""
-    from trainlab.train.driver.runlock import current_holder
+    from trainlab.train.lockrecord import current_holder
 
     holder = current_holder(loc)
     if holder is None or (holder.pid, holder.host) != (os.getpid(), socket.gethostname()):

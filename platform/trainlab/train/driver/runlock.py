@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -45,45 +45,19 @@ from trainlab.exitcodes import INFRASTRUCTURE
 from trainlab.fileutil import write_text_atomic
 from trainlab.location import Conflict
 from trainlab.runloc import RunLocation
+from trainlab.train.lockrecord import (
+    HOLDER,
+    Holder,
+    beat_s,
+    parse_holder,
+    pid_running,
+)
 
 log = logging.getLogger(__name__)
 
 LOCK = ".lock"
-HOLDER = ".lock.json"
 TAKEOVERS = "logs/lock.jsonl"
-DEFAULT_BEAT_S = 30.0
-MISSED_BEATS = 4
 UNKNOWN_HOLDER = "a process that has not said who it is yet"
-
-
-def beat_s() -> float:
-    """How often a holder rewrites its beat (the MLflow heartbeat's setting)."""
-    return float(os.environ.get("TRAINLAB_HEARTBEAT_S") or DEFAULT_BEAT_S)
-
-
-def stale_after_s() -> float:
-    """How old a beat from another host is when its holder counts as gone."""
-    return float(os.environ.get("TRAINLAB_LOST_AFTER_S") or MISSED_BEATS * beat_s())
-
-
-@dataclass(frozen=True)
-class Holder:
-    """Who holds (or last held) a run directory's lock."""
-
-    host: str
-    pid: int
-    since: float  # epoch seconds the lock was taken
-    beat: float  # epoch seconds of the holder's newest beat
-
-    def describe(self) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        return f"pid {self.pid} on host {self.host} since {when}"
-
-    def on_this_host(self) -> bool:
-        return self.host == socket.gethostname()
-
-    def fresh(self, now: float | None = None) -> bool:
-        return (now or time.time()) - self.beat <= stale_after_s()
 
 
 class RunLockHeld(UserError):
@@ -266,23 +240,23 @@ class StoreRunLock:
     def _take(self) -> Holder | None:
         """The lease by compare-and-swap; the stale holder it replaced, if any."""
         got = self.loc.home.read_versioned(HOLDER)
-        previous = _parse_holder(got[0].decode(errors="replace")) if got else None
+        previous = parse_holder(got[0].decode(errors="replace")) if got else None
         if previous is not None and _alive(previous):
             raise RunLockHeld(self.loc.uri, previous)
         try:
             self.version = self.loc.home.write_if(HOLDER, self._record(), got[1] if got else None)
         except Conflict:
-            raise RunLockHeld(self.loc.uri, _parse_holder(self.loc.read_text(HOLDER))) from None
+            raise RunLockHeld(self.loc.uri, parse_holder(self.loc.read_text(HOLDER))) from None
         return previous
 
     def _take_settled(self) -> Holder | None:
         """The lease by write, pause, read back (no conditional writes)."""
-        previous = _parse_holder(self.loc.read_text(HOLDER))
+        previous = parse_holder(self.loc.read_text(HOLDER))
         if previous is not None and _alive(previous):
             raise RunLockHeld(self.loc.uri, previous)
         self._write()
         time.sleep(float(os.environ.get("TRAINLAB_LOCK_SETTLE_S") or 1.0))
-        back = _parse_holder(self.loc.read_text(HOLDER))
+        back = parse_holder(self.loc.read_text(HOLDER))
         if back != self.holder:
             raise RunLockHeld(self.loc.uri, back)
         return previous
@@ -303,7 +277,7 @@ class StoreRunLock:
             self.version = self.loc.home.write_if(HOLDER, self._record(), self.version)
         except Conflict:
             self._stop.set()
-            self.on_lost(self.loc.uri, _parse_holder(self.loc.read_text(HOLDER)))
+            self.on_lost(self.loc.uri, parse_holder(self.loc.read_text(HOLDER)))
             return False
         return True
 
@@ -324,7 +298,7 @@ class StoreRunLock:
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         with contextlib.suppress(OSError):
-            if _parse_holder(self.loc.read_text(HOLDER)) == self.holder:
+            if parse_holder(self.loc.read_text(HOLDER)) == self.holder:
                 self.loc.delete(HOLDER)
 
     def __enter__(self) -> StoreRunLock:
@@ -350,61 +324,12 @@ def lost_lease(uri: str, holder: Holder | None) -> None:
     os._exit(INFRASTRUCTURE)
 
 
-def _parse_holder(text: str | None) -> Holder | None:
-    try:
-        d = json.loads(text or "")
-        return Holder(str(d["host"]), int(d["pid"]), float(d["since"]), float(d["beat"]))
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
 def _alive(holder: Holder) -> bool:
     """A holder of a store lease is alive: its process runs (on this host), or
     its beat is fresh (on another)."""
     if holder.on_this_host() and not pid_running(holder.pid):
         return False
     return holder.fresh()
-
-
-def current_holder(loc: RunLocation) -> Holder | None:
-    """The run's lock record as it is now (None when there is none or it does not parse)."""
-    return _parse_holder(loc.read_text(HOLDER))
-
-
-def orphaned(loc: RunLocation, driver: tuple[str, int, float]) -> str | None:
-    """Why the worker group started by `driver` (host, pid, since: its lock record
-    when it started the group) must stop, or None while that driver holds the run:
-    another driver holds it now (a takeover after this one's lease went stale), or
-    the driver ran on this host and its process is gone (killed). A record that
-    cannot be read, or none (the driver released it after its workers ended),
-    says nothing: None."""
-    try:
-        holder = current_holder(loc)
-    except OSError:
-        return None
-    if holder is None:
-        return None
-    if (holder.host, holder.pid, holder.since) != tuple(driver):
-        return f"another driver holds the run now ({holder.describe()})"
-    if holder.on_this_host() and not pid_running(holder.pid):
-        return f"its driver (pid {holder.pid} on this host) is gone"
-    return None
-
-
-def pid_running(pid: int) -> bool:
-    """Whether process `pid` runs on this host: a killed process its parent has
-    not reaped yet (a zombie) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs: the signal said it exists
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]
 
 
 def live_holder(run_dir: str | Path) -> str | None:

@@ -27,13 +27,6 @@ if TYPE_CHECKING:
     from trainlab.train.job import TrainJob
     from trainlab.train.loop.callbacks import Callback
     from trainlab.train.loop.checkpointer import Checkpointer
-    from trainlab.train.loop.components import (
-        Checkpointing,
-        Component,
-        Evaluator,
-        P0Guard,
-    )
-    from trainlab.train.loop.growth import GrowthHold
     from trainlab.train.loop.metrics import Meter, P0Rules, StepSignals
     from trainlab.train.loop.state import TrainState
     from trainlab.train.loop.stream import StreamLoader
@@ -54,13 +47,14 @@ class Loop(Protocol):
     callbacks: Callback  # rank 0's callbacks (MLflow, alerts); a no-op list elsewhere
     report: Callable[[dict[str, Any]], None] | None  # Ray Train's report, if in Ray
 
-    # The built-in components and their state
-    components: list[Component]
-    guard: P0Guard
-    evaluator: Evaluator
-    saver: Checkpointing
+    # The built-in components and their state (typed by name only: the components'
+    # module imports this one, trainlab.train.loop.components)
+    components: list[Any]  # every Component, in the order they act
+    guard: Any  # P0Guard: the P0 rules' action
+    evaluator: Any  # Evaluator: held-out loss
+    saver: Any  # Checkpointing: when to save, delivering finished checkpoints
+    growth: Any  # GrowthHold (trainlab.train.loop.growth): an elastic run's hold
     checkpointer: Checkpointer
-    growth: GrowthHold
     meter: Meter
     p0_rules: P0Rules
 
