@@ -30,10 +30,19 @@ class FaultProxy:
         self.upstream = (target.hostname or "127.0.0.1", target.port or 80)
         self.rules: list[tuple[str, str]] = []
         self.faults = 0  # requests answered with a fault
+        self.connections: set = set()  # open client connections (kept alive by the SDKs)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+
+            def setup(self) -> None:
+                super().setup()
+                proxy.connections.add(self.connection)
+
+            def finish(self) -> None:
+                proxy.connections.discard(self.connection)
+                super().finish()
 
             def log_message(self, *args: object) -> None:  # quiet
                 return
@@ -88,6 +97,26 @@ class FaultProxy:
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def down(self) -> None:
+        """The endpoint goes away: open connections are cut (the SDKs keep them
+        alive between requests) and new ones refused until `up`."""
+        import contextlib
+        import socket
+
+        self.server.shutdown()
+        self.server.server_close()
+        for conn in list(self.connections):
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+
+    def up(self) -> None:
+        """The endpoint answers again, on the same port."""
+        port = self.server.server_address[1]
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), self.server.RequestHandlerClass)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
 
     def fail(self, method: str, suffix: str) -> None:
         """Answer every `method` request for a key ending in `suffix` with 503 SlowDown."""

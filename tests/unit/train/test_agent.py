@@ -545,6 +545,30 @@ def test_orphaned_tells_a_live_driver_from_a_gone_or_replaced_one(tmp_path):
     zombie.wait()
 
 
+def test_an_unreadable_failed_flag_is_no_failure(tmp_path, monkeypatch, caplog):
+    """The agents look at the attempt's failed flag every half second; storage that
+    does not answer (a store outage) is no news, not an error that ends the agent
+    (it once did: its training process died of a broken pipe, the run with it)."""
+    import logging
+
+    from trainlab.location import Unavailable
+    from trainlab.train.supervision.agent import FailedFlag
+
+    records = RunRecords(tmp_path)
+    flag = FailedFlag(records, "g-0")
+
+    def unavailable(*args):
+        raise Unavailable("s3://b/run/logs/.failed-g-0: Could not connect to server")
+
+    monkeypatch.setattr(RunRecords, "attempt_failed", unavailable)
+    monkeypatch.setattr(RunRecords, "mark_attempt_failed", unavailable)
+    with caplog.at_level(logging.WARNING):
+        assert flag.exists() is False
+        flag.touch()  # setting it fails too: this rank still knows
+    assert flag.exists() is True
+    assert sum("failed flag" in r.getMessage() for r in caplog.records) == 2
+
+
 def test_error_kind_tells_a_lost_peer_from_an_error():
     assert error_kind("RuntimeError: Connection reset by peer") == "peer"
     assert error_kind("ValueError: loss is nan") == "error"

@@ -254,6 +254,21 @@ def test_a_driver_whose_lease_was_taken_over_stops_at_its_next_beat(run):
     assert json.loads(run.read_text(".lock.json")) == theirs
 
 
+def test_a_beat_that_landed_while_its_answer_was_lost_keeps_the_lease(run):
+    """An outage can lose the answer to a beat whose write landed: the next beat's
+    If-Match then fails on the driver's own newer record, which is no takeover."""
+    from trainlab.train.driver.runlock import StoreRunLock
+
+    lost: list[object] = []
+    a = StoreRunLock.acquire(run, on_lost=lambda uri, holder: lost.append(holder))
+    landed = {**json.loads(run.read_text(".lock.json")), "beat": 123.0}
+    run.write_text(".lock.json", json.dumps(landed))  # written, its ETag never seen
+    assert a.beat() is True and lost == []
+    assert a.beat() is True  # and the lease goes on from the version it read back
+    assert json.loads(run.read_text(".lock.json"))["since"] == a.holder.since
+    a.release()
+
+
 def test_gc_in_the_store_keeps_records_and_two_checkpoints_and_never_a_live_run(
     s3_env, tmp_path, monkeypatch
 ):

@@ -276,8 +276,15 @@ class StoreRunLock:
         try:
             self.version = self.loc.home.write_if(HOLDER, self._record(), self.version)
         except Conflict:
+            got = self.loc.home.read_versioned(HOLDER)
+            holder = parse_holder(got[0].decode(errors="replace")) if got else None
+            mine = (self.holder.host, self.holder.pid, self.holder.since)
+            if got and holder and (holder.host, holder.pid, holder.since) == mine:
+                # an earlier beat that landed while its answer was lost (an outage)
+                self.version = got[1]
+                return True
             self._stop.set()
-            self.on_lost(self.loc.uri, parse_holder(self.loc.read_text(HOLDER)))
+            self.on_lost(self.loc.uri, holder)
             return False
         return True
 

@@ -117,6 +117,10 @@ def orphan_check_s() -> float:
 
 
 
+# After a read of the failed flag that storage did not answer, the next one waits this long.
+OUTAGE_PAUSE_S = 2.0
+
+
 class FailedFlag:
     """The flag an attempt's agents share: set by the first whose training process
     failed, seen by the others, which stop theirs. It lives with the run's records
@@ -129,6 +133,7 @@ class FailedFlag:
         self.records, self.event = records, event
         self._remote = records.loc.remote
         self._checked, self._set = 0.0, False
+        self._warned = float("-inf")
 
     def exists(self) -> bool:
         if self._set:
@@ -137,12 +142,21 @@ class FailedFlag:
         if self._remote and now - self._checked < self.REMOTE_CHECK_S:
             return False
         self._checked = now
-        self._set = self.records.attempt_failed(self.event)
+        try:
+            self._set = self.records.attempt_failed(self.event)
+        except OSError as e:  # storage that does not answer says no rank failed
+            if now - self._warned >= 60.0:  # once a minute at most
+                self._warned = now
+                log.warning("the attempt's failed flag was not read (%s); looked at again", e)
+            self._checked = now + OUTAGE_PAUSE_S
         return self._set
 
     def touch(self) -> None:
-        self.records.mark_attempt_failed(self.event)
         self._set = True
+        try:
+            self.records.mark_attempt_failed(self.event)
+        except OSError as e:  # the other ranks see their peer gone through the collectives
+            log.warning("the attempt's failed flag was not written (%s)", e)
 
 class Rendezvous(Protocol):
     """How the agents of a run agree on each attempt (collectives between agents)."""
