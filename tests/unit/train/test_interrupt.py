@@ -72,6 +72,29 @@ def test_during_start_up_the_first_ctrl_c_ends_at_once(tmp_path, capsys):
         assert records.interrupt_requested() and "after the next step" in capsys.readouterr().err
 
 
+def test_ctrl_c_while_the_runs_storage_does_not_answer_stops_at_once(
+    tmp_path, capsys, monkeypatch
+):
+    """The stop is asked through the run's storage (the interrupt flag); in a store
+    outage it cannot be: the first Ctrl-C says so in one line and stops at once
+    (issue 38: it used to end in a traceback and exit 139)."""
+    from trainlab.location import Unavailable
+
+    (tmp_path / "logs").mkdir()
+
+    def unavailable(*args):
+        raise Unavailable("s3://b/run/logs/attempts.jsonl: Could not connect to server")
+
+    with Interrupts() as interrupts:
+        interrupts.attach(tmp_path, "s1")
+        monkeypatch.setattr(RunRecords, "attempts", unavailable)
+        with pytest.raises(KeyboardInterrupt):
+            sigint()
+        err = capsys.readouterr().err
+        assert "interrupt: the run's storage does not answer (" in err
+        assert "stopping now" in err and "Traceback" not in err
+
+
 def test_a_second_ctrl_c_leaves_the_waiting_main_thread():
     """fit() runs on another thread (Ray Train's own SIGINT handler stays out);
     the main thread, waiting for it, still gets the KeyboardInterrupt."""

@@ -136,14 +136,25 @@ class Interrupts:
         again = "send SIGTERM" if signum == signal.SIGTERM else "press Ctrl-C"
         if self.records is None or self.count > 1:
             raise KeyboardInterrupt
-        if not self.training():
+        try:
+            training = self.training()
+            if training:
+                self.records.request_interrupt()
+        except OSError as e:  # the stop is asked through the run's storage: unreachable
+            print(
+                f"\n{what}: the run's storage does not answer ({e}); stopping now "
+                "(a resume continues from the newest valid checkpoint)",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise KeyboardInterrupt from None
+        if not training:
             print(
                 f"\n{what}: still starting (nothing trained since this start): stopping now",
                 file=sys.stderr,
                 flush=True,
             )
             raise KeyboardInterrupt
-        self.records.request_interrupt()
         print(
             f"\n{what}: stopping after the next step (with a checkpoint unless the newest "
             "is recent: train.checkpoint.on_interrupt_min_age_s); "

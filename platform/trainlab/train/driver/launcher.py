@@ -489,7 +489,11 @@ def _interrupted(job: TrainJob, shutdown: bool = False) -> dict[str, Any]:
     summary = interrupted_summary(job)
     records = RunRecords(job.run_dir)
     _keep_summary(job, summary)
-    if records.attempts():  # a training process started: its MLflow run may exist
+    try:
+        started = bool(records.attempts())  # a training process started: its MLflow run may exist
+    except OSError:  # storage that does not answer: close the records, which may exist
+        started = True
+    if started:
         _abandon(job, summary)
     ray = sys.modules.get("ray")  # a Ctrl-C during `import ray` leaves it half imported
     if shutdown and getattr(ray, "is_initialized", lambda: False)():
