@@ -330,7 +330,13 @@ def _print_interrupted(s: dict) -> None:
     click.echo(f"{run_label(s)}: interrupted at step {step}", err=True)
     click.echo(f"  run dir:         {s.get('run_dir')}", err=True)
     kept = resume if resume is not None else step
-    if checkpoint and kept:
+    if s.get("checkpoint_unknown"):  # the run's storage did not answer at the stop
+        click.echo(
+            "  kept:            not known now (the run's storage did not answer): a resume "
+            "continues from the newest valid checkpoint",
+            err=True,
+        )
+    elif checkpoint and kept:
         click.echo(f"  kept:            step {kept} ({checkpoint})", err=True)
     else:
         click.echo(

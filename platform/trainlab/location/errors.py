@@ -14,12 +14,13 @@ backoff, as S3 clients do, then raises `StoreUnavailable` (exit 74).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from trainlab.errors import UserError, first_line
@@ -122,11 +123,30 @@ def refused_write(err: BaseException) -> str | None:
 RETRY_DELAYS = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
 
 
+# A shorter budget for what a person waits on (a Ctrl-C's stop): `retry_budget`.
+_BUDGET_S: float | None = None
+
+
+@contextlib.contextmanager
+def retry_budget(seconds: float) -> Iterator[None]:
+    """Within: retries of unavailable storage take at most `seconds` in all (a
+    Ctrl-C in a store outage stops in seconds, not after every retry)."""
+    global _BUDGET_S
+    saved, _BUDGET_S = _BUDGET_S, seconds
+    try:
+        yield
+    finally:
+        _BUDGET_S = saved
+
+
 def _retry_delays() -> tuple[float, ...]:
     total = os.environ.get("TRAINLAB_STORE_RETRY_S")
-    if total is None:
+    budget = float(total) if total is not None else sum(RETRY_DELAYS)
+    if _BUDGET_S is not None:
+        budget = min(budget, _BUDGET_S)
+    if budget == sum(RETRY_DELAYS):
         return RETRY_DELAYS
-    scale = float(total) / sum(RETRY_DELAYS)
+    scale = budget / sum(RETRY_DELAYS)
     return tuple(d * scale for d in RETRY_DELAYS)
 
 
@@ -135,6 +155,9 @@ def read_retrying(read: Callable[[], T], what: str) -> T:
     any other kind raises at once (`Absent`, `Corrupt`, `Refused`), and storage that
     stays unavailable raises `StoreUnavailable` naming what could not be done."""
     delays = _retry_delays()
+    # Under a `retry_budget` the tries themselves count too (an SDK retries inside
+    # each): none starts after the budget is spent.
+    deadline = time.monotonic() + _BUDGET_S if _BUDGET_S is not None else None
     for attempt in range(len(delays) + 1):
         try:
             return read()
@@ -142,7 +165,8 @@ def read_retrying(read: Callable[[], T], what: str) -> T:
             kind = storage_error(err, what)
             if not isinstance(kind, Unavailable):
                 raise kind from err
-            if attempt == len(delays):
+            spent = deadline is not None and time.monotonic() + delays[attempt % len(delays)] > deadline
+            if attempt == len(delays) or spent:
                 raise StoreUnavailable(
                     f"{kind}: storage unavailable through {attempt + 1} tries over "
                     f"{sum(delays):.0f} s; nothing was changed: run the command again when "

@@ -485,7 +485,10 @@ def run_summary(
 ) -> dict[str, Any]:
     """The run summary of `job` (a trainlab.train.job.TrainJob), built in one place
     for every outcome. Checkpoints are `CheckpointInfo`s (or None)."""
-    failures = RunRecords(job.location).failures(job.session)
+    records = RunRecords(job.location)
+    # Storage that does not answer (a store's outage) still gives a summary: what
+    # could not be read is left out (it stays in the records, for a later look).
+    failures = _or_none(lambda: records.failures(job.session)) or []
     val_losses = dict(val_losses or {})
     val_loss = val_losses.get("all")
     if stop_reason == INTERRUPT_REASON:  # a stop the user asked for with Ctrl-C
@@ -528,15 +531,23 @@ def run_summary(
     summary["environment"] = run_environment(job.run_dir)
     if summary_group():  # one seed of a `--repeats` group (trainlab.groups)
         summary["group"] = summary_group()
-    extensions = RunRecords(job.location).extensions()
+    extensions = _or_none(records.extensions)
     if extensions:
         summary["extensions"] = extensions
-    if job.elastic or job.cfg.resource.elastic or RunRecords(job.location).resizes():
+    resizes = _or_none(records.resizes) or []
+    if job.elastic or job.cfg.resource.elastic or resizes:
         keys = ("step", "from_world_size", "to_world_size", "reason", "steps_redone", "seconds")
-        summary["resizes"] = [
-            {k: r.get(k) for k in keys} for r in RunRecords(job.location).resizes()
-        ]
+        summary["resizes"] = [{k: r.get(k) for k in keys} for r in resizes]
     return summary
+
+
+def _or_none(read: Any) -> Any:
+    """`read()`, or None when the run's storage does not answer (logged once here)."""
+    try:
+        return read()
+    except (OSError, StoreUnavailable) as e:
+        log.warning("left out of the summary: the run's storage did not answer (%s)", e)
+        return None
 
 
 def planned_memory_bytes(plan: dict[str, Any]) -> int | None:
@@ -573,7 +584,7 @@ def _summary_at_newest_checkpoint(job: Any, status: str, **extra: Any) -> dict[s
         log.error("the run's storage did not answer (%s): the summary names no checkpoint", e)
         why = f"its storage did not answer ({e}): the newest checkpoint is not known"
         error = extra.pop("error", None)
-        return run_summary(
+        summary = run_summary(
             job,
             status,
             step=0,
@@ -581,6 +592,8 @@ def _summary_at_newest_checkpoint(job: Any, status: str, **extra: Any) -> dict[s
             error=f"{error}; {why}" if error else why,
             **extra,
         )
+        summary["checkpoint_unknown"] = True  # not "none": it could not be looked at
+        return summary
     return run_summary(
         job,
         status,

@@ -45,6 +45,9 @@ from trainlab.train.records import RunRecords
 
 T = TypeVar("T")
 JOIN_POLL_S = 0.2
+# How long a Ctrl-C waits for storage that does not answer (a store outage) before
+# it stops at once; the interrupted summary after it waits as long.
+INTERRUPT_STORE_WAIT_S = 3.0
 
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -136,10 +139,13 @@ class Interrupts:
         again = "send SIGTERM" if signum == signal.SIGTERM else "press Ctrl-C"
         if self.records is None or self.count > 1:
             raise KeyboardInterrupt
+        from trainlab.location.errors import retry_budget
+
         try:
-            training = self.training()
-            if training:
-                self.records.request_interrupt()
+            with retry_budget(INTERRUPT_STORE_WAIT_S):
+                training = self.training()
+                if training:
+                    self.records.request_interrupt()
         except OSError as e:  # the stop is asked through the run's storage: unreachable
             print(
                 f"\n{what}: the run's storage does not answer ({e}); stopping now "

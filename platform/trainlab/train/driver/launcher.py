@@ -42,7 +42,7 @@ from trainlab.runstatus import RunStatus
 from trainlab.storage import SCRATCH_ENV_VAR, UnsafePath, check_disk_room
 from trainlab.train import checkpoint as ck
 from trainlab.train.driver import rundir
-from trainlab.train.driver.interrupt import Interrupts, call_in_thread
+from trainlab.train.driver.interrupt import INTERRUPT_STORE_WAIT_S, Interrupts, call_in_thread
 from trainlab.train.driver.runlock import RunLock
 from trainlab.train.job import TrainJob
 from trainlab.train.records import RunRecords, failed_summary, interrupted_summary
@@ -486,13 +486,16 @@ def _interrupted(job: TrainJob, shutdown: bool = False) -> dict[str, Any]:
     could (status "interrupted", newest valid checkpoint); with `shutdown`, Ray's
     processes of this driver go too (they end its workers, the training
     processes with them)."""
-    summary = interrupted_summary(job)
-    records = RunRecords(job.run_dir)
-    _keep_summary(job, summary)
-    try:
-        started = bool(records.attempts())  # a training process started: its MLflow run may exist
-    except OSError:  # storage that does not answer: close the records, which may exist
-        started = True
+    from trainlab.location.errors import retry_budget
+
+    with retry_budget(INTERRUPT_STORE_WAIT_S):  # a person waits: seconds, not every retry
+        summary = interrupted_summary(job)
+        records = RunRecords(job.run_dir)
+        _keep_summary(job, summary)
+        try:
+            started = bool(records.attempts())  # a process started: its MLflow run may exist
+        except OSError:  # storage that does not answer: close the records, which may exist
+            started = True
     if started:
         _abandon(job, summary)
     ray = sys.modules.get("ray")  # a Ctrl-C during `import ray` leaves it half imported
