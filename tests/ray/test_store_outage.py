@@ -108,8 +108,10 @@ def test_a_store_outage_mid_run_costs_no_step_and_no_record(outage_run):
     out, err = run.proc.communicate(timeout=300)
     logs = run.logs()
     assert run.proc.returncode == 0, (err[-3000:], logs[-8000:])
-    # the outage was felt (and said once per kind, not per request)
-    assert "could not upload the logs" in logs and "not read" in logs, logs[-5000:]
+    # the outage was felt (the agents look at the failed flag every 0.5 s; the
+    # logs are shipped every 30 s, so whether a shipment fell in it is chance),
+    # and said once per kind, not per request
+    assert "failed flag was not read" in logs, logs[-5000:]
     assert logs.count("failed flag was not read") <= 4  # once a minute per rank at most
     assert "Traceback" not in err, err[err.find("Traceback") - 300 :][:3000]
     summary = json.loads(out.strip().splitlines()[-1])
