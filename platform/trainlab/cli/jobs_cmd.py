@@ -162,25 +162,39 @@ def _clock(ts: float | None) -> str:
 @json_option
 def stop(job_id: str, address: str | None, allow_plain_http: bool, as_json: bool) -> int:
     """Stop JOB_ID (its workers are released; checkpoints already written stay).
-    The run it trained is marked `stopped` (run_summary.json; MLflow status KILLED)."""
-    from trainlab.jobs.client import connect, job_info, resolve_address, stop_job
+    The run it trained is marked `stopped` (run_summary.json; MLflow status KILLED).
+    A job that had ended is left as it was; its run is said as it ended, or
+    marked `lost` when nothing recorded its end (its driver was killed)."""
+    from trainlab.jobs.client import TERMINAL, connect, job_info, resolve_address, stop_job
 
     url = resolve_address(address)
     client = connect(url, allow_plain_http=allow_plain_http)
+    before = job_info(client, job_id)
+    ended_before = str(getattr(before.status, "value", before.status)) in TERMINAL
     status = stop_job(client, job_id)
-    run = _end_stopped_run(job_info(client, job_id), job_id) if status == "STOPPED" else None
-    if as_json:
-        echo_json({"job_id": job_id, "address": url, "status": status, "run": run})
+    if ended_before:  # nothing to stop: its run as it ended, `lost` when unrecorded
+        gone = f"its job {job_id} had ended ({status}) leaving no ending of the run"
+        run = _end_stopped_run(before, job_id, RunStatus.LOST, gone)
+    elif status == "STOPPED":
+        run = _end_stopped_run(job_info(client, job_id), job_id)
     else:
-        click.echo(f"{job_id} {status}")
+        run = None
+    if as_json:
+        echo_json(
+            {"job_id": job_id, "address": url, "status": status,
+             "already_ended": ended_before, "run": run}
+        )  # fmt: skip
+    else:
+        click.echo(f"{job_id} {status}" + (" (it had ended: nothing to stop)" if ended_before else ""))
         if run is not None:
-            click.echo(stopped_line(run))
+            click.echo(stopped_line(run, already_ended=ended_before))
     return 0
 
 
-def stopped_line(run: dict) -> str:
-    """What `trainlab stop` says of the run it ended: the step it reached and what a
-    resume keeps of it (the newest valid checkpoint's step, or nothing: step 0)."""
+def stopped_line(run: dict, already_ended: bool = False) -> str:
+    """What `trainlab stop` says of the run it ended (or, `already_ended`, of the
+    run of a job that had ended before): the step it reached and what a resume
+    keeps of it (the newest valid checkpoint's step, or nothing: step 0)."""
     import re
 
     where, step = run["run_dir"], run.get("final_step") or 0
@@ -193,19 +207,24 @@ def stopped_line(run: dict) -> str:
         dropped = f", steps {kept_step + 1}-{step} are dropped" if step > kept_step else ""
         kept = f"kept: its checkpoint at step {kept_step}{dropped}"
     status = run.get("status") or RunStatus.STOPPED
-    ended = (
-        "marked stopped"
-        if status == RunStatus.STOPPED
-        else f"ended by its own processes ({status}: they took the stop)"
-    )
+    if already_ended:
+        ended = f"ended before the stop ({status})"
+    elif status == RunStatus.STOPPED:
+        ended = "marked stopped"
+    else:
+        ended = f"ended by its own processes ({status}: they took the stop)"
     return f"  run {where}: {ended} at step {step}; {kept}; resume with: trainlab train {where} --resume"
 
 
-def _end_stopped_run(info: object, job_id: str) -> dict | None:
+def _end_stopped_run(
+    info: object, job_id: str, status: str = RunStatus.STOPPED, reason: str | None = None
+) -> dict | None:
     """The stopped job's run, marked `stopped` (its killed processes could not);
     a run whose own processes took the stop (the driver's SIGTERM: a graceful stop
     at the next step, status `interrupted`) is left as they ended it, and its
-    summary returned, so what a resume keeps is said either way."""
+    summary returned, so what a resume keeps is said either way. A job that had
+    ended before the stop leaves its run as it ended, or `lost` (`status`) when
+    nothing recorded its end (its driver was killed)."""
     from trainlab.track.lifecycle import end_run, run_dir_of_job
     from trainlab.train.records import RunRecords
 
@@ -213,7 +232,7 @@ def _end_stopped_run(info: object, job_id: str) -> dict | None:
     if run_dir is None:
         return None
     try:
-        ended = end_run(run_dir, RunStatus.STOPPED, f"stopped by trainlab stop {job_id}")
+        ended = end_run(run_dir, status, reason or f"stopped by trainlab stop {job_id}")
         return ended or {"run_dir": run_dir, **(RunRecords(run_dir).read_summary() or {})}
     except OSError as e:  # the run directory is on storage this machine does not see
         click.echo(f"  could not mark the run in {run_dir} stopped: {e}", err=True)

@@ -62,8 +62,8 @@ def write_ended_summary(run_dir: str | Path, status: str, reason: str) -> dict[s
         return None
     records = RunRecords(loc)
     old = records.read_summary() or {}
-    if summary_is_current(run_dir) and old.get("status") in FINAL_STATUSES:
-        return None
+    if summary_is_current(run_dir) and old.get("status") in (*FINAL_STATUSES, status):
+        return None  # ended by the run, or already marked so
     checkpoints = ck.catalog(loc)
     newest = checkpoints.find_resume(require_valid=cfg.train.checkpoint.validate)
     committed = checkpoints.committed()

@@ -100,6 +100,29 @@ def test_a_stopped_jobs_run_is_marked_stopped_once(rank0, client):
     assert (run.run_dir / "run_summary.json").read_bytes() == before
 
 
+def test_stop_of_a_job_that_had_ended_says_how_its_run_ended(rank0, client):
+    """`trainlab stop` on a job whose driver was already gone (killed, its node
+    lost): nothing to stop; the run, which nothing ended, is recorded `lost` (what
+    `runs` would call it) and said so, with what a resume keeps; a run its own
+    processes ended is left as it is and said as it ended."""
+    import types
+
+    from trainlab.cli.jobs_cmd import _end_stopped_run, stopped_line
+    from trainlab.runstatus import RunStatus
+
+    run = started(rank0)
+    info = types.SimpleNamespace(metadata={"trainlab_run_dir": str(run.run_dir)})
+    gone = _end_stopped_run(info, "job-1", RunStatus.LOST, "its job job-1 had ended (FAILED)")
+    assert gone["status"] == "lost" and gone["final_step"] == 10
+    assert (only_run(client).info.status, only_run(client).data.tags["status"]) == ("FAILED", "lost")
+    line = stopped_line(gone, already_ended=True)
+    assert "ended before the stop (lost) at step 10; no checkpoint was kept" in line
+    # Asked again: the record stands (not rewritten), and is said the same way.
+    before = (run.run_dir / "run_summary.json").read_bytes()
+    again = _end_stopped_run(info, "job-1", RunStatus.LOST, "again")
+    assert again["status"] == "lost" and (run.run_dir / "run_summary.json").read_bytes() == before
+
+
 def test_active_time_excludes_the_idle_time_between_starts(rank0, client, runs_root):
     run = started(rank0)
     run.end("interrupted")
