@@ -81,7 +81,7 @@ def _sets(dataset: Path, runs: Path, name: str, elastic: bool) -> list[str]:
 
 def resume_seconds(run_dir: Path) -> dict[str, Any]:
     """From the lost node's chaos marker to the first step of the attempt after it."""
-    from trainlab.train.records import RunRecords
+    from trainlab.run.records import RunRecords
 
     records = RunRecords(run_dir)
     (marker,) = sorted((run_dir / "logs").glob("chaos-node-step-*.json"))

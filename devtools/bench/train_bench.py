@@ -260,8 +260,8 @@ def _params(cfg: ExperimentConfig) -> int:
 
 def trainlab_recovery_seconds(cfg: ExperimentConfig) -> dict[str, Any]:
     """Kill rank 1's training process at KILL_AT; seconds until the next first step."""
+    from trainlab.run.records import RunRecords
     from trainlab.train import run
-    from trainlab.train.records import RunRecords
 
     summary = run(cfg)
     run_dir = Path(summary["run_dir"])

@@ -457,7 +457,7 @@ def run_fingerprint(
 
 def _location(run: Any) -> Any:
     """The run at `run` (a path, a store URI or a RunLocation) as a RunLocation."""
-    from trainlab.runloc import RunLocation
+    from trainlab.run.location import RunLocation
 
     return run if isinstance(run, RunLocation) else RunLocation.of(run)
 

@@ -435,7 +435,7 @@ def test_a_job_retry_avoids_the_node_that_failed_and_resumes(cluster, dataset, t
     assert f"avoiding node(s) {victim_id}" in driver_log
     summary = _summary(prep.run_dir)
     assert (summary["status"], summary["final_step"]) == ("completed", 10)
-    from trainlab.train.records import RunRecords
+    from trainlab.run.records import RunRecords
 
     starts = [a["start_step"] for a in RunRecords(prep.run_dir).attempts()]
     assert starts[0] == 0 and starts[-1] >= 2  # resumed from a checkpoint, not from scratch

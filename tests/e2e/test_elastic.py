@@ -127,7 +127,7 @@ def test_an_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_mo
     cluster, dataset, tmp_path
 ):
     from trainlab.jobs import client as jobclient
-    from trainlab.train.records import RunRecords
+    from trainlab.run.records import RunRecords
 
     runs = tmp_path / "runs"
     base = _overrides(dataset, runs)

@@ -279,7 +279,7 @@ def test_an_elastic_runs_crashed_process_restarts_in_place_not_as_a_resize(
     summary = train(cfg, tmp_path)
     assert summary["status"] == "completed" and summary["final_step"] == 8
     assert summary["restarts"] == 1 and summary["resizes"] == []
-    from trainlab.train.records import RunRecords
+    from trainlab.run.records import RunRecords
 
     attempts = RunRecords(summary["run_dir"]).attempts()
     assert [(a["start_step"], a["world_size"]) for a in attempts] == [(0, 2), (3, 2)]
@@ -298,7 +298,7 @@ def test_an_elastic_tp_range_starts_on_whole_tensor_groups(ray_cluster, dataset,
     )
     summary = train(cfg, tmp_path)
     assert summary["status"] == "completed" and summary["final_step"] == 4
-    from trainlab.train.records import RunRecords
+    from trainlab.run.records import RunRecords
 
     (attempt,) = RunRecords(summary["run_dir"]).attempts()
     assert attempt["world_size"] == 2 and (attempt["layout"]["tp"], attempt["layout"]["dp"]) == (

@@ -150,6 +150,38 @@ def test_importing_training_loads_neither_tracking_nor_mlflow():
     assert out.stdout.strip() == "", out.stdout
 
 
+def test_the_run_package_sits_below_training():
+    """trainlab.run (a run's directory, lock, records) is below the execution layer
+    and the commands: nothing in it imports them, not even lazily."""
+    above = ("trainlab.train", "trainlab.cli", "trainlab.track", "trainlab.monitor")
+    offenders = {
+        f"{m} -> {t}"
+        for m, targets in import_graph().items()
+        if package_of(m) == "trainlab.run"
+        for t in targets
+        if package_of(t) in above
+    }
+    assert offenders == set()
+
+
+def test_importing_the_run_package_loads_neither_torch_nor_ray():
+    """A fresh interpreter: a run's records, lock, directory and location are read
+    by commands that must start fast (gc, jobs, track) without torch or Ray."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import trainlab.run.records, trainlab.run.lock, trainlab.run.dir, trainlab.run.location
+        bad = sorted(m for m in sys.modules
+                     if m in ("torch", "ray") or m.startswith(("torch.", "ray.")))
+        print(",".join(bad))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO
+    )
+    assert out.stdout.strip() == "", out.stdout
+
+
 def test_the_library_does_not_import_the_repo_tools():
     """devtools/ (benchmarks, the demo driver, test datasets) is not installed."""
     graph = import_graph()
@@ -173,9 +205,8 @@ TRAIN_LAYERS = (
     "driver",
     "supervision",
     "loop",
-    "records",
+    "summaries",
     ("job", "parallel", "checkpoint"),
-    "lockrecord",
 )
 
 

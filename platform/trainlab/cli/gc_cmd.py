@@ -2,8 +2,8 @@
 free the disk that old runs hold.
 
 It works on the runs root layout (`{runs_root}/{YYYY-MM-DD}/{name}/`,
-trainlab.train.driver.rundir) and reads each run with the training layer's own readers:
-its status from `run_summary.json` (trainlab.train.records; no summary means
+trainlab.run.dir) and reads each run with the training layer's own readers:
+its status from `run_summary.json` (trainlab.run.records; no summary means
 "unfinished"), its checkpoints from `checkpoints/` (trainlab.train.checkpoint).
 
 A run is selected when nothing in it changed for `--older-than` (default 14
@@ -18,7 +18,7 @@ checkpoints included. `--dry-run` says what would go and deletes nothing. The
 MLflow records are never touched (they are small and say what the run was).
 
 A live run is never touched, whatever its age, status or `--force`: one whose
-lock (trainlab.train.driver.runlock) a live process holds, or whose lock record names
+lock (trainlab.run.lock) a live process holds, or whose lock record names
 another host with a fresh beat. gc says which runs it skipped and why, and
 holds each run's lock while it deletes from it, so a run that starts meanwhile
 is skipped too (or refused, if it starts while gc holds the lock).
@@ -44,16 +44,16 @@ from trainlab.cli.common import (
     runs_root_option,
 )
 from trainlab.errors import UserError
+from trainlab.run import lock as run_lock
 from trainlab.runstatus import RunStatus
-from trainlab.train.driver import runlock
 
 # How runs ended (trainlab.runstatus), and gc's own two: a run without a summary,
 # and a --smoke rehearsal.
 STATUSES = (*RunStatus, "unfinished", "smoke")
 # What a trimmed run keeps besides its two checkpoints: the record of what it was.
 RECORDS = ("config.yaml", "plan.json", "run_summary.json", "logs")
-# The run's lock file stays while the directory does (trainlab.train.driver.runlock says why).
-KEPT_FILES = (*RECORDS, runlock.LOCK)
+# The run's lock file stays while the directory does (trainlab.run.lock says why).
+KEPT_FILES = (*RECORDS, run_lock.LOCK)
 _DATE_DIR = re.compile(r"^\d{4}-\d\d-\d\d$")
 _UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -120,9 +120,9 @@ def _run_name(path: Path) -> str:
 
 
 def read_run(path: Path, now: float) -> RunInfo:
-    from trainlab.train.records import RunRecords
+    from trainlab.run.records import RunRecords
 
-    live = runlock.live_holder(path)
+    live = run_lock.live_holder(path)
     if live is not None:  # not walked: a live run's files come and go
         return RunInfo(path, "unfinished", False, 0.0, live)
     summary = RunRecords(path).read_summary() or {}
@@ -236,10 +236,10 @@ def apply(actions: list[Action]) -> list[Skipped]:
     came alive since it was read is left alone and returned."""
     skipped = []
     for action in actions:
-        holder = runlock.live_holder(action.run.path)  # a holder on another host, too
-        with runlock.held_quietly(action.run.path) as held:
+        holder = run_lock.live_holder(action.run.path)  # a holder on another host, too
+        with run_lock.held_quietly(action.run.path) as held:
             if holder is not None or not held:
-                skipped.append(Skipped(action.run, live_reason(holder or runlock.UNKNOWN_HOLDER)))
+                skipped.append(Skipped(action.run, live_reason(holder or run_lock.UNKNOWN_HOLDER)))
                 continue
             for path in action.remove:
                 if path.is_dir() and not path.is_symlink():

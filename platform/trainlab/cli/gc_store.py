@@ -2,7 +2,7 @@
 (trainlab.cli.gc_cmd), for runs that live in object storage (docs/storage.md).
 
 A run is `{root}/{YYYY-MM-DD}/{name}/` holding config.yaml. Its age is that of
-its newest object; a run whose lease (`.lock.json`, trainlab.train.driver.runlock
+its newest object; a run whose lease (`.lock.json`, trainlab.run.lock
 .StoreRunLock) names a live holder is never touched, and the lease is read
 again right before anything of a run is deleted. A trimmed run keeps its
 records (config.yaml, plan.json, run_summary.json, logs/, the lease) and its
@@ -18,14 +18,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainlab.runloc import RunLocation
+from trainlab.run import holder as run_holder
+from trainlab.run import lock as run_lock
+from trainlab.run.location import RunLocation
 from trainlab.train import checkpoint as ck
-from trainlab.train import lockrecord
 from trainlab.train.checkpoint.store import CheckpointStore
-from trainlab.train.driver import runlock
 
 _DATE = re.compile(r"^\d{4}-\d\d-\d\d$")
-RECORDS = ("config.yaml", "plan.json", "run_summary.json", "logs", runlock.HOLDER)
+RECORDS = ("config.yaml", "plan.json", "run_summary.json", "logs", run_lock.HOLDER)
 
 
 @dataclass
@@ -68,8 +68,8 @@ def live_reason(holder: str) -> str:
 
 
 def _holder(loc: RunLocation) -> str | None:
-    holder = lockrecord.parse_holder(loc.read_text(lockrecord.HOLDER))
-    return holder.describe() if holder is not None and runlock._alive(holder) else None
+    holder = run_holder.parse_holder(loc.read_text(run_holder.HOLDER))
+    return holder.describe() if holder is not None and run_lock._alive(holder) else None
 
 
 def _objects(loc: RunLocation) -> tuple[dict[str, int], float]:
@@ -84,7 +84,7 @@ def _objects(loc: RunLocation) -> tuple[dict[str, int], float]:
 
 
 def find_store_runs(root: str, now: float | None = None) -> list[StoreRun]:
-    from trainlab.train.records import RunRecords
+    from trainlab.run.records import RunRecords
 
     now = time.time() if now is None else now
     top = RunLocation.of(root)

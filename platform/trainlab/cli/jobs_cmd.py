@@ -225,8 +225,8 @@ def _end_stopped_run(
     summary returned, so what a resume keeps is said either way. A job that had
     ended before the stop leaves its run as it ended, or `lost` (`status`) when
     nothing recorded its end (its driver was killed)."""
+    from trainlab.run.records import RunRecords
     from trainlab.track.lifecycle import end_run, run_dir_of_job
-    from trainlab.train.records import RunRecords
 
     run_dir = run_dir_of_job(getattr(info, "metadata", None))
     if run_dir is None:

@@ -36,7 +36,7 @@ def config_key(cfg: Any) -> str:
 
 def _parent_run(cfg: Any, group_id: str, key: str, repeats: int) -> tuple[str | None, Any]:
     """The group's MLflow parent run (its id), in the config's experiment."""
-    from trainlab.runloc import local_runs_root
+    from trainlab.run.location import local_runs_root
     from trainlab.track.experiments import get_or_create_experiment
     from trainlab.track.mlflow_cb import experiment_name
     from trainlab.track.store import artifact_location, client_for, tracking_uri

@@ -372,7 +372,7 @@ def track_flush(run_dir: str, runs_root: str | None) -> int:
     when all are in the store, 1 when some still wait (the store is still busy)."""
     from pathlib import Path
 
-    from trainlab.runloc import RunLocation
+    from trainlab.run.location import RunLocation
     from trainlab.track.journal import (
         JOURNAL,
         MARKER,

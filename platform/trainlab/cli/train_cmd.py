@@ -3,7 +3,7 @@
 CONFIG is a config file, or with --resume a run directory (its config.yaml,
 with --set overrides on top). Resuming a run that already completed prints so
 and exits 0 without touching it; --extend continues it to a larger
-train.total_steps (trainlab.train.driver.rundir)."""
+train.total_steps (trainlab.run.dir)."""
 
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def train(
     if create and not run_dir:
         raise UserError("--create starts a new run in --run-dir DIR: add --run-dir DIR")
     if run_dir and not create:  # a mistyped DIR would start a new run there
-        from trainlab.train.driver.rundir import check_exists
+        from trainlab.run.dir import check_exists
 
         check_exists(run_dir)
     config, run_dir, resume = _config_of(config, run_dir, resume)
@@ -206,7 +206,7 @@ def _config_in_store(
     """A run in object storage given as CONFIG with --resume: its config.yaml,
     fetched into this node's working copy of the run, and the run's URI."""
     from trainlab.errors import UserError
-    from trainlab.runloc import RunLocation
+    from trainlab.run.location import RunLocation
 
     loc = RunLocation.of(config)
     if not resume:

@@ -621,7 +621,7 @@ def _data_path_form(cfg: dict[str, Any]) -> Iterator[Problem]:
 
 @rule("train")
 def _runs_root_form(cfg: dict[str, Any]) -> Iterator[Problem]:
-    """train.runs_root: a directory or a store (trainlab.runloc), checked before a
+    """train.runs_root: a directory or a store (trainlab.run.location), checked before a
     run directory could be made of it."""
     yield from _location_form(
         "train.runs_root",

@@ -29,9 +29,9 @@ def config_of(config_or_run_dir: str) -> tuple[str, Any]:
     """(config file, run or None) for the command's first argument: a local config
     file or run directory, or a run in object storage (`s3://.../DATE/NAME`: its
     config.yaml is read into this machine's working copy of it). The run is a
-    path or a `trainlab.runloc.RunLocation`."""
+    path or a `trainlab.run.location.RunLocation`."""
     from trainlab.location import locate
-    from trainlab.runloc import RunLocation
+    from trainlab.run.location import RunLocation
 
     if not locate(config_or_run_dir, what="CONFIG_OR_RUN_DIR").is_local:
         loc = RunLocation.of(config_or_run_dir)
@@ -62,7 +62,7 @@ def skipped_windows(cfg: Any, run_dir: Any) -> list[tuple[int, int]]:
     """[first, last] step windows not trained on: the config's and, for a run
     (a directory or a run in object storage), its rollbacks' (run_summary.json,
     else the newest committed checkpoint's record)."""
-    from trainlab.runloc import RunLocation
+    from trainlab.run.location import RunLocation
 
     windows = [(int(a), int(b)) for a, b in cfg.train.skip_steps]
     if run_dir is None:

@@ -93,7 +93,7 @@ def locate(path: str | Path, step: int | None = None) -> Located:
 def _locate_in_store(uri: str, step: int | None) -> Located:
     """A run in object storage: its config.yaml and the checkpoint (newest valid,
     or of `step`) fetched into this machine's scratch and sha256-checked."""
-    from trainlab.runloc import RunLocation
+    from trainlab.run.location import RunLocation
     from trainlab.train.checkpoint.store import CheckpointStore
 
     loc = RunLocation.of(uri)

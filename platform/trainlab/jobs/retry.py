@@ -93,7 +93,7 @@ def run_dir_of(cmd: list[str]) -> str | None:
 def blamed_in(run_dir: Path | str | None) -> list[str]:
     """`lost_nodes` of the run's summary after a failed attempt ([] when none);
     the run may live in object storage (`--run-dir s3://...`)."""
-    from trainlab.runloc import RunLocation
+    from trainlab.run.location import RunLocation
 
     if run_dir is None:
         return []

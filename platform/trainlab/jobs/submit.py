@@ -76,7 +76,7 @@ class Prepared:
     def run_dir(self) -> str:
         """The run's directory, fixed at submission: {runs_root}/{date}/{name}[-N]. The
         job gets it as --run-dir, so a retried or resubmitted job continues this run."""
-        from trainlab.train.driver.rundir import new_run_dir
+        from trainlab.run.dir import new_run_dir
 
         return str(new_run_dir(self.cfg))
 
@@ -159,7 +159,7 @@ def train_entrypoint(
     cmd = ["python", TRAIN_SCRIPT, config_rel]
     cmd += ["--smoke"] if smoke else []
     # The job's own run directory, new: --create (a retry of the job, the same
-    # command, continues the run in it; trainlab.train.driver.rundir).
+    # command, continues the run in it; trainlab.run.dir).
     cmd += ["--run-dir", run_dir, "--create"] if run_dir else []
     if retries:
         cmd = ["python", "-m", "trainlab.jobs.retry", f"--retries={retries}", "--", *cmd]

@@ -35,7 +35,7 @@ from trainlab.monitor.sinks import (
     WebhookSink,
     check_webhook_url,
 )
-from trainlab.runloc import RunLocation
+from trainlab.run.location import RunLocation
 from trainlab.train.loop.callbacks import Callback, RunContext
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ _DEFAULT_HOOK_ENV = {"page": "TRAINLAB_PAGE_WEBHOOK", "message": "TRAINLAB_MESSA
 def alert_log_path(run_dir: str | Path) -> Path:
     """The run's alert log: one JSON object per alert, appended across restarts
     (in this node's directory of the run; a run in object storage ships it there
-    with its other logs, trainlab.runloc.ship_logs)."""
+    with its other logs, trainlab.run.location.ship_logs)."""
     return RunLocation.of(run_dir).local / "logs" / "alerts.jsonl"
 
 

@@ -23,13 +23,13 @@ def summary_is_current(run_dir: Path | str) -> bool:
     """run_summary.json is of the run's latest start (not of an earlier one that a
     resume continued): it is newer than the latest attempt (for a run in object
     storage: than the latest attempt's record)."""
-    from trainlab.runloc import RunLocation
+    from trainlab.run.location import RunLocation
 
     loc = RunLocation.of(run_dir)
     if loc.remote:
         from pyarrow import fs
 
-        from trainlab.train.records import RunRecords
+        from trainlab.run.records import RunRecords
 
         info = loc.home.filesystem.get_file_info(loc.key("run_summary.json"))
         if info.type != fs.FileType.File or info.mtime is None:
@@ -51,10 +51,10 @@ def write_ended_summary(run_dir: str | Path, status: str, reason: str) -> dict[s
     storage) ended with `status` ("stopped", "lost") unless its own processes
     already ended it; returns the summary written, or None when there was nothing
     to end (no run there, or a summary of the latest start that says it ended)."""
-    from trainlab.runloc import RunLocation
+    from trainlab.run.dir import read_run_config
+    from trainlab.run.location import RunLocation
+    from trainlab.run.records import RunRecords
     from trainlab.train import checkpoint as ck
-    from trainlab.train.driver.rundir import read_run_config
-    from trainlab.train.records import RunRecords
 
     loc = RunLocation.of(run_dir)
     cfg = read_run_config(loc)

@@ -128,7 +128,7 @@ def _restarting(run: Run) -> bool:
     """The run's directory records a start within lost_after_s(): it is being
     resumed (its first beat is on its way), not lost. The store is opened by
     that very start (its MLflow callback) before it beats."""
-    from trainlab.train.records import RunRecords
+    from trainlab.run.records import RunRecords
 
     run_dir = run.data.tags.get("run_dir")
     if not run_dir:

@@ -439,8 +439,8 @@ def flush_pending(client: Any, runs_root: str | os.PathLike[str]) -> dict[str, i
 
 def clear_pending_in_summary(run_dir: str | os.PathLike[str]) -> None:
     """run_summary.json stops saying records wait, once they are all in the store."""
+    from trainlab.run.records import RunRecords
     from trainlab.track.ended import summary_is_current
-    from trainlab.train.records import RunRecords
 
     records = RunRecords(run_dir)
     summary = records.read_summary()

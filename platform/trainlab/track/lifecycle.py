@@ -24,8 +24,8 @@ def end_run(run_dir: str | Path, status: str, reason: str) -> dict[str, Any] | N
     own processes already ended it; returns the summary written, or None when
     there was nothing to end (no run directory, or a summary of the latest start
     that says it ended)."""
+    from trainlab.run.dir import read_run_config
     from trainlab.track.mlflow_cb import close_run
-    from trainlab.train.driver.rundir import read_run_config
 
     summary = write_ended_summary(run_dir, status, reason)
     if summary is not None:  # the run has a config (write_ended_summary read it)

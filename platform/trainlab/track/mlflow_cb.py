@@ -116,7 +116,7 @@ def run_params(cfg: Any, plan: dict[str, Any]) -> dict[str, str]:
 # The run's real length: MLflow's params cannot change once logged, so a run
 # continued with `trainlab train --extend` keeps `train.total_steps` as it started;
 # these tags say how long it is now and what its extensions were
-# (logs/extensions.jsonl, trainlab.train.driver.rundir).
+# (logs/extensions.jsonl, trainlab.run.dir).
 TOTAL_STEPS_TAG = "total_steps"
 EXTENDED_TAG = "extended"
 
@@ -124,7 +124,7 @@ EXTENDED_TAG = "extended"
 def length_tags(cfg: Any, run_dir: str) -> dict[str, str]:
     """`total_steps` (the length the run trains to now) and, for an extended run,
     `extended`: each extension, e.g. "train.total_steps 60 -> 80 at step 60"."""
-    from trainlab.train.records import RunRecords
+    from trainlab.run.records import RunRecords
 
     tags = {TOTAL_STEPS_TAG: str(cfg.train.total_steps)}
     try:
@@ -420,7 +420,7 @@ class MlflowCallback(Callback):
 
     def _say_pending(self, summary: dict[str, Any], left: int) -> None:
         """The run ends with records not in the store: its summary says so."""
-        from trainlab.train.records import RunRecords
+        from trainlab.run.records import RunRecords
 
         assert self._journal is not None
         log.warning(
@@ -499,7 +499,7 @@ class MlflowCallback(Callback):
         # The store is the runs root's (never derived from where the run directory
         # is: a --run-dir elsewhere still records where `trainlab runs` looks); for
         # a runs root in object storage, its working copy on this node.
-        from trainlab.runloc import RunLocation, local_runs_root
+        from trainlab.run.location import RunLocation, local_runs_root
 
         scratch = self.cfg.resource.scratch_dir
         runs_root = self.runs_root or str(local_runs_root(self.cfg.train.runs_root, scratch))

@@ -3,7 +3,7 @@
 Embedded default (no server to run): a SQLite store in the runs root,
 `sqlite:///{abs runs_root}/mlflow.db`, with artifacts under
 `{abs runs_root}/mlartifacts` (for a runs root in object storage: in its
-working copy on this machine's scratch, trainlab.runloc.local_runs_root). When `MLFLOW_TRACKING_URI` is set, that store
+working copy on this machine's scratch, trainlab.run.location.local_runs_root). When `MLFLOW_TRACKING_URI` is set, that store
 (usually a tracking server) is used instead and decides where artifacts go.
 Everything here imports mlflow lazily: config commands never pay for it.
 """
@@ -43,7 +43,7 @@ def _local_root(runs_root: str | os.PathLike[str]) -> Path:
     """The directory of the embedded store: the runs root, or for a runs root in
     object storage its working copy on this machine (SQLite cannot live in a
     store; docs/storage.md)."""
-    from trainlab.runloc import local_runs_root
+    from trainlab.run.location import local_runs_root
 
     return local_runs_root(os.fspath(runs_root)).resolve()
 

@@ -5,11 +5,13 @@ demo call it); see trainlab.train.driver.launcher. Importing this package stays
 light: torch and Ray load only when a run starts.
 
 The execution layer by role, from the driver to the step (each sub-package
-imports only those listed after it: tests/unit/test_import_graph.py):
+imports only those listed after it: tests/unit/test_import_graph.py; what
+belongs to a run on its storage, its directory, lock and records, is
+trainlab.run, below this package):
 
     driver/        launcher (checks, run directory and its lock, TrainJob, Ray
                    Train), worker (Ray Train's per-worker function), placement,
-                   rundir, runlock, interrupt
+                   interrupt
     supervision/   agent (supervises this rank's training process, restarts it
                    in place), child (a training process: process group, then the
                    trainer), protocol (the pipe between them), failures, logs
@@ -19,7 +21,7 @@ imports only those listed after it: tests/unit/test_import_graph.py):
                    0's side effects), state (the stateful parts), step (the loss
                    and one optimizer step), checkpointer (the state in and out of
                    DCP checkpoints), metrics, schedule, rng
-    records        run_summary.json, failures, attempts, progress: one writer each
+    summaries      run_summary.json's content, built from a job for every outcome
     job            what the driver hands every worker (TrainJob)
     parallel/      the techniques applied from outside (FSDP/replicate, tensor,
                    pipeline, recomputation), the mesh and the process groups
@@ -28,8 +30,6 @@ imports only those listed after it: tests/unit/test_import_graph.py):
                    retention), disk (the atomic commit), writer (one rank's
                    saves, async), faults, and store (the object-storage form:
                    per-rank parts, commit marker)
-    lockrecord     the run lock's record (.lock.json): who holds the run; the
-                   workers stop when their driver is gone (`orphaned`)
     memtrace       the planner's check: one real step on fake tensors
 """
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.config import ExperimentConfig
-from trainlab.runloc import RunLocation
+from trainlab.run.location import RunLocation
 
 # The Ray node id of a training worker's node, in its environment (set by
 # trainlab.train.driver.worker; train.chaos.kill_node_at_steps reads it).
@@ -52,10 +52,10 @@ class TrainJob:
 
     def orphaned(self) -> str | None:
         """Why this job's worker group must stop (its driver is gone, or another
-        holds the run: trainlab.train.lockrecord.orphaned), or None."""
+        holds the run: trainlab.run.holder.orphaned), or None."""
         if self.driver is None:
             return None
-        from trainlab.train.lockrecord import orphaned
+        from trainlab.run.holder import orphaned
 
         return orphaned(self.location, self.driver)
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from trainlab.cli import main
+from trainlab.run.records import RunRecords
 from trainlab.train import checkpoint as ck
-from trainlab.train.records import RunRecords
 
 DAY = 86400.0
 
@@ -178,7 +178,7 @@ def test_a_passed_rehearsal_is_removed_and_a_failed_one_kept(tmp_path):
 
 
 # --------------------------------------------------------------------------- live runs
-# A run whose lock a live process holds (trainlab.train.driver.runlock) is never touched,
+# A run whose lock a live process holds (trainlab.run.lock) is never touched,
 # whatever its age, status or --force; the holders below are real processes.
 
 
@@ -230,7 +230,7 @@ def test_a_run_that_comes_alive_after_planning_is_left_alone(tmp_path):
 
 
 def test_a_fresh_holder_on_another_host_is_skipped_a_silent_one_is_not(tmp_path, capsys):
-    from trainlab.train.driver import runlock
+    from trainlab.run import lock as run_lock
 
     root = tmp_path / "runs"
     fresh = make_run(root, "2026-10-01", "remote", "completed", [(10, 2.0, True)])
@@ -238,7 +238,7 @@ def test_a_fresh_holder_on_another_host_is_skipped_a_silent_one_is_not(tmp_path,
     now = time.time()
     for run, beat in ((fresh, now), (silent, now - 3 * DAY)):
         record = {"host": "elsewhere", "pid": 7, "since": now - DAY, "beat": beat}
-        (run / runlock.HOLDER).write_text(json.dumps(record))
+        (run / run_lock.HOLDER).write_text(json.dumps(record))
     code, report = gc(capsys, "--runs-root", str(root), "--older-than", "0", "--force")
     assert code == 0
     assert [(s["run"], s["reason"][:31]) for s in report["skipped"]] == [
@@ -248,7 +248,7 @@ def test_a_fresh_holder_on_another_host_is_skipped_a_silent_one_is_not(tmp_path,
 
 
 def test_a_trimmed_run_keeps_its_lock_file(tmp_path, capsys):
-    from trainlab.train.driver.runlock import LOCK, RunLock
+    from trainlab.run.lock import LOCK, RunLock
 
     root = tmp_path / "runs"
     run = make_run(root, "2026-10-01", "tiny", "completed", [(10, 2.0, True), (20, 1.5, True)])

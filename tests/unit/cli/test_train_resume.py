@@ -130,21 +130,21 @@ def test_a_run_held_by_a_live_process_is_refused_in_one_line(run, monkeypatch, c
 def test_the_driver_holds_the_lock_while_it_trains(run, monkeypatch):
     import os
 
-    from trainlab.train.driver import runlock
+    from trainlab.run import lock as run_lock
 
     _, run_dir = run
     seen = []
 
     def fit_checking_the_lock(cfg, job):
-        seen.append(runlock.live_holder(job.run_dir))
+        seen.append(run_lock.live_holder(job.run_dir))
         return fit_in_process(cfg, job)
 
     monkeypatch.setattr(launcher, "_fit", fit_checking_the_lock)
     rv, _, _ = train(str(run_dir), "--resume", "--extend", "--set", "train.total_steps=8")
     assert rv == 0, rv
     assert seen and seen[0].startswith(f"pid {os.getpid()} on host ")
-    assert runlock.live_holder(run_dir) is None  # released when the run ended
-    assert runlock.read_holder(run_dir) is None
+    assert run_lock.live_holder(run_dir) is None  # released when the run ended
+    assert run_lock.read_holder(run_dir) is None
 
 
 def test_a_run_whose_checkpoints_are_all_refused_is_not_restarted_from_zero(

@@ -145,7 +145,7 @@ def test_trainlab_stop_of_a_run_that_took_the_stop_says_what_it_kept(tmp_path):
     from tests.train_helpers import tiny_config
     from trainlab.cli.jobs_cmd import _end_stopped_run, stopped_line
     from trainlab.config import to_yaml
-    from trainlab.train.records import RunRecords
+    from trainlab.run.records import RunRecords
 
     run_dir = tmp_path / "run"
     (run_dir / "logs").mkdir(parents=True)

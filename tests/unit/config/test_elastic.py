@@ -144,7 +144,7 @@ def _attempt(records, session: str, start: int, world: int, at: float) -> None:
 
 
 def test_resize_records(tmp_path: Path):
-    from trainlab.train.records import Failure, RunRecords
+    from trainlab.run.records import Failure, RunRecords
 
     (tmp_path / "logs").mkdir()
     records = RunRecords(tmp_path)
@@ -203,7 +203,7 @@ def test_a_restart_that_failed_before_a_step_is_not_where_a_resize_is_measured_f
     still counted the node (that attempt never stepped), then at 2. The shrink is
     from the 3 workers that trained, redoes step 5, and its time runs from the
     loss (the e2e test once read steps_redone 0 from the failed restart)."""
-    from trainlab.train.records import Failure, RunRecords
+    from trainlab.run.records import Failure, RunRecords
 
     (tmp_path / "logs").mkdir()
     records = RunRecords(tmp_path)

@@ -15,7 +15,7 @@ from trainlab.cli import cli
 from trainlab.config import ExperimentConfig
 from trainlab.config.loader import config_anchor, load_config, override_name
 from trainlab.errors import ConfigError, UserError
-from trainlab.train.driver import rundir
+from trainlab.run import dir as rundir
 
 CONFIG = """\
 name: exp

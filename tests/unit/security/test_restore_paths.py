@@ -17,7 +17,7 @@ import pytest
 
 from trainlab.config import ExperimentConfig
 from trainlab.errors import UserError
-from trainlab.runloc import RunLocation
+from trainlab.run.location import RunLocation
 from trainlab.train import checkpoint as ck
 from trainlab.train.checkpoint.store import CheckpointStore
 from trainlab.train.driver.launcher import check_resumable

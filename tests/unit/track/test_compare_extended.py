@@ -15,8 +15,8 @@ def test_an_extended_run_shows_its_real_length_and_the_extension(rank0, runs_roo
     80 (a tag: params cannot change), and compare shows the steps and tokens trained
     and lists the extension among the differences (it said "same config")."""
     from trainlab.config import to_yaml
-    from trainlab.train.driver.rundir import check_same_experiment
-    from trainlab.train.records import RunRecords
+    from trainlab.run.dir import check_same_experiment
+    from trainlab.run.records import RunRecords
 
     rank0("name=tiny").full_run()  # the 60-step run it is compared with
     first = rank0("name=tiny")

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.unit.track.conftest import artifact_text, only_run
+from trainlab.run.records import RunRecords
 from trainlab.track.journal import JOURNAL, MARKER, Journal, flush_journal, store_busy
 from trainlab.track.store import tracking_uri
-from trainlab.train.records import RunRecords
 
 HOLD = (
     "import sqlite3, sys\n"
@@ -228,7 +228,7 @@ def test_track_flush_of_a_run_in_object_storage(
     from click.testing import CliRunner
 
     from trainlab.cli.track_cmd import track_flush
-    from trainlab.runloc import RunLocation
+    from trainlab.run.location import RunLocation
 
     monkeypatch.setenv("TRAINLAB_STORE_RETRY_S", "0.2")
     monkeypatch.setenv("TRAINLAB_STORE_END_WAIT_S", "0.5")

@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 
 from trainlab.config import ExperimentConfig
+from trainlab.run.records import Failure, RunRecords
 from trainlab.train.job import TrainJob
 from trainlab.train.loop.callbacks import Callback, RunContext
-from trainlab.train.records import Failure, RunRecords
 from trainlab.train.supervision.agent import Agent, LocalRendezvous, error_kind
 from trainlab.train.supervision.protocol import (
     ChildArgs,
@@ -517,9 +517,9 @@ def test_orphaned_tells_a_live_driver_from_a_gone_or_replaced_one(tmp_path):
     import socket
     import subprocess
 
-    from trainlab.runloc import RunLocation
-    from trainlab.train.driver.runlock import RunLock
-    from trainlab.train.lockrecord import current_holder, orphaned
+    from trainlab.run.holder import current_holder, orphaned
+    from trainlab.run.location import RunLocation
+    from trainlab.run.lock import RunLock
 
     loc = RunLocation.of(tmp_path / "run")
     with RunLock.acquire(loc):

@@ -14,9 +14,9 @@ import pytest
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
 from tests.unit.train.layout_runner import Losses, grad_norms, run_layout
+from trainlab.run.records import RunRecords
 from trainlab.train.loop.trainer import Trainer
 from trainlab.train.parallel.distributed import DistEnv
-from trainlab.train.records import RunRecords
 
 STEPS = 4
 # fp32; the layouts differ in float summation order only: the experts' rows of

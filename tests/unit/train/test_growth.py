@@ -13,7 +13,7 @@ import time
 import pytest
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
-from trainlab.train.records import RunRecords
+from trainlab.run.records import RunRecords
 
 ASK = "tests.unit.train.loop_components:ask_growth_at_three"
 

@@ -11,12 +11,12 @@ import time
 import pytest
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
+from trainlab.run.records import INTERRUPT_REASON, RunRecords
 from trainlab.train import checkpoint as ck
 from trainlab.train.driver.interrupt import Interrupts, call_in_thread
 from trainlab.train.loop.callbacks import Callback
 from trainlab.train.loop.trainer import Trainer
 from trainlab.train.parallel.distributed import DistEnv
-from trainlab.train.records import INTERRUPT_REASON, RunRecords
 
 
 def sigint() -> None:

@@ -14,8 +14,9 @@ from tests.train_helpers import dataset_dir, tiny_config
 from trainlab.cli import cli
 from trainlab.config import config_hash
 from trainlab.errors import UserError
-from trainlab.train.driver import launcher, rundir
-from trainlab.train.records import failure_cause
+from trainlab.run import dir as rundir
+from trainlab.run.records import failure_cause
+from trainlab.train.driver import launcher
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +179,7 @@ def test_two_starts_of_one_config_take_two_names(dataset, tmp_path):
     it moves on to the next free name instead of being refused."""
     import contextlib
 
-    from trainlab.train.driver.runlock import RunLock
+    from trainlab.run.lock import RunLock
 
     cfg = tiny_config(dataset)
     first = rundir.choose_run_dir(cfg, None, False, tmp_path)

@@ -41,7 +41,7 @@ def _localns() -> dict[str, object]:
         "Meter": "trainlab.train.loop.metrics", "P0Rules": "trainlab.train.loop.metrics",
         "StepSignals": "trainlab.train.loop.metrics", "TrainState": "trainlab.train.loop.state",
         "StreamLoader": "trainlab.train.loop.stream",
-        "DistEnv": "trainlab.train.parallel.distributed", "RunRecords": "trainlab.train.records",
+        "DistEnv": "trainlab.train.parallel.distributed", "RunRecords": "trainlab.run.records",
     }  # fmt: skip
     out: dict[str, object] = {}
     for name, module in where.items():

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from tests.unit.train.test_agent import FakeLoader, Recorder, make_job
+from trainlab.run.records import RunRecords
 from trainlab.train.loop.callbacks import Callback
-from trainlab.train.records import RunRecords
 from trainlab.train.supervision.agent import Agent, Feeder, LocalRendezvous
 from trainlab.train.supervision.protocol import (
     PREFETCH_STEPS,

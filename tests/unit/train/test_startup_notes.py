@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 
+from trainlab.run.records import RunRecords
 from trainlab.train.driver import startup
-from trainlab.train.records import RunRecords
 
 
 def test_the_notes_say_what_is_awaited(tmp_path, monkeypatch, capsys):

@@ -31,12 +31,12 @@ from typing import Any
 import pytest
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
+from trainlab.run.records import RESERVE, RunRecords, failure_cause
 from trainlab.train import checkpoint as ck
 from trainlab.train.loop.callbacks import Callback
 from trainlab.train.loop.components import Component
 from trainlab.train.loop.trainer import Trainer
 from trainlab.train.parallel.distributed import DistEnv
-from trainlab.train.records import RESERVE, RunRecords, failure_cause
 
 # TINY saves every 4 steps: step 4 is written, step 8 is the one the disk fails.
 TRAIN = {"total_steps": 12, "checkpoint": {"every_steps": 4, "keep_last": 2, "keep_best": 1}}

@@ -1,4 +1,4 @@
-"""Runs in object storage (trainlab.runloc, trainlab.train.checkpoint.store),
+"""Runs in object storage (trainlab.run.location, trainlab.train.checkpoint.store),
 against a real S3-compatible server (moto's, tests/conftest.py) on 127.0.0.1:
 the per-rank checkpoint protocol and its commit marker, what a resume never
 takes, retention, a store outage during a save, the run's records and its lock.
@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from trainlab.runloc import RunLocation
+from trainlab.run.location import RunLocation
+from trainlab.run.lock import RunLock, RunLockHeld
+from trainlab.run.records import Failure, RunRecords
 from trainlab.storage import UnsafePath
 from trainlab.train import checkpoint as ck
 from trainlab.train.checkpoint.store import CheckpointStore
-from trainlab.train.driver.runlock import RunLock, RunLockHeld
-from trainlab.train.records import Failure, RunRecords
 
 
 @pytest.fixture
@@ -211,7 +211,7 @@ def test_a_slow_lease_write_never_admits_two_drivers(run, monkeypatch):
     import time
 
     from trainlab.location.core import Location
-    from trainlab.train.driver.runlock import StoreRunLock
+    from trainlab.run.lock import StoreRunLock
 
     assert run.home.conditional_writes  # S3 (moto): If-None-Match / If-Match
     real = Location.write_if
@@ -240,7 +240,7 @@ def test_a_driver_whose_lease_was_taken_over_stops_at_its_next_beat(run):
     over by another: its next beat is conditional on its own last version, finds
     the other holder and ends this driver (on_lost; by default exit 75) instead of
     training on beside the new one. Its release leaves the other's lease alone."""
-    from trainlab.train.driver.runlock import StoreRunLock
+    from trainlab.run.lock import StoreRunLock
 
     lost: list[tuple[str, object]] = []
     a = StoreRunLock.acquire(run, on_lost=lambda uri, holder: lost.append((uri, holder)))
@@ -257,7 +257,7 @@ def test_a_driver_whose_lease_was_taken_over_stops_at_its_next_beat(run):
 def test_a_beat_that_landed_while_its_answer_was_lost_keeps_the_lease(run):
     """An outage can lose the answer to a beat whose write landed: the next beat's
     If-Match then fails on the driver's own newer record, which is no takeover."""
-    from trainlab.train.driver.runlock import StoreRunLock
+    from trainlab.run.lock import StoreRunLock
 
     lost: list[object] = []
     a = StoreRunLock.acquire(run, on_lost=lambda uri, holder: lost.append(holder))
@@ -423,7 +423,7 @@ def test_an_outage_during_training_costs_no_step_and_no_record(run, s3_env, s3_s
         records = RunRecords(RunLocation.of(run.uri, str(tmp_path / "node")))
         for method in ("GET", "PUT", "HEAD", "POST", "DELETE"):
             proxy.fail(method, "")
-        with caplog.at_level(logging.WARNING, logger="trainlab.train.records"):
+        with caplog.at_level(logging.WARNING, logger="trainlab.run.records"):
             for step in (1, 2, 3):
                 records.write_progress(step)  # never raises
                 assert records.interrupt_requested() is False

@@ -19,7 +19,7 @@ FAULT_TEXT = {
 
 class Orphaned(RuntimeError):
     """This worker group's driver is gone (killed) or another driver holds the run
-    now: the group must not commit anything more (trainlab.train.driver.runlock
+    now: the group must not commit anything more (trainlab.run.lock
     `orphaned`); its agents end it without a restart."""
 
 

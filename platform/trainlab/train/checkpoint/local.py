@@ -162,7 +162,7 @@ class LocalCatalog:
 
 
 def catalog(loc: Any) -> Any:
-    """The checkpoints of the run at `loc` (a `trainlab.runloc.RunLocation`): a
+    """The checkpoints of the run at `loc` (a `trainlab.run.location.RunLocation`): a
     `LocalCatalog`, or a `store.CheckpointStore` for a run in object storage."""
     if loc.remote:
         from trainlab.train.checkpoint.store import CheckpointStore

@@ -51,7 +51,7 @@ from typing import Any
 
 from trainlab.errors import UserError, first_line
 from trainlab.location import Absent, Corrupt, StorageError, read_retrying
-from trainlab.runloc import RunLocation
+from trainlab.run.location import RunLocation
 from trainlab.storage import UnsafePath, resolve_inside
 from trainlab.train import checkpoint as ck
 

@@ -188,7 +188,7 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
 
     def _run_records(self) -> Any:
         if self._records is None and self.run_dir is not None:
-            from trainlab.train.records import RunRecords
+            from trainlab.run.records import RunRecords
 
             self._records = RunRecords(self.run_dir)
         return self._records

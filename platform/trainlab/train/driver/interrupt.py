@@ -5,7 +5,7 @@ processes (raylet, workers, and the training processes forked below them)
 block SIGINT, so only the driver sees it, and the driver decides:
 
 - the first Ctrl-C asks the run to stop at the next step boundary: it creates the
-  run's interrupt flag (trainlab.train.records), which rank 0's agent turns into
+  run's interrupt flag (trainlab.run.records), which rank 0's agent turns into
   a stop request; every rank reads it with a step's all-reduced signals (one step
   late, trainlab.train.loop.metrics) and stops at the same step; they checkpoint there
   when the newest checkpoint (or the start) is at least
@@ -41,7 +41,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from trainlab.exitcodes import INTERRUPTED, TERMINATED
-from trainlab.train.records import RunRecords
+from trainlab.run.records import RunRecords
 
 T = TypeVar("T")
 JOIN_POLL_S = 0.2

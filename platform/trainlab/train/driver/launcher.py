@@ -2,7 +2,7 @@
 
 `run(cfg)` does, in order: plan the layout and refuse what does not fit or
 cannot be executed (tp/pp > 1), check the data (`trainlab.data.prepare_run_data`),
-choose the run directory (see trainlab.train.driver.rundir for new / --run-dir /
+choose the run directory (see trainlab.run.dir for new / --run-dir /
 --resume / --extend), return the run's own summary untouched (with
 `already_complete`) when that run already completed, refuse to resume a
 checkpoint of another experiment or dataset, connect to Ray
@@ -37,15 +37,16 @@ from trainlab.config import ExperimentConfig
 from trainlab.errors import UserError
 from trainlab.location import SETTINGS_ENV_VARS
 from trainlab.plan import plan, require_fit, resolve_layout
-from trainlab.runloc import LogShipper, RunLocation
+from trainlab.run import dir as rundir
+from trainlab.run.location import LogShipper, RunLocation
+from trainlab.run.lock import RunLock
+from trainlab.run.records import RunRecords
 from trainlab.runstatus import RunStatus
 from trainlab.storage import SCRATCH_ENV_VAR, UnsafePath, check_disk_room
 from trainlab.train import checkpoint as ck
-from trainlab.train.driver import rundir
 from trainlab.train.driver.interrupt import INTERRUPT_STORE_WAIT_S, Interrupts, call_in_thread
-from trainlab.train.driver.runlock import RunLock
 from trainlab.train.job import TrainJob
-from trainlab.train.records import RunRecords, failed_summary, interrupted_summary
+from trainlab.train.summaries import failed_summary, interrupted_summary
 
 log = logging.getLogger("trainlab.train")
 
@@ -195,7 +196,7 @@ def _lock_new(
     """Lock a new run's directory; when another start took the same name a moment
     before (two `train` of one config started together), the next free name
     (`{name}-2`, ...) is taken instead of refusing."""
-    from trainlab.train.driver.runlock import RunLockHeld
+    from trainlab.run.lock import RunLockHeld
 
     for _ in range(20):
         try:
@@ -258,7 +259,7 @@ def run(
     larger train.total_steps (rundir.check_same_experiment). Ctrl-C
     (trainlab.train.driver.interrupt) returns the summary with status "interrupted".
     """
-    # The run directory's lock (trainlab.train.driver.runlock) is held from before the first
+    # The run directory's lock (trainlab.run.lock) is held from before the first
     # write into it until this returns: one writer per run.
     with Interrupts() as interrupts, contextlib.ExitStack() as lock:
         return _run(cfg, interrupts, lock, run_dir, resume, smoke, extend, base_dir, callbacks)
@@ -457,7 +458,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
 def _driver_record(loc: RunLocation) -> tuple[str, int, float] | None:
     """This driver's lock record (host, pid, since), which its workers check to
     stop when it is gone (TrainJob.orphaned)."""
-    from trainlab.train.lockrecord import current_holder
+    from trainlab.run.holder import current_holder
 
     holder = current_holder(loc)
     if holder is None or (holder.pid, holder.host) != (os.getpid(), socket.gethostname()):
@@ -470,7 +471,7 @@ def _keep_summary(job: TrainJob, summary: dict[str, Any]) -> None:
     when its storage does not take it (an object store's outage, after retries),
     to this node's working copy instead, said in one line: never lost with the
     driver's traceback."""
-    from trainlab.train.records import SUMMARY
+    from trainlab.run.records import SUMMARY
 
     try:
         RunRecords(job.run_dir).write_summary(summary)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from trainlab.train.records import RunRecords
+from trainlab.run.records import RunRecords
 
 NOTE_EVERY_S = 20.0
 

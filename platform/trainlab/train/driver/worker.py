@@ -9,7 +9,7 @@ import uuid
 from typing import Any
 
 from trainlab.raycluster import normal_priority
-from trainlab.runloc import LogShipper
+from trainlab.run.location import LogShipper
 from trainlab.train.job import NODE_ID_ENV, TrainJob
 from trainlab.train.loop.callbacks import build_callbacks
 from trainlab.train.supervision.agent import Agent, free_port, start_fork_server

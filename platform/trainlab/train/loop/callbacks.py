@@ -56,7 +56,7 @@ class Callback:
         """A P0 action rolled the run back: {from_step, to_step, skipped, rule}."""
 
     def on_resize(self, record: dict[str, Any]) -> None:
-        """An elastic run continued at another size (trainlab.train.records.RunRecords.
+        """An elastic run continued at another size (trainlab.run.records.RunRecords.
         resizes): {step, from_world_size, to_world_size, from_dp, to_dp, reason,
         steps_redone, seconds}, at the first step after it."""
 

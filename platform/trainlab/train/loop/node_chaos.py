@@ -20,10 +20,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from trainlab.run.records import Failure
 from trainlab.train.job import NODE_ID_ENV
 from trainlab.train.loop.components import Component
 from trainlab.train.loop.protocol import Loop
-from trainlab.train.records import Failure
 
 log = logging.getLogger("trainlab.train")
 

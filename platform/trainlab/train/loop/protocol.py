@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from trainlab.config.schema import ExperimentConfig
+    from trainlab.run.records import RunRecords
     from trainlab.train import checkpoint as ck
     from trainlab.train.job import TrainJob
     from trainlab.train.loop.callbacks import Callback
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from trainlab.train.loop.state import TrainState
     from trainlab.train.loop.stream import StreamLoader
     from trainlab.train.parallel.distributed import DistEnv
-    from trainlab.train.records import RunRecords
 
 
 class Loop(Protocol):

@@ -24,6 +24,12 @@ from typing import Any
 
 import torch
 
+from trainlab.run.records import (
+    INTERRUPT_REASON,
+    SUMMARY,
+    Failure,
+    RunRecords,
+)
 from trainlab.runstatus import RunStatus
 from trainlab.train import checkpoint as ck
 from trainlab.train.job import TrainJob
@@ -76,15 +82,7 @@ from trainlab.train.parallel import reshard
 from trainlab.train.parallel.compile import compile_seconds
 from trainlab.train.parallel.compile import enabled as compile_on
 from trainlab.train.parallel.distributed import DistEnv
-from trainlab.train.records import (
-    INTERRUPT_REASON,
-    SUMMARY,
-    Failure,
-    RunRecords,
-    failed_summary,
-    planned_memory_bytes,
-    run_summary,
-)
+from trainlab.train.summaries import failed_summary, planned_memory_bytes, run_summary
 
 log = logging.getLogger("trainlab.train")
 

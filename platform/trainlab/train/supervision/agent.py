@@ -44,17 +44,17 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
-from trainlab.train import checkpoint as ck
-from trainlab.train.job import TrainJob
-from trainlab.train.loop.callbacks import Callback
-from trainlab.train.records import (
+from trainlab.run.records import (
     COMPONENT,
     INTERRUPT_REASON,
     STORAGE,
     Failure,
     RunRecords,
-    failed_summary,
 )
+from trainlab.train import checkpoint as ck
+from trainlab.train.job import TrainJob
+from trainlab.train.loop.callbacks import Callback
+from trainlab.train.summaries import failed_summary
 from trainlab.train.supervision.protocol import (
     PREFETCH_STEPS,
     ChildArgs,

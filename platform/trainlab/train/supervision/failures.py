@@ -16,7 +16,7 @@ from typing import Any
 
 from ray.train import UserCallback
 
-from trainlab.train.records import Failure, RunRecords
+from trainlab.run.records import Failure, RunRecords
 
 
 def one_line(error: BaseException) -> str:

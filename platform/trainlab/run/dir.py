@@ -46,9 +46,9 @@ from trainlab.config import ExperimentConfig, config_hash, to_yaml
 from trainlab.config.loader import identity_diff
 from trainlab.errors import UserError
 from trainlab.location import Location, locate, scheme_of
-from trainlab.runloc import RunLocation
+from trainlab.run.location import RunLocation
+from trainlab.run.records import RunRecords
 from trainlab.runstatus import RunStatus
-from trainlab.train.records import RunRecords
 
 EXTEND_KEY = "train.total_steps"
 

@@ -12,7 +12,7 @@ its scratch area (`resource.scratch_dir`, trainlab.storage.scratch_root):
         checkpoints/   parts staged before upload, checkpoints downloaded to resume
 
 Nothing in the working copy is the only copy of anything that matters: the
-records (`trainlab.train.records`), config.yaml, plan.json and checkpoints are
+records (`trainlab.run.records`), config.yaml, plan.json and checkpoints are
 written to the store directly, and a working copy can be deleted at any time
 between runs (a fresh node starts from none).
 
@@ -179,7 +179,7 @@ def ship_logs(loc: RunLocation, names: list[str] | None = None) -> list[str]:
 
 class LogShipper:
     """Uploads this process's log files of a run in object storage every
-    `interval_s` and when it ends (trainlab.runloc.ship_logs); a context manager."""
+    `interval_s` and when it ends (trainlab.run.location.ship_logs); a context manager."""
 
     def __init__(self, loc: RunLocation, names: list[str] | None = None, interval_s: float = 30.0):
         self.loc, self.names, self.interval_s = loc, names, interval_s

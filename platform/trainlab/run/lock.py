@@ -44,14 +44,14 @@ from trainlab.errors import UserError
 from trainlab.exitcodes import INFRASTRUCTURE
 from trainlab.fileutil import write_text_atomic
 from trainlab.location import Conflict
-from trainlab.runloc import RunLocation
-from trainlab.train.lockrecord import (
+from trainlab.run.holder import (
     HOLDER,
     Holder,
     beat_s,
     parse_holder,
     pid_running,
 )
+from trainlab.run.location import RunLocation
 
 log = logging.getLogger(__name__)
 

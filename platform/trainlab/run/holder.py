@@ -1,5 +1,5 @@
 """The run lock's record, `{run}/.lock.json`: who holds a run (host, pid, since)
-and their newest beat. The driver's lock writes it (trainlab.train.driver.runlock);
+and their newest beat. The driver's lock writes it (trainlab.run.lock);
 its workers read it to stop when their driver is gone (`orphaned`: the agents,
 and rank 0 right before each commit); `gc` reads it to leave a live run alone.
 Below the driver and the loop, so both read it without importing each other."""
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainlab.runloc import RunLocation
+from trainlab.run.location import RunLocation
 
 HOLDER = ".lock.json"
 DEFAULT_BEAT_S = 30.0
