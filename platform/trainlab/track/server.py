@@ -453,7 +453,7 @@ def server_up(
             f"a tracking server of {root} is already running at {old.uri} "
             f"(`trainlab tracking down --dir {root}` stops it)"
         )
-    if database_uri and url_credentials(database_uri):
+    if database_uri and _has_password(database_uri):
         raise UserError(
             f"--database-uri {redact(database_uri)}: a password never goes in the URI; give it "
             "to the server in PGPASSWORD or a PGPASSFILE (libpq's variables)"
@@ -553,6 +553,15 @@ def server_up(
             pg.stop()
         raise
     return state
+
+
+def _has_password(uri: str) -> bool:
+    """Whether a database URI carries a password (in its user info or libpq's
+    `password=` parameter); a user name alone is how the role is named."""
+    from urllib.parse import parse_qs, urlsplit
+
+    parts = urlsplit(uri)
+    return parts.password is not None or "password" in parse_qs(parts.query)
 
 
 def _sqlalchemy_uri(uri: str) -> str:

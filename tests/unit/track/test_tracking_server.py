@@ -265,6 +265,7 @@ def test_the_database_binaries_are_found_on_path_or_under_debians_folder(monkeyp
     ("flag", "value", "says"),
     [
         ("--database-uri", "postgresql://bob:fake-db-pw@db.example/mlflow", "PGPASSWORD"),
+        ("--database-uri", "postgresql://bob@db.example/mlflow?password=fake-db-pw", "PGPASSWORD"),
         ("--artifacts", "s3://AKIAFAKE:fake-s3-secret@bucket/art", "AWS_*"),
     ],
 )
@@ -293,3 +294,53 @@ def test_commands_that_read_the_server_say_it_is_down_or_refusing_in_one_line(
     code, _, err = cli(capsys, "compare", "--runs-root", str(tmp_path))
     (line,) = err.strip().splitlines()
     assert code == 2 and "refused the credentials" in line and "not-the-password" not in err
+
+
+def test_a_server_on_a_given_database_keeps_artifacts_in_object_storage(
+    server, s3_env, tmp_path, monkeypatch
+):
+    """`tracking up --database-uri URI --artifacts s3://...`: a team's server on a
+    database it did not create (here the session server's, as a second server of a
+    team would share it; its password from libpq's PGPASSWORD, never in the URI)
+    with the artifacts in
+    object storage through the runs root's settings (AWS_* variables, moto's S3):
+    a signed-in client's artifact is stored as an object in the bucket, proxied by
+    the server (the client holds no storage credential), and read back."""
+    from mlflow import MlflowClient
+
+    from trainlab.track.server import free_port, server_down, server_up
+
+    s3, bucket = s3_env
+    monkeypatch.setenv("PGPASSWORD", Path(server.info["database_password_file"]).read_text().strip())
+    monkeypatch.setenv("TRAINLAB_HOME", str(tmp_path / "home"))
+    for key in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.delenv(key, raising=False)
+    srv = tmp_path / "srv"
+    state = server_up(
+        srv,
+        port=free_port(),
+        artifacts=f"s3://{bucket}/mlflow-artifacts",
+        database_uri=server.info["database_uri"],
+    )
+    try:
+        info = state.info()
+        assert info["artifacts"] == f"s3://{bucket}/mlflow-artifacts"
+        assert "database_password_file" not in info  # the database is not ours
+        # The client knows the server and its sign-in only: no storage credential.
+        for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
+            monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", info["uri"])
+        monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", info["username"])
+        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", Path(info["password_file"]).read_text().strip())
+        client = MlflowClient()
+        run_id = client.create_run(client.create_experiment("art-s3")).info.run_id
+        note = tmp_path / "notes.txt"
+        note.write_text("kept in the bucket\n")
+        client.log_artifact(run_id, str(note))
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket).get("Contents", [])]
+        assert [k for k in keys if k.endswith(f"{run_id}/artifacts/notes.txt")], keys
+        back = client.download_artifacts(run_id, "notes.txt", str(tmp_path / "back"))
+        assert Path(back).read_text() == "kept in the bucket\n"
+        assert not list(srv.glob("artifacts/**/notes.txt"))  # nothing beside the server
+    finally:
+        server_down(srv)
