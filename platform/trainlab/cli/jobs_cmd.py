@@ -185,7 +185,9 @@ def stop(job_id: str, address: str | None, allow_plain_http: bool, as_json: bool
              "already_ended": ended_before, "run": run}
         )  # fmt: skip
     else:
-        click.echo(f"{job_id} {status}" + (" (it had ended: nothing to stop)" if ended_before else ""))
+        click.echo(
+            f"{job_id} {status}" + (" (it had ended: nothing to stop)" if ended_before else "")
+        )
         if run is not None:
             click.echo(stopped_line(run, already_ended=ended_before))
     return 0

@@ -114,7 +114,10 @@ def test_stop_of_a_job_that_had_ended_says_how_its_run_ended(rank0, client):
     info = types.SimpleNamespace(metadata={"trainlab_run_dir": str(run.run_dir)})
     gone = _end_stopped_run(info, "job-1", RunStatus.LOST, "its job job-1 had ended (FAILED)")
     assert gone["status"] == "lost" and gone["final_step"] == 10
-    assert (only_run(client).info.status, only_run(client).data.tags["status"]) == ("FAILED", "lost")
+    assert (only_run(client).info.status, only_run(client).data.tags["status"]) == (
+        "FAILED",
+        "lost",
+    )
     line = stopped_line(gone, already_ended=True)
     assert "ended before the stop (lost) at step 10; no checkpoint was kept" in line
     # Asked again: the record stands (not rewritten), and is said the same way.

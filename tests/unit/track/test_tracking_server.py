@@ -218,7 +218,9 @@ def test_import_copies_an_embedded_history_once_with_identical_metrics(
         rid = run.info.run_id
         old.log_param(rid, "train.lr", str(0.001 * (i + 1)))
         for step in range(1, 21):
-            old.log_metric(rid, "loss", 5.0 / step + i, step=step, timestamp=1_700_000_000_000 + step)
+            old.log_metric(
+                rid, "loss", 5.0 / step + i, step=step, timestamp=1_700_000_000_000 + step
+            )
         (tmp_path / "notes.txt").write_text(f"run {i}")
         old.log_artifact(rid, str(tmp_path / "notes.txt"))
         old.set_terminated(rid, "FINISHED", end_time=1_700_000_100_000)
@@ -242,7 +244,9 @@ def test_import_copies_an_embedded_history_once_with_identical_metrics(
         assert copy.data.tags["purpose"] == "history"
 
         def history(client, run_id):
-            return [(m.step, m.timestamp, m.value) for m in client.get_metric_history(run_id, "loss")]
+            return [
+                (m.step, m.timestamp, m.value) for m in client.get_metric_history(run_id, "loss")
+            ]
 
         assert history(new, copy.info.run_id) == history(old, rid)
         notes = Path(new.download_artifacts(copy.info.run_id, "notes.txt")).read_text()
@@ -311,7 +315,9 @@ def test_a_server_on_a_given_database_keeps_artifacts_in_object_storage(
     from trainlab.track.server import free_port, server_down, server_up
 
     s3, bucket = s3_env
-    monkeypatch.setenv("PGPASSWORD", Path(server.info["database_password_file"]).read_text().strip())
+    monkeypatch.setenv(
+        "PGPASSWORD", Path(server.info["database_password_file"]).read_text().strip()
+    )
     monkeypatch.setenv("TRAINLAB_HOME", str(tmp_path / "home"))
     for key in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
         monkeypatch.delenv(key, raising=False)
@@ -331,7 +337,9 @@ def test_a_server_on_a_given_database_keeps_artifacts_in_object_storage(
             monkeypatch.delenv(key, raising=False)
         monkeypatch.setenv("MLFLOW_TRACKING_URI", info["uri"])
         monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", info["username"])
-        monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", Path(info["password_file"]).read_text().strip())
+        monkeypatch.setenv(
+            "MLFLOW_TRACKING_PASSWORD", Path(info["password_file"]).read_text().strip()
+        )
         client = MlflowClient()
         run_id = client.create_run(client.create_experiment("art-s3")).info.run_id
         note = tmp_path / "notes.txt"
