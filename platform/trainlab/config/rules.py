@@ -128,12 +128,19 @@ def _moe_layout(cfg: dict[str, Any]) -> Iterator[Problem]:
         if (p.get("ep") or 1) > 1:
             yield Problem("parallel.ep", p["ep"], "needs model.moe (experts to split)")
         return
-    for dim in ("tp", "pp"):
-        if (p[dim] or 1) > 1:
-            yield Problem(f"parallel.{dim}", p[dim], "not with model.moe yet (docs/moe.md)")
+    # tp > 1 runs: the MoE layers stay replicated over the tp group (docs/moe.md)
+    if (p["pp"] or 1) > 1:
+        yield Problem("parallel.pp", p["pp"], "not with model.moe yet (docs/moe.md)")
+    if p.get("sequence_parallel"):
+        yield Problem(
+            "parallel.sequence_parallel", True,
+            "not with model.moe yet: the MoE layers run replicated over tp (docs/moe.md)",
+        )  # fmt: skip
     ep, dp = p.get("ep") or 1, p["dp"]
     if ep > 1 and moe["num_experts"] % ep:
-        yield Problem("parallel.ep", ep, f"must divide model.moe.num_experts ({moe['num_experts']})")
+        yield Problem(
+            "parallel.ep", ep, f"must divide model.moe.num_experts ({moe['num_experts']})"
+        )
     if ep > 1 and dp is not None and dp % ep:
         yield Problem("parallel.ep", ep, f"must divide parallel.dp ({dp}): ep borrows dp ranks")
     if ep > 1 and (p["strategy"] == "auto" or p["zero_stage"] == 1):

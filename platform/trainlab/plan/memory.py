@@ -114,6 +114,10 @@ fused kernel refuses: that group steps unfused. A recomputed MoE block
 forward mark then adds what its forward still holds at the combine. Checked
 against the trace at ep = 1 (bf16, the CUDA grouped-GEMM path) within 1.5% of
 the traced tensors, with and without recomputation; ep > 1 is not traced.
+Under tensor parallelism an MoE layer's MLP (router, routed and shared experts)
+is replicated over the tp ranks (trainlab.train.parallel.tensor): its
+parameters, their gradients and optimizer state are divided by pp only, not by
+tp*pp (`_replicated_over_tp`), and its activations are not divided by tp.
 """
 
 from __future__ import annotations
@@ -274,7 +278,7 @@ def _shard(p: ParamShape, dp: int) -> int:
 # Linear weights), are computed once.
 _SHAPES: dict[str, list[ParamShape]] = {}
 _BLOCKS: dict[
-    tuple[str, int, bool, int],
+    tuple[str, int, bool, int, bool],
     tuple[list[int], list[float], list[float], list[float], list[float]],
 ] = {}
 
@@ -288,28 +292,40 @@ def _param_shapes(cfg: ExperimentConfig) -> list[ParamShape]:
     return _SHAPES[key]
 
 
-_OPT: dict[tuple[str, str, int, bool, bool, int, bool, int], StepMemory] = {}
+_OPT: dict[tuple[str, str, int, bool, bool, int, bool, int, int], StepMemory] = {}
 
 
 def optimizer_memory(
-    cfg: ExperimentConfig, dp: int, fsdp: bool, zero1: bool, mp: int = 1, ep: int = 1
+    cfg: ExperimentConfig,
+    dp: int,
+    fsdp: bool,
+    zero1: bool,
+    mp: int = 1,
+    ep: int = 1,
+    tp: int = 1,
 ) -> StepMemory:
     """Rank 0's optimizer state and step temporaries, as the configured optimizer
     counts them (trainlab.optim: each optimizer states its own figures) over the
     parameters rank 0 steps: ZeRO-1's greedy share, FSDP's row-padded shards, the
-    tp*pp split (`mp`), and with expert parallelism (`ep` > 1) its num_experts/ep
-    routed experts (FSDP leaves them alone: not sharded over dp/ep)."""
+    tp*pp split (`mp`; the MoE layers' MLP, replicated over `tp`, by mp/tp), and
+    with expert parallelism (`ep` > 1) its num_experts/ep routed experts (FSDP
+    leaves them alone: not sharded over dp/ep)."""
     gpu = cfg.resource.use_gpu
     opt = cfg.train.optimizer
-    key = (cfg.model.model_dump_json(), opt.model_dump_json(), dp, fsdp, zero1, mp, gpu, ep)
+    key = (cfg.model.model_dump_json(), opt.model_dump_json(), dp, fsdp, zero1, mp, gpu, ep, tp)
     if key not in _OPT:
         if len(_OPT) > 256:
             _OPT.clear()
         shapes = {s.name: s for s in _param_shapes(cfg)}
         whole = [PlanParam(s.name, s.shape, s.layer, s.numel) for s in shapes.values()]
         mine = _zero1_share(opt.plan_groups(whole), dp) if zero1 else whole
+        split = {
+            name: mp // tp if _replicated_over_tp(cfg, s) else mp for name, s in shapes.items()
+        }
         params = [
-            PlanParam(p.name, p.shape, p.layer, _local(shapes[p.name], dp, fsdp, ep) / mp)
+            PlanParam(
+                p.name, p.shape, p.layer, _local(shapes[p.name], dp, fsdp, ep) / split[p.name]
+            )
             for p in mine
         ]
         memory = opt.memory(params, gpu)
@@ -341,15 +357,23 @@ def is_routed_expert(p: ParamShape) -> bool:
     return p.layer is not None and ".mlp.experts." in p.name
 
 
+def _replicated_over_tp(cfg: ExperimentConfig, p: ParamShape) -> bool:
+    """A parameter of an MoE layer's MLP (router, routed and shared experts),
+    which tensor parallelism leaves whole on every tp rank
+    (trainlab.train.parallel.tensor)."""
+    return p.layer is not None and ".mlp." in p.name and is_moe_layer(cfg.model.moe, p.layer)
+
+
 def expert_parallel(cfg: ExperimentConfig, layout: Any, ep: int | None = None) -> int:
     """The ep the trainer runs `cfg` with at `layout`: `ep` when given (the planner's
     choice, trainlab.plan.planner.choose_ep), else `layout.ep`, else
-    `parallel.ep`; 1 without model.moe, with tp/pp (the trainer splits experts
-    over data-parallel ranks only) or where ep does not divide dp."""
+    `parallel.ep`; 1 without model.moe, with pp (not run with model.moe) or where
+    ep does not divide dp. (With tp the ep groups are the dp ranks at one tp
+    coordinate: trainlab.train.parallel.expert.)"""
     if cfg.model.moe is None:
         return 1
     ep = ep or getattr(layout, "ep", None) or cfg.parallel.ep or 1
-    if ep <= 1 or layout.tp * layout.pp > 1 or layout.dp % ep:
+    if ep <= 1 or layout.pp > 1 or layout.dp % ep:
         return 1
     return ep
 
@@ -370,16 +394,19 @@ def _local(p: ParamShape, dp: int, fsdp: bool, ep: int) -> float:
 
 
 def _block_sizes(
-    cfg: ExperimentConfig, dp: int, fsdp: bool, ep: int = 1
+    cfg: ExperimentConfig, dp: int, fsdp: bool, ep: int = 1, moe_mlp: bool = False
 ) -> tuple[list[int], list[float], list[float], list[float], list[float]]:
     """Per block: elements; rank 0's elements; FSDP's gathered elements (the
     group's, padded; rank 0's elements without FSDP); rank 0's Linear weights';
-    rank 0's routed experts' elements that no FSDP group holds (ep > 1)."""
-    key = (cfg.model.model_dump_json(), dp, fsdp, ep)
+    rank 0's routed experts' elements that no FSDP group holds (ep > 1).
+    `moe_mlp`: of the MoE layers' MLP parameters only (`_replicated_over_tp`)."""
+    key = (cfg.model.model_dump_json(), dp, fsdp, ep, moe_mlp)
     if key not in _BLOCKS:
         if len(_BLOCKS) > 256:
             _BLOCKS.clear()
         shapes = _param_shapes(cfg)
+        if moe_mlp:
+            shapes = [s for s in shapes if _replicated_over_tp(cfg, s)]
         layers = [[s for s in shapes if s.layer == i] for i in range(cfg.model.num_layers)]
         numel = [sum(s.numel for s in g) for g in layers]
         local = [sum(_local(s, dp, fsdp, ep) for s in g) for g in layers]
@@ -434,7 +461,9 @@ class _Step:
     # per block: rank 0's routed experts held outside FSDP's groups (ep > 1)
     layer_own: list[float] = field(default_factory=list)
     persistent: _Parts = field(default_factory=_Parts)  # parameters, optimizer, buckets, framework
-    start: _Parts = field(default_factory=_Parts)  # + the gradients the last micro batch starts with
+    start: _Parts = field(
+        default_factory=_Parts
+    )  # + the gradients the last micro batch starts with
     carried: float = 0.0
     all_grads: float = 0.0
     opt_temp: float = 0.0  # the optimizer step's temporaries
@@ -489,6 +518,16 @@ def _step(cfg: ExperimentConfig, layout: Any, micro_batch: int, ep: int | None =
     layer_numel, layer_local, layer_padded, layer_matmul, layer_own = (
         [x / mp for x in xs] for xs in _block_sizes(cfg, dp, fsdp, ep)
     )
+    if tp > 1 and m.moe is not None:  # the MoE layers' MLP: replicated over tp, / pp only
+        more = (tp - 1) / mp
+        layer_numel, layer_local, layer_padded, layer_matmul, layer_own = (
+            [x + y * more for x, y in zip(xs, ys, strict=True)]
+            for xs, ys in zip(
+                (layer_numel, layer_local, layer_padded, layer_matmul, layer_own),
+                _block_sizes(cfg, dp, fsdp, ep, moe_mlp=True),
+                strict=True,
+            )
+        )
     s = _Step(cfg, d, tp, mp, dp, fsdp, fsdp and zero == 2, root, layer_local, layer_padded, notes)
     s.ep, s.layer_own = ep, layer_own
     total_numel = s.numel(root) + sum(layer_numel)
@@ -498,8 +537,8 @@ def _step(cfg: ExperimentConfig, layout: Any, micro_batch: int, ep: int | None =
     # parameter but the routed experts at ep > 1, which DDP is told to ignore and
     # expert parallelism all-reduces in place over edp), framework;
     # checkpoint_snapshot 0 (DCP stages to the host).
-    opt_memory = optimizer_memory(cfg, dp, fsdp, zero1, mp, ep)
-    bucketed = total_numel - (_experts_numel(cfg) / mp if ep > 1 else 0.0)
+    opt_memory = optimizer_memory(cfg, dp, fsdp, zero1, mp, ep, tp)
+    bucketed = total_numel - (_experts_numel(cfg) / pp if ep > 1 else 0.0)
     s.persistent = _Parts(
         parameters=4 * local_numel,
         optimizer=opt_memory.state,
@@ -564,6 +603,9 @@ def _activations(s: _Step, micro_batch: int, layer_matmul: list[float]) -> None:
     s.saved, s.work = [saved_block] * L, [work_block] * L
     if m.moe is not None:  # an MoE layer's MLP in place of the dense one
         dense_mlp = (arch.norm_saved_bytes(m, d, arch.mlp_inputs) + arch.mlp_saved_bytes(m, d)) * N
+        if tp > 1:  # as saved_block counts it: its norm's output replicated, the rest / tp
+            norm = arch.norm_saved_bytes(m, d) * N
+            dense_mlp = norm + (dense_mlp - norm) / tp
         moe_saved, moe_work, s.moe_transient, s.moe_recomputed = _moe_layer_bytes(s, N)
         for i in range(L):
             if is_moe_layer(m.moe, i):
@@ -863,7 +905,7 @@ def experts_state_bytes(
     fsdp, zero1 = zero >= 2 and dp > 1, zero == 1 and dp > 1
     ddp = layout.tp * layout.pp * dp > 1 and not fsdp
     ep = expert_parallel(cfg, layout, ep)
-    mp = layout.tp * layout.pp
+    mp = layout.pp  # the routed experts: replicated over tp (trainlab.train.parallel.tensor)
     experts = [p for p in _param_shapes(cfg) if is_routed_expert(p)]
     local = sum(_local(p, dp, fsdp, ep) for p in experts) / mp
     mine = {p.name for p in experts}

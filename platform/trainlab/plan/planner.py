@@ -17,7 +17,8 @@ it open; an explicit value is respected):
 4. tensor parallelism (within a node), then pipeline parallelism (across
    nodes), composed with FSDP over what is left of the devices.
 
-An MoE (`model.moe`) runs data-parallel only; under `strategy: auto` each layout
+An MoE (`model.moe`) is searched data-parallel only (a configured tp runs, its
+MoE layers replicated over tp; pp is refused); under `strategy: auto` each layout
 is sized with the parallel.ep `choose_ep` gives it there (each device then holds
 num_experts/ep of the routed experts), so expert parallelism can make an MoE fit
 at a layout that would not hold every expert on every device.
@@ -213,8 +214,9 @@ def candidate_layouts(cfg: ExperimentConfig) -> list[Layout]:
     arch = arch_of(m)
     measured = arch.measured  # pp, and tp without a plan, are refused (config rules)
     no_tp = measured and arch.tensor_parallel_refusal(m) is not None
-    # An MoE runs data-parallel only (expert parallelism borrows dp ranks): the
-    # config rules refuse tp and pp with model.moe.
+    # An MoE is searched data-parallel only (expert parallelism borrows dp ranks):
+    # the config rules refuse pp with model.moe; a configured tp runs (the MoE
+    # layers replicated over tp) but is not searched.
     moe = m.moe is not None
     out = []
     for tp in _divisors(world):

@@ -251,11 +251,21 @@ def test_moe_rules_refuse_other_families_and_layouts():
 
     with pytest.raises(ValidationError, match="MoE layers are built for the SwiGLU families"):
         ExperimentConfig.model_validate({"name": "x", "model": {"arch": "gpt2", "moe": MOE}})
-    with pytest.raises(ValidationError, match=r"parallel.tp = 2: not with model.moe yet"):
+    with pytest.raises(ValidationError, match=r"parallel.pp = 2: not with model.moe yet"):
         ExperimentConfig.model_validate(
-            {"name": "x", "model": {"moe": MOE}, "parallel": {"strategy": "ddp", "tp": 2},
+            {"name": "x", "model": {"moe": MOE}, "parallel": {"strategy": "ddp", "pp": 2},
              "resource": {"num_workers": 2}}
         )  # fmt: skip
+    # tensor parallelism runs (the MoE layers replicated over tp), with ep on top
+    tp = {"name": "x", "model": {"moe": MOE}, "resource": {"num_workers": 4},
+          "parallel": {"strategy": "ddp", "tp": 2, "dp": 2, "ep": 2}}  # fmt: skip
+    assert ExperimentConfig.model_validate(tp).parallel.tp == 2
+    # not under sequence parallelism: one problem, one line
+    sp = {**tp, "parallel": {**tp["parallel"], "sequence_parallel": True}}
+    with pytest.raises(ValidationError) as refused:
+        ExperimentConfig.model_validate(sp)
+    lines = [ln for ln in str(refused.value).splitlines() if "parallel." in ln]
+    assert len(lines) == 1 and "parallel.sequence_parallel = True: not with model.moe" in lines[0]
 
 
 def test_a_dense_configs_hash_has_no_moe_key():

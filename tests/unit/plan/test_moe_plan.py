@@ -261,3 +261,20 @@ def test_dense_estimates_are_unchanged(key):
         }
     )
     assert int(estimate_memory(c, Layout(*layout), 1).memory["total"]) == DENSE_TOTALS[key]
+
+
+def test_tp_leaves_the_moe_layers_whole():
+    """Tensor parallelism splits attention, the dense MLPs and the embeddings over
+    tp; an MoE layer's MLP (router, experts) is replicated over the tp ranks
+    (trainlab.train.parallel.tensor): per device, its parameters count whole."""
+    from trainlab.plan.memory import experts_state_bytes, memory_breakdown
+
+    c = cfg()
+    params = dict(build_model(c.model).named_parameters())
+    moe_mlp = sum(t.numel() for n, t in params.items() if n.startswith("layers.1.mlp."))
+    rest = sum(t.numel() for t in params.values()) - moe_mlp
+    for ep in (1, 2):
+        mem = memory_breakdown(c, Layout(2, 1, 2, 0), 2, ep)
+        assert mem["parameters"] == 4 * (moe_mlp - (ep - 1) / ep * 3 * 8 * 64 * 32 + rest / 2)
+        at_tp1 = experts_state_bytes(c, Layout(1, 1, 2, 0), ep)
+        assert experts_state_bytes(c, Layout(2, 1, 2, 0), ep)["parameters"] == at_tp1["parameters"]

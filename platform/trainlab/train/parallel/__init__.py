@@ -99,7 +99,7 @@ def parallelize(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> Parall
         if (p.ep or 1) > 1:  # the experts split over ep ranks; DDP or FSDP for the rest
             from trainlab.train.parallel import expert
 
-            experts = expert.apply(model, p.ep, dims.dp, env.device.type)
+            experts = expert.apply(model, p.ep, dims.dp, env.device.type, dims.pp, dims.tp)
         if fsdp_on:
             mesh = env.mesh["dp"] if env.mesh is not None else None
             ignored = experts.params(model) if experts is not None else None
@@ -130,7 +130,14 @@ def parallelize(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> Parall
             group=env.group("pp"),
             tied_group=tied,
         )
+    experts = None
+    if (p.ep or 1) > 1:  # the experts split over ep dp ranks at each (pp, tp) coordinate
+        from trainlab.train.parallel import expert
+
+        # on the whole model: the rules refuse pp with model.moe (parts == [model])
+        experts = expert.apply(model, p.ep, dims.dp, env.device.type, dims.pp, dims.tp)
     for part in parts:
+        ignored = experts.params(part) if experts is not None else None
         if dims.tp > 1 and tp_plan is not None:  # the architecture's own plan
             tensor.apply_plan(part, env.mesh["tp"], tp_plan)
         elif dims.tp > 1:
@@ -139,12 +146,12 @@ def parallelize(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> Parall
         if compiled:
             compiling.apply(part)
         if dims.dp > 1 and fsdp_on:
-            fsdp.apply(part, p.zero_stage, cfg.train.precision, env.mesh["dp"])
+            fsdp.apply(part, p.zero_stage, cfg.train.precision, env.mesh["dp"], ignored)
         elif dims.dp > 1:
-            replicate.apply(part, env.mesh["dp"])
+            replicate.apply(part, env.mesh["dp"], ignored)
     if plan is not None:
         plan.build_schedule(env.device)
-    return ParallelModel(parts, plan, dims.tp > 1)
+    return ParallelModel(parts, plan, dims.tp > 1, experts)
 
 
 def apply_parallelism(model: nn.Module, cfg: ExperimentConfig, env: DistEnv) -> nn.Module:

@@ -4,7 +4,11 @@ their experts' ranks and back by all-to-all.
 
 `ep` borrows from the data-parallel ranks (as torchtitan's dp2ep): every rank
 still reads its own rows; the dp ranks are grouped into `dp/ep` groups of
-`ep` consecutive ranks (the named dims ("edp", "ep") of `expert_mesh`). Within
+`ep` consecutive dp ranks (the named dims ("edp", "ep") of `expert_mesh`), at a
+fixed (pp, tp) coordinate: with tensor parallelism each tp rank of a group
+holds its own (the same) copy of its experts (the MoE layer is replicated over
+tp, trainlab.train.parallel.tensor), exchanged with the ranks of its ep group
+only, whose tp coordinate is the same. Within
 an ep group each rank holds num_experts/ep experts (its contiguous block), as
 DTensors sharded on dim 0 over the ep mesh: checkpoints (DCP) hold the whole
 expert tensors by name and reshard across ep degrees like every other layout.
@@ -34,16 +38,18 @@ from torch import nn
 from trainlab.models.moe.experts import GroupedExperts
 from trainlab.models.moe.layer import MoE, moe_layers
 
-EXPERT_MESH_DIMS = ("edp", "ep")
+EXPERT_MESH_DIMS = ("pp", "edp", "ep", "tp")
 
 
-def expert_mesh(dp: int, ep: int, device_type: str) -> Any:
-    """The DeviceMesh of the data-parallel ranks as (dp/ep, ep): "ep" groups
-    ep consecutive dp ranks (one all-to-all group), "edp" the ranks holding the
-    same experts."""
+def expert_mesh(dp: int, ep: int, device_type: str, pp: int = 1, tp: int = 1) -> Any:
+    """The DeviceMesh of the world as (pp, dp/ep, ep, tp), the run's mesh
+    (trainlab.train.parallel.mesh: rank = (pp_rank * dp + dp_rank) * tp + tp_rank)
+    with its dp dimension split as dp_rank = edp_rank * ep + ep_rank: "ep" groups
+    ep consecutive dp ranks at one (pp, tp) coordinate (one all-to-all group),
+    "edp" the ranks holding the same experts there."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (dp // ep, ep), mesh_dim_names=EXPERT_MESH_DIMS)
+    return init_device_mesh(device_type, (pp, dp // ep, ep, tp), mesh_dim_names=EXPERT_MESH_DIMS)
 
 
 class AllToAll:
@@ -93,10 +99,13 @@ def _shard_experts(experts: GroupedExperts, mesh: Any) -> None:
     experts.num_experts = experts.gate.to_local().shape[0]
 
 
-def apply(model: nn.Module, ep: int, dp: int, device_type: str) -> EPState:
+def apply(
+    model: nn.Module, ep: int, dp: int, device_type: str, pp: int = 1, tp: int = 1
+) -> EPState:
     """Split the experts of `model` (built whole, the same on every rank) over the
-    ep ranks and route their tokens by all-to-all. Returns what the step needs."""
-    mesh = expert_mesh(dp, ep, device_type)
+    ep ranks and route their tokens by all-to-all. Returns what the step needs.
+    `pp`, `tp`: the run's other degrees (the world is pp x dp x tp)."""
+    mesh = expert_mesh(dp, ep, device_type, pp, tp)
     ep_mesh = mesh["ep"]
     names = []
     for layer_name, layer in model.named_modules():

@@ -33,13 +33,14 @@ def ignore(model: nn.Module, names: list[str]) -> nn.Module:
     return model
 
 
-def apply(model: nn.Module, mesh: Any) -> None:
-    """FSDP2's replicate over `mesh`, per block then the rest."""
+def apply(model: nn.Module, mesh: Any, ignored: set[nn.Parameter] | None = None) -> None:
+    """FSDP2's replicate over `mesh`, per block then the rest, leaving the
+    parameters `ignored` alone (expert parallelism's experts)."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
     for block in blocks(model):
-        replicate(block, mesh=mesh)
-    replicate(model, mesh=mesh)
+        replicate(block, mesh=mesh, ignored_params=ignored)
+    replicate(model, mesh=mesh, ignored_params=ignored)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

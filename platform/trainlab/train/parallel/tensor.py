@@ -19,6 +19,14 @@ Parameters not touched above (norms, learned positions) stay ordinary
 replicated tensors without sequence parallelism: their gradients are the same
 on every rank of the group, because the column-wise layers' input gradients
 are all-reduced before they reach them.
+
+An MoE block's MLP (trainlab.models.moe.layer.MoE: router, routed and shared
+experts) is not sharded either: it stays replicated over the tp group, like the
+norms. Every tp rank holds the same residual stream, routes the same tokens and
+computes the same output, so it needs no collective and its gradients are the
+same on every rank (expert parallelism, if any, splits the routed experts over
+data-parallel ranks: trainlab.train.parallel.expert). Not under sequence
+parallelism (the config rules refuse it): the MoE would see a sequence shard.
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
+
+from trainlab.models.moe.layer import MoE
 
 
 def apply_plan(model: nn.Module, tp_mesh: Any, plan: dict[str, str]) -> None:
@@ -81,17 +91,23 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: Any, sequence_parallel: boo
 
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for block in layers:
+        moe = isinstance(block.mlp, MoE)  # replicated over tp (module docstring)
+        if moe and sp:
+            raise ValueError("sequence parallelism with MoE layers is not supported")
         plan: dict[str, Any] = {
             "attn.q": ColwiseParallel(),
             "attn.k": ColwiseParallel(),
             "attn.v": ColwiseParallel(),
             "attn.out": RowwiseParallel(output_layouts=residual, use_local_output=not sp),
-            **_mlp_plan(
-                block.mlp,
-                ColwiseParallel,
-                RowwiseParallel(output_layouts=residual, use_local_output=not sp),
-            ),
         }
+        if not moe:
+            plan.update(
+                _mlp_plan(
+                    block.mlp,
+                    ColwiseParallel,
+                    RowwiseParallel(output_layouts=residual, use_local_output=not sp),
+                )
+            )
         if sp:
             plan.update(
                 {
