@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -134,26 +135,15 @@ def test_moe_tensor_parallel_trains_as_one_process_and_reshards(dataset, tmp_pat
           f"grad norm {worst_rel(norms, ref_norms):.2e}")  # fmt: skip
     assert worst_rel(got, reference) < RTOL and worst_rel(norms, ref_norms) < RTOL
 
-    resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "tp2/checkpoints/step-00000002",
-                    resumed / "checkpoints/step-00000002")  # fmt: skip
-    later, summary = run_layout(make_job(ep_config(dataset, 1, workers=1, balance=aux), resumed),
-                                1, tmp_path / "resumed.json")  # fmt: skip
-    assert summary["start_step"] == 2 and sorted(later) == [3, 4]
-    print(
-        f"tp=2 -> one process resumed: worst {worst_rel(later, {s: reference[s] for s in later}):.2e}"
-    )
-    for step, loss in later.items():
-        assert loss == pytest.approx(reference[step], rel=RTOL), (step, later, reference)
+    one = ep_config(dataset, 1, workers=1, balance=aux)
+    resume_step_2(tmp_path / "tp2", one, 1, reference, tmp_path)
 
 
 def test_moe_dp2_tp2_ep2_trains_as_ep1(dataset, tmp_path):
     """4 processes, dp=2 x tp=2 with ep=2 (each ep group: the two dp ranks of one tp
     coordinate), DDP for the dense parts (FSDP2 with ep is the test above; with
     tp and ep it matched as closely, 1.8e-6 on the norms, run by hand), gradients
-    clipped (the norm
-    over the tp mesh's DTensors, the experts' on the ep mesh and the replicated
+    clipped (the norm over the tp mesh's DTensors, the experts' on the ep mesh and the replicated
     tensors): the same losses and gradient norms as dp=2, ep=1 (same global
     batch); its step-2 checkpoint resumed at dp=2, ep=1 (the experts resharded)."""
     clip = 0.3  # below the norms (~0.65): every step is clipped
@@ -168,12 +158,17 @@ def test_moe_dp2_tp2_ep2_trains_as_ep1(dataset, tmp_path):
           f"{worst_rel(got, reference):.2e}, grad norm {worst_rel(norms, ref_norms):.2e}")  # fmt: skip
     assert worst_rel(got, reference) < RTOL and worst_rel(norms, ref_norms) < RTOL
 
+    resume_step_2(tmp_path / "tp2ep2", ep_config(dataset, 1, clip=clip), 2, reference, tmp_path)
+
+
+def resume_step_2(run: Path, cfg, world: int, reference: dict[int, float], tmp_path: Path):
+    """`run`'s step-2 checkpoint resumed by `cfg` on `world` processes: steps 3 and 4
+    on the reference's curve (the checkpoint resharded to the other layout)."""
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(tmp_path / "tp2ep2/checkpoints/step-00000002",
-                    resumed / "checkpoints/step-00000002")  # fmt: skip
-    later, summary = run_layout(make_job(ep_config(dataset, 1, clip=clip), resumed), 2,
-                                tmp_path / "resumed.json")  # fmt: skip
+    shutil.copytree(run / "checkpoints/step-00000002", resumed / "checkpoints/step-00000002")
+    later, summary = run_layout(make_job(cfg, resumed), world, tmp_path / "resumed.json")
     assert summary["start_step"] == 2 and sorted(later) == [3, 4]
+    print(f"{run.name} resumed: worst {worst_rel(later, {s: reference[s] for s in later}):.2e}")
     for step, loss in later.items():
         assert loss == pytest.approx(reference[step], rel=RTOL), (step, later, reference)
