@@ -49,7 +49,7 @@ lock: $(STAMP)
 	$(PY) -m devtools.lock $(LOCK_ARGS)
 
 test: setup test-deps
-	$(VENV)/bin/pytest $(PYTEST_ARGS)
+	$(VENV)/bin/pytest --durations=30 $(PYTEST_ARGS)
 
 # Everything, the `extended` tests included (see pyproject's pytest markers).
 test-all: setup test-deps

@@ -293,6 +293,9 @@ def test_trainlab_submit_runs_across_both_nodes_and_is_recorded(
     assert not leaked, leaked
 
 
+# extended (17 s, make test's 30 minutes): the Ray pipeline's byte-for-byte
+# equality with the local one is tests/ray/test_prep_ray.py (one node).
+@pytest.mark.extended
 def test_prep_on_several_nodes_equals_a_single_process_prep(cluster, tmp_path):
     """`trainlab prep` as a driver of this cluster: the work units run on more than
     one node, and the dataset is the one a single process prepares from the same

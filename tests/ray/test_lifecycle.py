@@ -153,6 +153,10 @@ def test_ctrl_c_stops_at_a_step_with_a_checkpoint_and_resumes(ray_address, datas
     assert mlflow_status(runs_root) == [("FINISHED", "completed")]
 
 
+# extended (23 s, make test's 30 minutes): SIGTERM's graceful stop and exit 143 are
+# tests/unit/train/test_interrupt.py; a Ray job's driver taking `trainlab stop`'s
+# SIGTERM is tests/e2e/test_cluster_submit.py.
+@pytest.mark.extended
 def test_sigterm_to_the_driver_stops_gracefully_and_exits_143(ray_address, dataset, tmp_path):
     """SIGTERM to the driver alone (what a scheduler or Kubernetes sends first) is
     the graceful stop of a first Ctrl-C: the run stops at the next step with a

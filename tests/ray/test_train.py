@@ -285,6 +285,9 @@ def test_an_elastic_runs_crashed_process_restarts_in_place_not_as_a_resize(
     assert [(a["start_step"], a["world_size"]) for a in attempts] == [(0, 2), (3, 2)]
 
 
+# extended (27 s, make test's 30 minutes): the policy's whole-group decision is
+# tests/unit/train/test_growth.py.
+@pytest.mark.extended
 def test_an_elastic_tp_range_starts_on_whole_tensor_groups(ray_cluster, dataset, tmp_path):
     """Room for 3 workers (8 CPUs, 2.5 per worker), a tp=2 range {min 2, max 4}:
     Ray's own policy would start 3 (a tensor group broken); trainlab's starts 2,
