@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
 def retag_specs(repo: Path = REPO) -> None:
     """Name the image of the current CUDA lock in the cluster specs: a new lock is
     a new image (cluster/README.md says how it is built and pushed)."""
-    from trainlab.environment import file_sha256
+    from trainlab.envlock import file_sha256
 
     tag = f"cuda-{file_sha256(repo / 'requirements' / 'cuda.txt')[:12]}"
     for rel in SPECS:

@@ -54,7 +54,7 @@ def repo() -> Path:
 
 
 def _free_port() -> int:
-    from trainlab.jobs.localcluster import free_port
+    from trainlab.rayjobs.localcluster import free_port
 
     return free_port()
 

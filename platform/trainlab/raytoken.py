@@ -1,6 +1,6 @@
 """The auth token of a Ray cluster, found the way Ray 2.60 finds it: `RAY_AUTH_TOKEN`,
 else the file at `RAY_AUTH_TOKEN_PATH`, else `~/.ray/auth_token`. Standard library
-only: the job client (trainlab.jobs.auth) and the training driver
+only: the job client (trainlab.rayjobs.auth) and the training driver
 (trainlab.hooksecrets) both read it."""
 
 from __future__ import annotations

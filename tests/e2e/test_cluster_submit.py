@@ -95,7 +95,7 @@ def cluster(trainlab_home, ray_cluster, s3_bucket):
     mistake it for our cluster."""
     import shutil
 
-    from trainlab.jobs.localcluster import ClusterState, group_members
+    from trainlab.rayjobs.localcluster import ClusterState, group_members
 
     up = _trainlab(
         "cluster",
@@ -151,7 +151,7 @@ def _sets(items: list[str]) -> list[str]:
 
 
 def _client(cluster):
-    from trainlab.jobs.client import connect
+    from trainlab.rayjobs.client import connect
 
     return connect(cluster.dashboard_url)
 
@@ -174,7 +174,7 @@ def _worker_nodes(cluster, job_id: str) -> set[str]:
 
 def _train_actors(cluster) -> list[dict]:
     """Every Ray Train worker actor of the cluster (any job), from its state API."""
-    from trainlab.jobs.auth import auth_headers
+    from trainlab.rayjobs.auth import auth_headers
 
     query = urllib.parse.urlencode(
         {
@@ -301,7 +301,7 @@ def test_prep_on_several_nodes_equals_a_single_process_prep(cluster, tmp_path):
     one node, and the dataset is the one a single process prepares from the same
     inputs, byte for byte (same manifest fingerprint and accounts)."""
     from trainlab.data.prep import run_prep
-    from trainlab.jobs.localcluster import SINGLE_MACHINE_ENV
+    from trainlab.rayjobs.localcluster import SINGLE_MACHINE_ENV
 
     sources = tmp_path / "s.yaml"
     sources.write_text(f"""
@@ -392,9 +392,9 @@ def test_a_job_retry_avoids_the_node_that_failed_and_resumes(cluster, dataset, t
     (train.max_failures=0), so the trainer exits 75 naming that node; the job-level
     retry (resource.job_retries) excludes it, places its workers on the other nodes
     and resumes from the checkpoint."""
-    from trainlab.jobs import client as jobclient
-    from trainlab.jobs.localcluster import kill_raylet, node_id
-    from trainlab.jobs.submit import Submitter, job_runtime_env, prepare, stage_working_dir
+    from trainlab.rayjobs import client as jobclient
+    from trainlab.rayjobs.localcluster import kill_raylet, node_id
+    from trainlab.rayjobs.submit import Submitter, job_runtime_env, prepare, stage_working_dir
 
     runs = tmp_path / "runs"
     prep = prepare(
@@ -446,7 +446,7 @@ def test_a_job_retry_avoids_the_node_that_failed_and_resumes(cluster, dataset, t
 
 
 def node_alive(node) -> bool:
-    from trainlab.jobs.localcluster import group_members
+    from trainlab.rayjobs.localcluster import group_members
 
     return bool(group_members(node.pgid))
 
@@ -508,7 +508,7 @@ def test_refusals_before_submission_and_stop(cluster, dataset, tmp_path):
     assert "the real job was not submitted" in last
     assert _train_jobs(cluster) == trains_before
 
-    from trainlab.jobs.runtime_env import entrypoint_options
+    from trainlab.rayjobs.runtime_env import entrypoint_options
 
     job_id = _client(cluster).submit_job(
         entrypoint='python -c "import time; time.sleep(600)"', **entrypoint_options()
@@ -533,6 +533,6 @@ def test_refusals_before_submission_and_stop(cluster, dataset, tmp_path):
 
 
 def _train_jobs(cluster) -> int:
-    from trainlab.jobs.client import list_jobs
+    from trainlab.rayjobs.client import list_jobs
 
     return sum(r.kind == "train" for r in list_jobs(_client(cluster)))

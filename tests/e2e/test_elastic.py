@@ -57,7 +57,7 @@ def _trainlab(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 def cluster(trainlab_home):
     import shutil
 
-    from trainlab.jobs.localcluster import ClusterState, read_state
+    from trainlab.rayjobs.localcluster import ClusterState, read_state
 
     up = _trainlab(
         "cluster", "up", "--num-cpus=3", "--worker-nodes=2", "--worker-cpus=3", "--json",
@@ -104,8 +104,8 @@ def _overrides(dataset: Path, runs: Path) -> list[str]:
 
 
 def _submit(cluster, sets: list[str], tmp: Path):
-    from trainlab.jobs.client import connect
-    from trainlab.jobs.submit import Submitter, job_runtime_env, prepare, stage_working_dir
+    from trainlab.rayjobs.client import connect
+    from trainlab.rayjobs.submit import Submitter, job_runtime_env, prepare, stage_working_dir
 
     prep = prepare(str(REPO / "trainers/recipes/tiny.yaml"), sets, REPO)
     wd = tmp / "wd"
@@ -130,7 +130,7 @@ def _reference(dataset: Path, tmp: Path) -> dict:
 
 
 def _wait(client, job_id: str):
-    from trainlab.jobs import client as jobclient
+    from trainlab.rayjobs import client as jobclient
 
     info = jobclient.wait_for(client, job_id, timeout_s=JOB_TIMEOUT_S)
     assert str(info.status.value) == "SUCCEEDED", client.get_job_logs(job_id)[-4000:]
@@ -139,7 +139,7 @@ def _wait(client, job_id: str):
 def test_an_elastic_run_shrinks_on_a_lost_node_grows_back_and_trains_the_same_model(
     cluster, dataset, tmp_path
 ):
-    from trainlab.jobs import client as jobclient
+    from trainlab.rayjobs import client as jobclient
     from trainlab.run.records import RunRecords
 
     runs = tmp_path / "runs"
@@ -230,7 +230,7 @@ def test_below_min_after_a_loss_the_attempt_fails_with_the_reason(cluster, datas
     extended: 83 s on 2 cores, which make test's 30 minutes no longer hold; the
     policy's decision (wait, then TooFewWorkers naming the minimum and the wait)
     is tests/unit/train/test_growth.py, in make test."""
-    from trainlab.jobs import client as jobclient
+    from trainlab.rayjobs import client as jobclient
 
     runs = tmp_path / "runs"
     sets = [

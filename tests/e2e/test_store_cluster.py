@@ -232,7 +232,7 @@ def test_a_run_in_the_store_resumes_on_a_fresh_cluster_bitwise(world):
     state = _up(env)
     scratches += [Path(n["scratch_dir"]) for n in state["nodes"]]
     try:
-        from trainlab.jobs.client import connect
+        from trainlab.rayjobs.client import connect
 
         client = connect(state["dashboard_url"])
         job_id = client.submit_job(entrypoint=f"trainlab train {run_uri} --resume --json")

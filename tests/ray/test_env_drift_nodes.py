@@ -1,10 +1,10 @@
-"""The node check on a real multi-node cluster (trainlab.environment.check_nodes):
+"""The node check on a real multi-node cluster (trainlab.envlock.check_nodes):
 one raylet whose processes see another version of a small locked package stops
 `trainlab train` before any worker starts, naming that node and the package;
 `--allow-env-drift` trains anyway and the run records the drift.
 
 The drifted node joins the session's shared cluster for this module only
-(`trainlab.jobs.localcluster.start_worker`, as `cluster add-node` starts one)
+(`trainlab.rayjobs.localcluster.start_worker`, as `cluster add-node` starts one)
 with a PYTHONPATH that puts a copy of `filelock` (a runtime dependency, pinned in
 requirements/cpu.txt) with another version in its metadata ahead of the venv's:
 every process of that node imports and reports it, as a machine where someone
@@ -26,7 +26,7 @@ import pytest
 from click.testing import CliRunner
 
 from tests.train_helpers import dataset_dir, tiny_config
-from trainlab import environment
+from trainlab import envlock
 from trainlab.cli import cli
 from trainlab.config import to_yaml
 
@@ -65,9 +65,9 @@ def drifted_node(ray_cluster, tmp_path_factory):
     of the shared cluster whose processes see another `filelock`."""
     import ray
 
-    from trainlab.jobs.localcluster import node_id, start_worker, stop_group
+    from trainlab.rayjobs.localcluster import node_id, start_worker, stop_group
 
-    locked = environment.read_lock(environment.lock_path("cpu"))[PACKAGE]
+    locked = envlock.read_lock(envlock.lock_path("cpu"))[PACKAGE]
     version = f"{locked}.post999"  # not the lock's, still a valid version
     shadow = _shadow(tmp_path_factory.mktemp("shadow"), version)
     # Short: Ray's unix sockets live under it (108-byte limit on Linux).
@@ -167,12 +167,12 @@ def test_allowed_drift_is_returned_and_recorded_in_the_run(drifted_node, tmp_pat
     (a real run's: tests/ray/test_repeats.py; all of it through `train`: below)."""
     label, locked, version = drifted_node
     line = f"{label}: {PACKAGE} {version} != {locked} (lock)"
-    monkeypatch.setenv(environment.ALLOW_DRIFT_ENV, "1")
-    assert environment.check_nodes(tmp_path) == [line]
-    recorded = json.loads((tmp_path / environment.ENV_FILE).read_text())
+    monkeypatch.setenv(envlock.ALLOW_DRIFT_ENV, "1")
+    assert envlock.check_nodes(tmp_path) == [line]
+    recorded = json.loads((tmp_path / envlock.ENV_FILE).read_text())
     assert recorded["drift"] == [line] and recorded["nodes"] == _alive_count()
-    assert environment.run_environment(tmp_path) == recorded
-    assert environment.mlflow_tags(recorded)["env.drift"] == line
+    assert envlock.run_environment(tmp_path) == recorded
+    assert envlock.mlflow_tags(recorded)["env.drift"] == line
 
 
 @pytest.mark.extended  # a whole training run (~50 s); its parts: the two tests above
@@ -182,7 +182,7 @@ def test_train_with_allow_env_drift_trains_and_its_summary_records_the_drift(
     label, locked, version = drifted_node
     line = f"{label}: {PACKAGE} {version} != {locked} (lock)"
     # `--allow-env-drift` sets it in this (the CLI's) process: undone afterwards.
-    monkeypatch.setenv(environment.ALLOW_DRIFT_ENV, "")
+    monkeypatch.setenv(envlock.ALLOW_DRIFT_ENV, "")
     result = CliRunner().invoke(
         cli,
         [

@@ -83,7 +83,7 @@ def assert_no_traceback(err: str) -> None:
 
 def mlflow_runs(runs_root: Path) -> list:
     """The store's runs (opened as trainlab does: never while a run creates it)."""
-    from trainlab.track.store import client_for
+    from trainlab.track.backend import client_for
 
     client = client_for(f"sqlite:///{runs_root}/mlflow.db")
     return client.search_runs([e.experiment_id for e in client.search_experiments()])

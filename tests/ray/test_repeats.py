@@ -12,9 +12,9 @@ import pytest
 
 from tests.train_helpers import dataset_dir, tiny_config
 from trainlab.cli.repeats import run_group
+from trainlab.track.backend import tracking_uri
 from trainlab.track.noise import LARGER, WITHIN
 from trainlab.track.query import compare_report
-from trainlab.track.store import tracking_uri
 from trainlab.train import run
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]

@@ -19,7 +19,7 @@ from tests.train_helpers import dataset_dir, make_job, tiny_config
 from tests.unit.train.layout_runner import run_layout
 from trainlab.cli import cli
 from trainlab.config import to_yaml
-from trainlab.storage import planned_checkpoint_bytes
+from trainlab.nodedisk import planned_checkpoint_bytes
 from trainlab.train import TrainingFailed, run
 from trainlab.train.driver.launcher import SMOKE_STEPS, smoke_config
 
@@ -206,7 +206,7 @@ def test_tensor_parallel_run_saves_sharded_resumes_and_leaks_no_secret(
     assert meta["format"] == "dcp" and meta["valid"]
     assert meta["layout"]["tp"] == 2 and meta["layout"]["dp"] == 1
     assert any(f.startswith("state/") and f.endswith(".distcp") for f in meta["files"])
-    # The disk preflight's size model (trainlab.storage): a real checkpoint holds 12
+    # The disk preflight's size model (trainlab.nodedisk): a real checkpoint holds 12
     # bytes per parameter (fp32 weights, Adam's two moments) plus less than 1 MiB.
     params = json.loads((Path(summary["run_dir"]) / "plan.json").read_text())["num_params"]
     size = sum(p.stat().st_size for p in last.rglob("*") if p.is_file())

@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from trainlab.jobs import runtime_env as renv
+from trainlab.rayjobs import runtime_env as renv
 
 REPO = Path(__file__).resolve().parents[2]
 CLUSTER = REPO / "cluster"
@@ -55,7 +55,7 @@ def test_image_installs_the_lock_then_the_project_without_dependencies():
     installs = [r for r in runs if "pip install" in r]
     assert any("--require-hashes -r ${LOCK}" in r for r in installs), installs
     assert any(re.search(r"pip install [^&]*--no-deps -e \.(\s|$)", r) for r in installs)
-    assert any("trainlab.environment check-lock" in r for r in runs)
+    assert any("trainlab.envlock check-lock" in r for r in runs)
     # Nothing pinned by hand beside the lock.
     assert not re.findall(r"\b[A-Za-z][\w\-\[\],]*==[\w.]+", " ".join(installs))
 
@@ -63,7 +63,7 @@ def test_image_installs_the_lock_then_the_project_without_dependencies():
 def test_specs_name_the_image_of_the_current_lock():
     """The tag is the CUDA lock's (`make lock` rewrites it): a dependency change
     is a new image, and every spec runs it."""
-    from trainlab.environment import image_tag
+    from trainlab.envlock import image_tag
 
     for name in MANIFESTS:
         tags = set(re.findall(r"image: REGISTRY/trainlab:(\S+)", (CLUSTER / name).read_text()))
@@ -89,7 +89,7 @@ def test_rayjob_entrypoint_is_the_training_script_with_a_real_recipe():
     assert inner[:2] == ["python", "trainers/pretrain.py"]
     assert (REPO / inner[1]).is_file()
     assert (REPO / inner[2]).is_file(), f"recipe {inner[2]} not in the repository"
-    assert argv[:3] == ["python", "-m", "trainlab.jobs.retry"]
+    assert argv[:3] == ["python", "-m", "trainlab.rayjobs.retry"]
 
 
 def test_ray_up_head_is_private_and_authenticated():

@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from devtools import lock
-from trainlab import environment as env
+from trainlab import envlock as env
 
 REPO = Path(__file__).resolve().parents[2]
 # What a venv holds besides the lock: the installer and the project itself.

@@ -19,6 +19,7 @@ import sys
 import click
 
 from trainlab.errors import UserError
+from trainlab.exitcodes import INTERRUPTED, TERMINATED
 
 RAY_TOKEN_NOTICE = "ray._private.authentication.authentication_token_setup"
 
@@ -110,14 +111,14 @@ def main(argv: list[str] | None = None) -> None:
         with json_only:  # with --json, stdout is the JSON document's alone
             _run(args)
     except SystemExit as e:
-        if e.code == 130 and "ray" in sys.modules:
-            # A Ctrl-C that stopped a run while Ray was starting leaves Ray's threads
-            # mid-start; the interpreter's teardown of them can crash (SIGSEGV seen
-            # after the summary was out). Everything is written by now: leave.
+        if e.code in (INTERRUPTED, TERMINATED) and "ray" in sys.modules:
+            # A Ctrl-C or SIGTERM that stopped a run can leave Ray's threads mid-start
+            # or mid-shutdown; the interpreter's teardown of them can crash (SIGSEGV
+            # seen after the summary was out). Everything is written by now: leave.
             logging.shutdown()
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(130)
+            os._exit(e.code)
         raise
 
 

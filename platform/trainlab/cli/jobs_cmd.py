@@ -75,10 +75,10 @@ def submit(
     as_json: bool,
 ) -> int:
     """Validate, plan, check and submit CONFIG as a Ray job; print its job id."""
-    from trainlab.jobs.submit import submit as run_submit
     from trainlab.raycluster import LineRouter, command_log
+    from trainlab.rayjobs.submit import submit as run_submit
 
-    if allow_env_drift:  # forwarded to the job (trainlab.jobs.runtime_env)
+    if allow_env_drift:  # forwarded to the job (trainlab.rayjobs.runtime_env)
         os.environ["TRAINLAB_ALLOW_ENV_DRIFT"] = "1"
 
     # Logs go to stdout unless stdout is reserved for the JSON result; Ray's own
@@ -120,7 +120,7 @@ def _write(stream, text: str) -> None:  # noqa: ANN001 - a text stream
 @json_option
 def jobs(address: str | None, allow_plain_http: bool, as_json: bool) -> int:
     """List the cluster's jobs, newest first, with their status."""
-    from trainlab.jobs.client import connect, list_jobs
+    from trainlab.rayjobs.client import connect, list_jobs
 
     rows = list_jobs(connect(address, allow_plain_http=allow_plain_http))
     if as_json:
@@ -165,7 +165,7 @@ def stop(job_id: str, address: str | None, allow_plain_http: bool, as_json: bool
     The run it trained is marked `stopped` (run_summary.json; MLflow status KILLED).
     A job that had ended is left as it was; its run is said as it ended, or
     marked `lost` when nothing recorded its end (its driver was killed)."""
-    from trainlab.jobs.client import TERMINAL, connect, job_info, resolve_address, stop_job
+    from trainlab.rayjobs.client import TERMINAL, connect, job_info, resolve_address, stop_job
 
     url = resolve_address(address)
     client = connect(url, allow_plain_http=allow_plain_http)
@@ -295,7 +295,7 @@ def up(
     as_json: bool,
 ) -> int:
     """Start a local Ray head node from this environment; print where it is."""
-    from trainlab.jobs.localcluster import cluster_up, how_to_submit
+    from trainlab.rayjobs.localcluster import cluster_up, how_to_submit
 
     _err("starting the Ray head on 127.0.0.1 (token auth on); this takes 10-30 s ...")
     state = cluster_up(
@@ -318,7 +318,7 @@ def up(
 @json_option
 def down(as_json: bool) -> int:
     """Stop the local cluster started by `trainlab cluster up` (by process group id)."""
-    from trainlab.jobs.localcluster import cluster_down
+    from trainlab.rayjobs.localcluster import cluster_down
 
     state = cluster_down()
     if as_json:
@@ -347,7 +347,7 @@ def add_node(num_cpus: int, as_json: bool) -> int:
     """Start one more raylet joining the local cluster: capacity back after a lost
     node (an elastic run grows back to it: docs/elastic.md)."""
     from trainlab.errors import UserError
-    from trainlab.jobs.localcluster import add_worker_node, read_state
+    from trainlab.rayjobs.localcluster import add_worker_node, read_state
 
     state = read_state()
     if state is None:
@@ -367,7 +367,7 @@ def add_node(num_cpus: int, as_json: bool) -> int:
 @json_option
 def status(as_json: bool) -> int:
     """Show the local cluster started by `trainlab cluster up`, if any."""
-    from trainlab.jobs.localcluster import how_to_submit, read_state
+    from trainlab.rayjobs.localcluster import how_to_submit, read_state
 
     state = read_state()
     if as_json:

@@ -1,13 +1,13 @@
 """The running local cluster of `trainlab cluster up`, for the commands that use Ray.
 
 `cluster up` says "trainlab's commands find this cluster by themselves": `submit`,
-`jobs` and `stop` find its Jobs API (trainlab.jobs.client.resolve_address), and
+`jobs` and `stop` find its Jobs API (trainlab.rayjobs.client.resolve_address), and
 the commands that start Ray in their own process (`train`, `tune`, `prep`, `data`,
 `mix`) connect to it instead of starting a second, embedded cluster. A driver of
 that cluster needs, before Ray is imported (Ray reads them once): RAY_ADDRESS,
 token auth (RAY_AUTH_MODE=token) and the loopback-only mode its nodes run in.
 RAY_ADDRESS set by the user wins; with no cluster running nothing changes.
-Here in the CLI because trainlab.raycluster must not depend on trainlab.jobs.
+Here in the CLI because trainlab.raycluster must not depend on trainlab.rayjobs.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def use_local_cluster(args: list[str]) -> str | None:
         return None
     if any(a in ("-h", "--help") for a in args):
         return None
-    from trainlab.jobs.localcluster import SINGLE_MACHINE_ENV, read_state
     from trainlab.raycluster import LOCAL_CLUSTER_ENV
+    from trainlab.rayjobs.localcluster import SINGLE_MACHINE_ENV, read_state
 
     state = read_state()
     if state is None:

@@ -1,5 +1,5 @@
 """`trainlab train CONFIG --repeats K`: K seeds of one experiment trained as a
-group (trainlab.groups: what a group is, its tags, the seeds; docs/noise.md).
+group (trainlab.repeats: what a group is, its tags, the seeds; docs/noise.md).
 
 The group's MLflow parent run is made here, before its first seed; each seed is
 the driver's `run` with TRAINLAB_GROUP_* set, which the driver forwards to the
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from trainlab.errors import UserError
-from trainlab.groups import (
+from trainlab.repeats import (
     ENV_GROUP_ID,
     ENV_GROUP_INDEX,
     ENV_GROUP_KEY,
@@ -37,9 +37,9 @@ def config_key(cfg: Any) -> str:
 def _parent_run(cfg: Any, group_id: str, key: str, repeats: int) -> tuple[str | None, Any]:
     """The group's MLflow parent run (its id), in the config's experiment."""
     from trainlab.run.location import local_runs_root
+    from trainlab.track.backend import artifact_location, client_for, tracking_uri
     from trainlab.track.experiments import get_or_create_experiment
     from trainlab.track.mlflow_cb import experiment_name
-    from trainlab.track.store import artifact_location, client_for, tracking_uri
 
     # The embedded store lives in the runs root, or in this machine's working copy
     # of a runs root in object storage.

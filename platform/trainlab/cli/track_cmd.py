@@ -373,6 +373,7 @@ def track_flush(run_dir: str, runs_root: str | None) -> int:
     from pathlib import Path
 
     from trainlab.run.location import RunLocation
+    from trainlab.track.backend import client_for, tracking_uri
     from trainlab.track.journal import (
         JOURNAL,
         MARKER,
@@ -381,7 +382,6 @@ def track_flush(run_dir: str, runs_root: str | None) -> int:
         flush_journal,
         store_busy,
     )
-    from trainlab.track.store import client_for, tracking_uri
 
     loc = RunLocation.of(run_dir)
     if not loc.remote and not loc.local.is_dir():
@@ -422,7 +422,7 @@ def track_flush(run_dir: str, runs_root: str | None) -> int:
 def ui(port: int, runs_root: str | None) -> int:
     """Start the MLflow UI on 127.0.0.1 against the runs store (Ctrl-C stops it)."""
     from trainlab.track import mlflow_ui
-    from trainlab.track.store import ENV_TRACKING_URI, artifact_location, tracking_uri
+    from trainlab.track.backend import ENV_TRACKING_URI, artifact_location, tracking_uri
 
     runs_root = default_runs_root(runs_root)
     uri = tracking_uri(runs_root)

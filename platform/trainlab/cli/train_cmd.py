@@ -74,7 +74,7 @@ EXIT_INFRASTRUCTURE = 75
     default=None,
     metavar="K",
     help="Run K seeds (data.seed, train.seed + 0..K-1) as one group, for the noise "
-    "band `trainlab compare` shows (trainlab.groups).",
+    "band `trainlab compare` shows (trainlab.repeats).",
 )
 @click.option(
     "--allow-env-drift",
@@ -138,7 +138,7 @@ def train(
     from trainlab.track.server import check_credentials
 
     check_credentials()
-    if allow_env_drift:  # trainlab.environment.check_nodes records the drift instead
+    if allow_env_drift:  # trainlab.envlock.check_nodes records the drift instead
         os.environ["TRAINLAB_ALLOW_ENV_DRIFT"] = "1"
     if repeats is not None:
         from trainlab.cli.repeats import train_repeats
@@ -278,8 +278,8 @@ def _delete_record(run_dir: Path) -> None:
     in the store of its runs root), if the store has one."""
     import logging
 
+    from trainlab.track.backend import client_for, tracking_uri
     from trainlab.track.journal import run_key
-    from trainlab.track.store import client_for, tracking_uri
 
     try:
         client = client_for(tracking_uri(run_dir.parent.parent), flush_records=False)

@@ -479,7 +479,7 @@ class ResourceConfig(Section):
     # Each node's local scratch and cache area (staged checkpoint parts, downloaded
     # checkpoints and datasets, the driver's working copy of a run kept in object
     # storage): never the only copy of anything. An absolute path on every node;
-    # null = {the node's temp dir}/trainlab-scratch (TMPDIR decides; trainlab.storage).
+    # null = {the node's temp dir}/trainlab-scratch (TMPDIR decides; trainlab.nodedisk).
     scratch_dir: str | None = Field(
         None, min_length=1, max_length=1024, json_schema_extra=NOT_IDENTITY
     )

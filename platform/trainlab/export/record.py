@@ -10,8 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from trainlab.track.backend import embedded_db_path, tracking_uri
 from trainlab.track.mlflow_cb import MlflowCallback
-from trainlab.track.store import embedded_db_path, tracking_uri
 
 LOGGED_FILES = ("export.json", "config.json", "generation_config.json", "tokenizer_config.json")
 

@@ -58,7 +58,7 @@ def _fetched(where: Location, rel: str) -> Path:
     the dataset's location: the copy is checked against the manifest's sha256)."""
     import hashlib
 
-    from trainlab.storage import scratch_root
+    from trainlab.nodedisk import scratch_root
 
     key = hashlib.sha256(where.uri.encode()).hexdigest()[:16]
     dest = scratch_root() / "datasets" / key / rel

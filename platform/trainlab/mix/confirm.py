@@ -79,16 +79,16 @@ def _configs(base: dict[str, Any], mix: dict[str, float], name: str, repeats: in
 
 def tag_group(uri: str, exp_id: str, config: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The runs of one arm's repeats (seeds of one experiment) as a group
-    (trainlab.groups): group_id, group_index, group_size and experiment_key tags on
+    (trainlab.repeats): group_id, group_index, group_size and experiment_key tags on
     their MLflow runs, so `trainlab compare GROUP_A GROUP_B` gives each arm's mean
     and std with n, and the gap with its interval and verdict (docs/noise.md).
     Returns the group id (runs that left no record are left out of the tags)."""
     import uuid
 
     from trainlab.config import flatten
-    from trainlab.groups import experiment_key
+    from trainlab.repeats import experiment_key
+    from trainlab.track.backend import client_for
     from trainlab.track.mlflow_cb import run_key
-    from trainlab.track.store import client_for
 
     group_id = uuid.uuid4().hex[:12]
     key = experiment_key(flatten(ExperimentConfig.model_validate(config).model_dump(mode="json")))
@@ -110,7 +110,7 @@ def confirm(proposal_path: str, against: str, *, scale: str = "target", repeats:
             max_concurrent: int | None = None) -> dict[str, Any]:
     from trainlab.mix.swarm import concurrency, log_to_parent, run_trials
     from trainlab.raycluster import ensure_ray
-    from trainlab.track.store import client_for, get_or_create_experiment
+    from trainlab.track.backend import client_for, get_or_create_experiment
 
     proposal = load_proposal(proposal_path)
     record = records.load(proposal["swarm_id"], proposal["runs_root"])

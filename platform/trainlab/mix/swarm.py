@@ -120,8 +120,8 @@ def reusable_trials(old: dict[str, Any], proxy: ExperimentConfig,
 def _nest(uri: str, experiment_id: str, run_dir: str, parent_id: str, swarm_id: str) -> None:
     """Put a trial's MLflow run under the swarm's parent run (best effort: logged)."""
     try:
+        from trainlab.track.backend import client_for
         from trainlab.track.mlflow_cb import run_key
-        from trainlab.track.store import client_for
 
         client = client_for(uri)
         found = client.search_runs([experiment_id],
@@ -144,8 +144,8 @@ def start_parent(runs_root: str, experiment: str, name: str, swarm_id: str,
 
     from trainlab.config import flatten
     from trainlab.track import artifact_location, tracking_uri
+    from trainlab.track.backend import client_for, get_or_create_experiment
     from trainlab.track.mlflow_cb import param_value, run_key
-    from trainlab.track.store import client_for, get_or_create_experiment
 
     uri = tracking_uri(runs_root)
     client = client_for(uri)
@@ -281,7 +281,7 @@ def run_trials(configs: list[dict[str, Any]], tune_name: str, parallel: int, uri
 
 
 def _finish_parent(uri: str, parent_id: str, record: dict[str, Any], path: Path) -> None:
-    from trainlab.track.store import client_for
+    from trainlab.track.backend import client_for
 
     client = client_for(uri)
     c = record["cost"]
@@ -302,7 +302,7 @@ def log_to_parent(record: dict[str, Any], metrics: dict[str, float], tags: dict[
                   files: list[Path] = ()) -> None:
     """Add what fit/propose/confirm found to the swarm's parent run."""
     from trainlab.track import tracking_uri
-    from trainlab.track.store import client_for
+    from trainlab.track.backend import client_for
 
     client = client_for(tracking_uri(record["runs_root"]))
     pid = record["parent_run_id"]

@@ -1,6 +1,6 @@
 """low_disk: a P1 alert when the run directory's filesystem runs short of space.
 
-The preflight (`trainlab.storage.check_disk_room`) refuses a run that cannot hold
+The preflight (`trainlab.nodedisk.check_disk_room`) refuses a run that cannot hold
 its checkpoints when it starts; this rule covers what happens after: other runs,
 logs or datasets filling the same disk while the run trains. A checkpoint written
 to a full disk fails, and with it the run, so the alert comes while there is

@@ -3,7 +3,7 @@
 A run's home is `{runs_root}/{date}/{name}`. With a local or shared runs root
 it is a directory, as it always was. With `train.runs_root: s3://bucket/prefix`
 it is a prefix in the store, and every node keeps a *working copy* of it under
-its scratch area (`resource.scratch_dir`, trainlab.storage.scratch_root):
+its scratch area (`resource.scratch_dir`, trainlab.nodedisk.scratch_root):
 
     {scratch}/runs/{bucket}/{prefix}/{date}/{name}/
         logs/          this node's own log files (rank{r}.log, driver.log, the
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.location import APPENDS_SUFFIX, Location, locate
-from trainlab.storage import scratch_root
+from trainlab.nodedisk import scratch_root
 
 __all__ = ["APPENDS_SUFFIX", "LogShipper", "RunLocation", "local_runs_root", "ship_logs"]
 
@@ -53,7 +53,9 @@ class RunLocation:
     local: Path
 
     @classmethod
-    def of(cls, where: str | os.PathLike[str] | Location, scratch_dir: str | None = None) -> RunLocation:
+    def of(
+        cls, where: str | os.PathLike[str] | Location, scratch_dir: str | None = None
+    ) -> RunLocation:
         """The location of the run at `where` (a path, a store URI, a Location)."""
         return _location(locate(where, what="run directory"), scratch_dir)
 
@@ -183,6 +185,7 @@ class LogShipper:
 
     def __init__(self, loc: RunLocation, names: list[str] | None = None, interval_s: float = 30.0):
         self.loc, self.names, self.interval_s = loc, names, interval_s
+        self._abandoned = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="trainlab-logs", daemon=True)
 
@@ -192,8 +195,16 @@ class LogShipper:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
+        if self._abandoned:
+            return
         self._thread.join(timeout=5)
         self.ship()
+
+    def abandon(self) -> None:
+        """The store does not answer and this process is ending: ship nothing more
+        (the logs stay on this node's working copy)."""
+        self._abandoned = True
+        self._stop.set()
 
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -149,6 +149,10 @@ class RunLock:
         os.close(self._fd)
         self._fd = None
 
+    def abandon(self) -> None:
+        """Nothing to give up: releasing a lock on this machine's disk waits on no
+        network (StoreRunLock.abandon)."""
+
     def __enter__(self) -> RunLock:
         return self
 
@@ -213,6 +217,7 @@ class StoreRunLock:
         self.version: str | None = None  # what this holder wrote last (conditional)
         self.on_lost = on_lost or lost_lease
         self._released = False
+        self._abandoned = False
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._beat_loop, name="trainlab-runlock", daemon=True
@@ -302,11 +307,21 @@ class StoreRunLock:
             return
         self._released = True
         self._stop.set()
+        if self._abandoned:
+            return
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         with contextlib.suppress(OSError):
             if parse_holder(self.loc.read_text(HOLDER)) == self.holder:
                 self.loc.delete(HOLDER)
+
+    def abandon(self) -> None:
+        """The store does not answer and this driver is ending: stop beating, and
+        let `release` send nothing more (no wait for a beat inside an unanswered
+        request, no removal of the record). The lease goes stale; a resume takes
+        it over, recorded in the run's takeovers."""
+        self._abandoned = True
+        self._stop.set()
 
     def __enter__(self) -> StoreRunLock:
         return self

@@ -30,7 +30,8 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +104,48 @@ def failure_cause(failures: list[dict[str, Any]]) -> str:
     if STORAGE in kinds:
         return STORAGE
     return "infrastructure" if kinds & INFRASTRUCTURE_KINDS else "code"
+
+
+class GrowthState(StrEnum):
+    """The growth handshake's states, in the order they are reached."""
+
+    REQUESTED = "requested"  # the controller asked for a checkpoint to grow at
+    ACCEPTED = "accepted"  # rank 0 asked the ranks to hold at this step's checkpoint
+    READY = "ready"  # that checkpoint is committed, the ranks hold (`step`)
+    GO = "go"  # the controller restarts the group at the larger size
+
+    def before(self, other: GrowthState) -> bool:
+        order = list(GrowthState)
+        return order.index(self) < order.index(other)
+
+
+@dataclass(frozen=True)
+class Growth:
+    """An elastic run's request to grow (logs/resize.json)."""
+
+    id: str
+    to_world_size: int
+    state: GrowthState
+    step: int | None = None  # the checkpoint's step, from READY on
+
+    @classmethod
+    def parse(cls, text: str | None) -> Growth | None:
+        """The record in `text`; None when it is absent or not a growth record."""
+        try:
+            raw = json.loads(text or "")
+            return cls(
+                id=str(raw["id"]),
+                to_world_size=int(raw["to_world_size"]),
+                state=GrowthState(raw["state"]),
+                step=None if raw.get("step") is None else int(raw["step"]),
+            )
+        except (ValueError, TypeError, KeyError, AttributeError):
+            return None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"to_world_size": self.to_world_size, "id": self.id}
+        out["state"] = self.state.value
+        return out if self.step is None else {**out, "step": self.step}
 
 
 class RunRecords:
@@ -275,9 +318,7 @@ class RunRecords:
         if self._in_outage():
             return
         try:
-            self.loc.write_text(
-                f"logs/{PROGRESS}", json.dumps({"step": step, "time": time.time()})
-            )
+            self.loc.write_text(f"logs/{PROGRESS}", json.dumps({"step": step, "time": time.time()}))
         except OSError as e:
             self._outage(f"logs/{PROGRESS} not written", e)
 
@@ -343,50 +384,45 @@ class RunRecords:
     # resize check (trainlab.train.driver.elastic, in Ray Train's controller) asks
     # for one, rank 0 takes it at the next step boundary and holds the ranks there,
     # the controller restarts the group larger from it, so no step is redone. One
-    # small JSON record, `logs/resize.json`: {"to_world_size", "id", "state":
-    # "requested" | "accepted" | "ready" (with "step") | "go"}; deleted to cancel.
+    # small record, `logs/resize.json` (a Growth); deleted to cancel.
 
     def request_growth(self, to_world_size: int) -> str:
         request_id = f"{time.time_ns():x}"
-        self._write_growth({"to_world_size": to_world_size, "id": request_id, "state": "requested"})
+        self._write_growth(Growth(request_id, to_world_size, GrowthState.REQUESTED))
         return request_id
 
-    def growth(self) -> dict[str, Any] | None:
+    def growth(self) -> Growth | None:
         """The pending growth request, or None."""
-        text = self.loc.read_text(f"logs/{RESIZE_REQUEST}")
-        if not text:
-            return None
-        try:
-            record = json.loads(text)
-        except ValueError:
-            return None
-        return record if isinstance(record, dict) else None
+        return Growth.parse(self.loc.read_text(f"logs/{RESIZE_REQUEST}"))
 
     def growth_accepted(self, request_id: str) -> None:
         """Rank 0 has asked the ranks to hold at this step's checkpoint (it may take
         long to commit: the controller waits for it)."""
-        record = self.growth()
-        if record is not None and record.get("id") == request_id:
-            self._write_growth({**record, "state": "accepted"})
+        self._advance_growth(request_id, GrowthState.ACCEPTED)
 
     def growth_ready(self, request_id: str, step: int) -> None:
         """Rank 0 holds at `step`, whose checkpoint is committed."""
-        record = self.growth()
-        if record is not None and record.get("id") == request_id:
-            self._write_growth({**record, "state": "ready", "step": step})
+        self._advance_growth(request_id, GrowthState.READY, step)
 
     def growth_go(self, request_id: str) -> None:
         """The controller restarts the group now: the ranks keep holding."""
-        record = self.growth()
-        if record is not None and record.get("id") == request_id:
-            self._write_growth({**record, "state": "go"})
+        self._advance_growth(request_id, GrowthState.GO)
 
     def cancel_growth(self) -> None:
         """No growth (capacity gone again, a new worker group): the ranks go on."""
         self.loc.delete(f"logs/{RESIZE_REQUEST}")
 
-    def _write_growth(self, record: dict[str, Any]) -> None:
-        self.loc.write_text(f"logs/{RESIZE_REQUEST}", json.dumps(record))
+    def _advance_growth(self, request_id: str, state: GrowthState, step: int | None = None) -> None:
+        """Move request `request_id` forward to `state`; a request cancelled or
+        replaced meanwhile, or already past `state`, is left as it is."""
+        record = self.growth()
+        if record is not None and record.id == request_id and record.state.before(state):
+            self._write_growth(
+                replace(record, state=state, step=record.step if step is None else step)
+            )
+
+    def _write_growth(self, record: Growth) -> None:
+        self.loc.write_text(f"logs/{RESIZE_REQUEST}", json.dumps(record.to_json()))
 
     # ------------------------------------------------------------------ chaos
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from trainlab.track.backend import artifact_location, tracking_uri
 from trainlab.track.gitinfo import git_env, git_info
-from trainlab.track.store import artifact_location, tracking_uri
 
 __all__ = [
     "artifact_location",

@@ -5,7 +5,7 @@ stopped by an alert or interrupted. Two ends leave no process to do so: a job
 stopped with `trainlab stop JOB` (trainlab.track.lifecycle) and a run whose
 processes vanished (trainlab.track.heartbeat). `write_ended_summary` writes
 what they would have, at the newest checkpoint. It touches no MLflow store, so
-the store's own opening (trainlab.track.store) can end lost runs through it.
+the store's own opening (trainlab.track.backend) can end lost runs through it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""MLflow experiments of training runs (kept apart from trainlab.track.store so
+"""MLflow experiments of training runs (kept apart from trainlab.track.backend so
 the journal, which the store's opening calls, can create them)."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ training processes ran, summed over every start of the run: a resume does not
 count the idle time between starts). A run MLflow still calls RUNNING whose
 heartbeat is older than `TRAINLAB_LOST_AFTER_S` (default 4 beats) lost its
 processes (a lost machine, a `kill -9` of the driver). The next trainlab
-command that opens the store (trainlab.track.store.client_for: `runs`,
+command that opens the store (trainlab.track.backend.client_for: `runs`,
 `compare`, `train`'s record, `tune`, `mix`, `export`, the notebooks) ends its
 records with `correct_lost`: MLflow FAILED with the status tag `lost`, and its
 run directory's run_summary.json status `lost` where this machine sees it. One

@@ -36,7 +36,7 @@ _TERMINAL = ("FINISHED", "FAILED", "KILLED")
 def source_uri(source: str) -> str:
     """The embedded store named by `source` (sqlite:///path, the .db file, or a
     runs root holding mlflow.db); UserError when there is none."""
-    from trainlab.track.store import DB_FILE
+    from trainlab.track.backend import DB_FILE
 
     if source.startswith("sqlite:///"):
         path = Path(source.removeprefix("sqlite:///"))

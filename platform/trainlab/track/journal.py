@@ -9,7 +9,7 @@ fsynced. Entries are then applied to the store in order by `flush_journal`;
 (and the MLflow run id). A store that is locked, slow or down only delays the
 record: the entries wait in the journal and are applied when the store
 answers: by the run's own background flusher, at the run's end, or by the
-next trainlab command that opens the store (trainlab.track.store.client_for
+next trainlab command that opens the store (trainlab.track.backend.client_for
 flushes the pending journals of the run directories under the runs root), or
 by `trainlab track-flush RUN_DIR`.
 
@@ -189,7 +189,7 @@ class Journal:
 def store_busy(uri: str) -> bool:
     """The embedded (SQLite) store is locked by another process right now. A quick
     probe: MLflow itself waits 20 s on a locked database before it gives up."""
-    # trainlab.track.store.embedded_db_path (the store's opening imports this module)
+    # trainlab.track.backend.embedded_db_path (the store's opening imports this module)
     db = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
     if db is None or not db.is_file():
         return False

@@ -8,7 +8,7 @@ and workers) and a run whose processes vanished (a lost machine, `kill -9`).
 newest checkpoint (trainlab.track.ended), and the MLflow run closed with its
 curves and the matching status (stopped -> KILLED) and `status` tag. Lost runs
 are ended by whichever trainlab command next opens the store
-(trainlab.track.heartbeat.correct_lost, called by trainlab.track.store.client_for).
+(trainlab.track.heartbeat.correct_lost, called by trainlab.track.backend.client_for).
 """
 
 from __future__ import annotations

@@ -24,6 +24,12 @@ from typing import TYPE_CHECKING, Any
 from trainlab.redact import redact
 from trainlab.runstatus import RunStatus
 from trainlab.track import heartbeat
+from trainlab.track.backend import (
+    artifact_location,
+    client_for,
+    fail_fast_on_outage,
+    tracking_uri,
+)
 from trainlab.track.gitinfo import git_info
 from trainlab.track.heartbeat import Heartbeat
 from trainlab.track.journal import (  # noqa: F401 - run_key re-exported
@@ -33,12 +39,6 @@ from trainlab.track.journal import (  # noqa: F401 - run_key re-exported
     end_wait_s,
     now_ms,
     run_key,
-)
-from trainlab.track.store import (
-    artifact_location,
-    client_for,
-    fail_fast_on_outage,
-    tracking_uri,
 )
 from trainlab.train.loop.callbacks import Callback, RunContext
 
@@ -526,8 +526,8 @@ class MlflowCallback(Callback):
 
     def _start_entry(self, ctx: RunContext, runs_root: str) -> dict[str, Any]:
         from trainlab.config import to_yaml
-        from trainlab.environment import mlflow_tags, packages_file, run_environment
-        from trainlab.groups import group_tags
+        from trainlab.envlock import mlflow_tags, packages_file, run_environment
+        from trainlab.repeats import group_tags
 
         artifacts: list[dict[str, Any]] = [
             {"text": to_yaml(ctx.cfg), "file": "config.yaml"},
@@ -543,7 +543,7 @@ class MlflowCallback(Callback):
                 artifacts.append({"text": text, "file": f"data/{manifest.name}"})
             except (OSError, UserError, UnicodeDecodeError) as e:
                 log.warning("%s: not recorded (%s)", ctx.manifest_path, e)
-        # The environment (trainlab.environment) and a repeat's group (trainlab.groups).
+        # The environment (trainlab.envlock) and a repeat's group (trainlab.repeats).
         env, group = run_environment(ctx.run_dir), group_tags()
         artifacts += [{"data": env, "file": "environment.json"}]
         packages = packages_file(ctx.run_dir)

@@ -2,7 +2,7 @@
 
 The numbers only; people decide (docs/noise.md states the method):
 
-- a group (K seeds of one experiment, trainlab.groups): per metric the mean, the
+- a group (K seeds of one experiment, trainlab.repeats): per metric the mean, the
   sample standard deviation (n - 1) and n;
 - two groups: the difference of the means (other minus reference) with its 95%
   Welch t interval (unequal variances, Welch-Satterthwaite degrees of freedom);
@@ -10,7 +10,7 @@ The numbers only; people decide (docs/noise.md states the method):
   prediction interval of one more seed of the group (s * sqrt(1 + 1/n), n - 1
   degrees of freedom);
 - two single runs: the difference with the interval from the noise band of a
-  recorded group of the same experiment (trainlab.groups.experiment_key), s *
+  recorded group of the same experiment (trainlab.repeats.experiment_key), s *
   sqrt(2) on n - 1 degrees of freedom, and which group gave it; with none, the
   noise is unknown and no verdict is given.
 

@@ -15,12 +15,12 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from trainlab.errors import UserError
-from trainlab.groups import experiment_key
 from trainlab.redact import redact
+from trainlab.repeats import experiment_key
+from trainlab.track.backend import client_for, embedded_db_path
 from trainlab.track.heartbeat import ACTIVE_TAG
 from trainlab.track.mlflow_cb import EXTENDED_TAG, TOTAL_STEPS_TAG
 from trainlab.track.series import metric_series
-from trainlab.track.store import client_for, embedded_db_path
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -124,7 +124,7 @@ def find_runs(
 def _labels(run: Run) -> set[str]:
     """What selects a run on the command line: its MLflow run name (its run
     directory's, e.g. `tiny-2`), its config's name (`tiny`: every run of it) and
-    its run id; a group's id (trainlab.groups) selects its seeds."""
+    its run id; a group's id (trainlab.repeats) selects its seeds."""
     labels = {run.info.run_name, run.info.run_id, run.data.params.get("name")}
     labels.add(run.data.tags.get("group_id"))  # a `--repeats` group: all its seeds
     return {label for label in labels if label}
@@ -255,7 +255,7 @@ def run_row(client: MlflowClient, run: Run, experiment_names: dict[str, str]) ->
         "git_commit": run.data.tags.get("git_commit"),
         "group_id": run.data.tags.get("group_id"),
         "experiment_key": experiment_key(params),
-        # What it ran with (trainlab.environment: the `env.*` tags).
+        # What it ran with (trainlab.envlock: the `env.*` tags).
         "environment": {
             k.removeprefix(ENV_PREFIX): v
             for k, v in sorted(run.data.tags.items())

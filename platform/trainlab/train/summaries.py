@@ -9,9 +9,9 @@ import logging
 import time
 from typing import Any
 
-from trainlab.environment import run_environment
-from trainlab.groups import summary_group
+from trainlab.envlock import run_environment
 from trainlab.location import StoreUnavailable
+from trainlab.repeats import summary_group
 from trainlab.run.records import INTERRUPT_REASON, RunRecords, failure_cause
 from trainlab.runstatus import RunStatus
 
@@ -79,9 +79,9 @@ def run_summary(
     if status == RunStatus.FAILED:
         summary["error"] = error
         summary["failure_cause"] = failure_cause(failures)
-    # The software it ran with (trainlab.environment: the driver's node check wrote it).
+    # The software it ran with (trainlab.envlock: the driver's node check wrote it).
     summary["environment"] = run_environment(job.run_dir)
-    if summary_group():  # one seed of a `--repeats` group (trainlab.groups)
+    if summary_group():  # one seed of a `--repeats` group (trainlab.repeats)
         summary["group"] = summary_group()
     extensions = _or_none(records.extensions)
     if extensions:

@@ -183,7 +183,7 @@ def test_a_passed_rehearsal_is_removed_and_a_failed_one_kept(tmp_path):
 
 
 def test_a_live_run_survives_gc_force_and_is_collected_once_its_holder_ends(tmp_path, capsys):
-    from tests.unit.train.test_runlock import hold
+    from tests.unit.train.test_run_lock import hold
 
     root = tmp_path / "runs"
     # old files, and a summary from an earlier attempt: only the lock says it is live
@@ -212,7 +212,7 @@ def test_a_live_run_survives_gc_force_and_is_collected_once_its_holder_ends(tmp_
 
 
 def test_a_run_that_comes_alive_after_planning_is_left_alone(tmp_path):
-    from tests.unit.train.test_runlock import hold
+    from tests.unit.train.test_run_lock import hold
     from trainlab.cli import gc_cmd
 
     root = tmp_path / "runs"

@@ -109,7 +109,7 @@ def test_run_dir_resume_with_set_extends_the_run(run, monkeypatch):
 
 
 def test_a_run_held_by_a_live_process_is_refused_in_one_line(run, monkeypatch, capsys):
-    from tests.unit.train.test_runlock import hold
+    from tests.unit.train.test_run_lock import hold
 
     _, run_dir = run
     monkeypatch.setattr(launcher, "_fit", must_not_train)

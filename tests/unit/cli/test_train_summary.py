@@ -87,8 +87,8 @@ def test_a_removed_rehearsal_leaves_no_record_beside_the_real_runs(tmp_path, mon
     """A passed smoke rehearsal's MLflow run goes with its directory (it used to be
     listed `completed` by `runs` and compared with the real run); the real run's
     record stays."""
+    from trainlab.track.backend import client_for, tracking_uri
     from trainlab.track.journal import run_key
-    from trainlab.track.store import client_for, tracking_uri
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     runs_root = tmp_path / "runs"

@@ -169,7 +169,7 @@ def test_train_without_purpose_or_expectation_exits_2_unless_smoke(repo):
 
 
 def test_submit_requires_purpose_and_expectation(repo):
-    from trainlab.jobs.submit import prepare
+    from trainlab.rayjobs.submit import prepare
 
     with pytest.raises(ConfigError, match="required for trainlab submit"):
         prepare(str(repo / "configs/exp/a.yaml"), (), repo)

@@ -115,10 +115,10 @@ def test_confirm_records_each_arms_repeats_as_a_group_compare_reads(tmp_path):
     gap with its interval and verdict (here the runs are recorded by hand: no
     training)."""
     from trainlab.mix.confirm import _configs, tag_group
+    from trainlab.track.backend import client_for, get_or_create_experiment, tracking_uri
     from trainlab.track.mlflow_cb import run_key
     from trainlab.track.noise import LARGER
     from trainlab.track.query import compare_report
-    from trainlab.track.store import client_for, get_or_create_experiment, tracking_uri
 
     rec = make_record(tmp_path, n=8)
     runs_root = tmp_path / "runs"

@@ -19,9 +19,9 @@ from tests.train_helpers import new_run_context
 from tests.unit.track.test_monitor_rules import CKPT_EVERY, STEP_SECONDS, Stream
 from trainlab.config import load_config
 from trainlab.errors import UserError
-from trainlab.jobs.retry import describe_exit, is_infrastructure_exit
 from trainlab.monitor import MonitorCallback
 from trainlab.monitor.rules import build_rules
+from trainlab.rayjobs.retry import describe_exit, is_infrastructure_exit
 from trainlab.train.job import TrainJob
 from trainlab.train.loop.metrics import P0Rules, StepSignals, launch
 from trainlab.train.parallel.distributed import DistEnv

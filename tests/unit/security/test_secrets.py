@@ -58,7 +58,7 @@ def test_the_train_loop_config_carries_settings_but_no_secret(fake_env):
 
 
 def test_a_submitted_jobs_runtime_env_has_no_secret(fake_env, tmp_path):
-    from trainlab.jobs.submit import job_runtime_env
+    from trainlab.rayjobs.submit import job_runtime_env
 
     runtime_env = job_runtime_env(tmp_path, tmp_path / "wd")
     assert runtime_env["env_vars"]["MLFLOW_TRACKING_URI"] == SETTINGS["MLFLOW_TRACKING_URI"]
@@ -66,7 +66,7 @@ def test_a_submitted_jobs_runtime_env_has_no_secret(fake_env, tmp_path):
 
 
 def test_a_tracking_uri_with_credentials_is_never_shipped_with_a_job(fake_env, monkeypatch):
-    from trainlab.jobs import runtime_env as renv
+    from trainlab.rayjobs import runtime_env as renv
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://bob:fake-uri-password-1@mlflow.example")
     with pytest.raises(UserError) as err:

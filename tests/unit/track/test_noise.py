@@ -9,7 +9,7 @@ import math
 import pytest
 from scipy import stats
 
-from trainlab.groups import experiment_key
+from trainlab.repeats import experiment_key
 from trainlab.track import noise
 
 A = [3.10, 3.20, 3.05]

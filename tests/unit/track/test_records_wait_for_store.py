@@ -16,8 +16,8 @@ import pytest
 
 from tests.unit.track.conftest import artifact_text, only_run
 from trainlab.run.records import RunRecords
+from trainlab.track.backend import tracking_uri
 from trainlab.track.journal import JOURNAL, MARKER, Journal, flush_journal, store_busy
-from trainlab.track.store import tracking_uri
 
 HOLD = (
     "import sqlite3, sys\n"
@@ -197,8 +197,8 @@ def test_track_flush_writes_a_runs_pending_records(
 def test_a_start_cut_short_after_the_run_was_created_is_completed(
     rank0, runs_root, client, locked_store, monkeypatch
 ):
+    from trainlab.track.backend import artifact_location
     from trainlab.track.mlflow_cb import experiment_name, run_key
-    from trainlab.track.store import artifact_location
 
     monkeypatch.setenv("TRAINLAB_STORE_RETRY_S", "0.2")
     monkeypatch.setenv("TRAINLAB_STORE_END_WAIT_S", "0.5")

@@ -13,11 +13,11 @@ from tests.unit.track.conftest import artifact_text, only_run
 from trainlab.config import to_yaml
 from trainlab.run.records import RunRecords
 from trainlab.track import tracking_uri
+from trainlab.track.backend import EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND
 from trainlab.track.heartbeat import correct_lost
 from trainlab.track.lifecycle import end_run
 from trainlab.track.mlflow_cb import experiment_name
 from trainlab.track.query import list_runs
-from trainlab.track.store import EXPERIMENT_KIND_TAG, MODEL_TRAINING_KIND
 
 
 @pytest.fixture(autouse=True)

@@ -53,7 +53,7 @@ def test_run_key_and_metric_names():
 
 
 def _open_store_at_once(uri: str, barrier, results) -> None:
-    from trainlab.track.store import client_for, get_or_create_experiment
+    from trainlab.track.backend import client_for, get_or_create_experiment
 
     barrier.wait()
     try:
@@ -85,7 +85,7 @@ def test_runs_starting_at_once_on_a_fresh_runs_root_share_one_store(tmp_path):
 _KILLED_CREATOR = """
 import os, sys
 import mlflow.store.db.utils as db_utils
-from trainlab.track.store import client_for
+from trainlab.track.backend import client_for
 
 def killed(engine):  # the first tables exist, the migrations never run
     os._exit(9)
@@ -103,7 +103,7 @@ def test_a_process_killed_while_creating_the_store_leaves_it_usable(tmp_path, mo
     import subprocess
     import sys
 
-    from trainlab.track.store import client_for, get_or_create_experiment
+    from trainlab.track.backend import client_for, get_or_create_experiment
 
     db = tmp_path / "runs" / "mlflow.db"
     uri = f"sqlite:///{db}"
@@ -130,7 +130,7 @@ def test_a_new_store_has_no_default_experiment_in_the_processs_folder(tmp_path, 
     the runs root's."""
     from mlflow.entities import ViewType
 
-    from trainlab.track.store import client_for
+    from trainlab.track.backend import client_for
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     elsewhere = tmp_path / "ray-session"
@@ -152,7 +152,7 @@ def test_new_stores_are_copies_of_one_migrated_template(tmp_path, monkeypatch):
 
     from mlflow.entities import ViewType
 
-    from trainlab.track.store import client_for, get_or_create_experiment
+    from trainlab.track.backend import client_for, get_or_create_experiment
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("TRAINLAB_HOME", str(tmp_path / "home"))

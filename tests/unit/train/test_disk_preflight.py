@@ -10,8 +10,8 @@ import pytest
 
 from tests.train_helpers import dataset_dir, tiny_config
 from trainlab.errors import UserError
+from trainlab.nodedisk import check_disk_room, planned_checkpoint_bytes
 from trainlab.plan import plan
-from trainlab.storage import check_disk_room, planned_checkpoint_bytes
 from trainlab.train.driver.launcher import run
 
 # A ~65B-parameter model: 780 GB per checkpoint. cpu_memory_gb lets the plan fit, so

@@ -6,6 +6,7 @@ or cancels and the ranks go on; nothing of the training changes."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import socket
 import threading
 import time
@@ -13,7 +14,7 @@ import time
 import pytest
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
-from trainlab.run.records import RunRecords
+from trainlab.run.records import RESIZE_REQUEST, Growth, GrowthState, RunRecords
 
 ASK = "tests.unit.train.loop_components:ask_growth_at_three"
 
@@ -56,8 +57,8 @@ def test_the_ranks_hold_at_a_committed_checkpoint_then_go_on_unchanged(
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             record = records.growth()
-            if record and record.get("state") == "ready":
-                seen["step"] = record["step"]
+            if record and record.state is GrowthState.READY:
+                seen["step"] = record.step
                 seen["committed"] = [c.step for c in ck.catalog(records.loc).committed()]
                 time.sleep(1.5)  # the ranks hold meanwhile: step 8 is not reached
                 seen["later"] = [c.step for c in ck.catalog(records.loc).committed()]
@@ -109,10 +110,14 @@ def test_the_policy_restarts_larger_only_once_the_ranks_hold(run_home):
     records.growth_accepted(request)
     policy._growth = (grow, request, time.monotonic() - elastic.GROWTH_WAIT_S - 1)
     assert isinstance(policy._growth_decision(), NoopDecision)
-    assert records.growth()["state"] == "accepted"
+    assert records.growth().state is GrowthState.ACCEPTED
     records.growth_ready(request, 12)
     assert policy._growth_decision() is grow
-    assert records.growth() == {"to_world_size": 3, "id": request, "state": "go", "step": 12}
+    assert records.growth() == Growth(request, 3, GrowthState.GO, 12)
+    raw = json.loads(records.loc.read_text(f"logs/{RESIZE_REQUEST}"))  # as written
+    assert raw == {"to_world_size": 3, "id": request, "state": "go", "step": 12}
+    records.growth_accepted(request)  # late: a state never moves back
+    assert records.growth().state is GrowthState.GO
     # Not taken up within GROWTH_WAIT_S: cancelled, the ranks go on.
     policy._growth = (grow, records.request_growth(3), time.monotonic() - elastic.GROWTH_WAIT_S - 1)
     assert isinstance(policy._growth_decision(), NoopDecision) and records.growth() is None
@@ -178,3 +183,12 @@ def test_restarts_keep_tensor_groups_whole_and_below_min_fail_as_fixed_size_runs
     short._short_since -= elastic.BELOW_MIN_WAIT_S + 1
     with pytest.raises(elastic.TooFewWorkers, match=r"num_workers.min = 2 .* 60 s"):
         short.make_decision_for_non_running_worker_group()
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "not json", "[]", '{"id": "a", "state": "requested"}',
+     '{"id": "a", "to_world_size": 3, "state": "grown"}'],
+)  # fmt: skip
+def test_a_growth_record_that_is_not_one_reads_as_no_request(text):
+    assert Growth.parse(text) is None

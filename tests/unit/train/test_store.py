@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from trainlab.nodedisk import UnsafePath
 from trainlab.run.location import RunLocation
 from trainlab.run.lock import RunLock, RunLockHeld
 from trainlab.run.records import Failure, RunRecords
-from trainlab.storage import UnsafePath
 from trainlab.train import checkpoint as ck
 from trainlab.train.checkpoint.store import CheckpointStore
 
@@ -475,3 +475,35 @@ def test_a_run_in_gcs_checkpoints_resumes_and_records_as_in_s3(gcs_env, tmp_path
     assert b.read_summary() == {"status": "completed"}
     with RunLock.acquire(run), pytest.raises(RunLockHeld):
         RunLock.acquire(run)
+
+
+def test_an_abandoned_lease_and_log_shipper_send_nothing_more(run):
+    """A Ctrl-C in a store outage: the driver ends right after Ray's shutdown
+    instead of waiting on the SDK's retries of every unanswered request (a wait
+    in which the process was seen to crash). Abandoned, the lease's release and
+    the log shipper's exit make no request; the lease record stays, to go stale."""
+    import time
+
+    from trainlab.location.core import Backend
+    from trainlab.run.location import LogShipper
+    from trainlab.run.lock import StoreRunLock
+
+    lock = StoreRunLock.acquire(run)
+    (run.local / "logs").mkdir(parents=True, exist_ok=True)
+    (run.local / "logs" / "driver.log").write_text("a line\n")
+    shipper = LogShipper(run).__enter__()
+    calls: list[str] = []
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("read", "write_atomic", "read_versioned", "write_if", "exists", "list",
+                     "delete_file", "delete_tree", "upload"):  # fmt: skip
+            real = getattr(Backend, name)
+            mp.setattr(Backend, name, lambda self, *a, _n=name, _r=real, **k: (
+                calls.append(_n), _r(self, *a, **k))[1])  # fmt: skip
+        t0 = time.monotonic()
+        for user in (lock, shipper):
+            user.abandon()
+        shipper.__exit__(None, None, None)
+        lock.release()
+        assert calls == [] and time.monotonic() - t0 < 1.0
+    assert json.loads(run.read_text(".lock.json"))["pid"] == os.getpid()  # left to go stale
+    assert run.read_text("logs/driver.log") is None  # not shipped

@@ -23,7 +23,7 @@ The work directory, stale shards and temporary files are swept at the end.
 
 `--out s3://bucket/prefix` (object storage, no shared filesystem needed): the
 dataset is built in a staging directory under this node's scratch area
-(`trainlab.storage.scratch_root()`, one per output location, so a killed run's
+(`trainlab.nodedisk.scratch_root()`, one per output location, so a killed run's
 finished units are reused by the next), by workers on this node only, then
 uploaded: the store's old manifest is deleted before anything else is written,
 the tokenizer and shards go up next, shards no new manifest lists are deleted,
@@ -338,7 +338,7 @@ def missing_bucket(store: Location) -> str:
 def _staging_dir(store: Location) -> Path:
     """Where a dataset bound for `store` is built: this node's scratch area, one
     directory per location (a killed run's recorded units are found again)."""
-    from trainlab.storage import scratch_root
+    from trainlab.nodedisk import scratch_root
 
     key = hashlib.sha256(store.uri.encode()).hexdigest()[:16]
     staging = scratch_root() / "prep-staging" / key

@@ -35,7 +35,7 @@ see). A full scratch disk is a storage fault as for a local run.
 
 Every name read from the store (markers, checkpoint.json) is untrusted: it must
 be a plain relative name that stays inside the local folder it is written to
-(trainlab.storage.resolve_inside), or nothing is written.
+(trainlab.nodedisk.resolve_inside), or nothing is written.
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ from typing import Any
 
 from trainlab.errors import UserError, first_line
 from trainlab.location import Absent, Corrupt, StorageError, read_retrying
+from trainlab.nodedisk import UnsafePath, resolve_inside
 from trainlab.run.location import RunLocation
-from trainlab.storage import UnsafePath, resolve_inside
 from trainlab.train import checkpoint as ck
 
 log = logging.getLogger(__name__)

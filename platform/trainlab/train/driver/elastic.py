@@ -48,6 +48,8 @@ from ray.train.v2._internal.execution.scaling_policy import (
     ResizeDecision,
 )
 
+from trainlab.run.records import GrowthState
+
 # In Ray Train's controller: beside its own lines (its console and log file).
 log = logging.getLogger("ray.train.trainlab")
 
@@ -253,17 +255,17 @@ class LayoutScalingPolicy(ElasticScalingPolicy):
         decision, request_id, since = self._growth  # type: ignore[misc]
         records = self._run_records()
         record = records.growth()
-        if record is not None and record.get("id") == request_id:
-            if record.get("state") == "ready":
+        if record is not None and record.id == request_id:
+            if record.state is GrowthState.READY:
                 records.growth_go(request_id)
                 self._growth = None
                 log.info(
                     "the run holds at the checkpoint of step %s: restarting at %d workers",
-                    record.get("step"),
+                    record.step,
                     decision.num_workers,
                 )
                 return decision
-            limit = GROWTH_SAVE_WAIT_S if record.get("state") == "accepted" else GROWTH_WAIT_S
+            limit = GROWTH_SAVE_WAIT_S if record.state is GrowthState.ACCEPTED else GROWTH_WAIT_S
             if time.monotonic() - since < limit:
                 return NoopDecision()
         records.cancel_growth()  # gone, replaced, or not taken in time: no growth now

@@ -36,13 +36,13 @@ from typing import Any
 from trainlab.config import ExperimentConfig
 from trainlab.errors import UserError
 from trainlab.location import SETTINGS_ENV_VARS
+from trainlab.nodedisk import SCRATCH_ENV_VAR, UnsafePath, check_disk_room
 from trainlab.plan import plan, require_fit, resolve_layout
 from trainlab.run import dir as rundir
 from trainlab.run.location import LogShipper, RunLocation
 from trainlab.run.lock import RunLock
 from trainlab.run.records import RunRecords
 from trainlab.runstatus import RunStatus
-from trainlab.storage import SCRATCH_ENV_VAR, UnsafePath, check_disk_room
 from trainlab.train import checkpoint as ck
 from trainlab.train.driver.interrupt import INTERRUPT_STORE_WAIT_S, Interrupts, call_in_thread
 from trainlab.train.job import TrainJob
@@ -175,7 +175,7 @@ def forwarded_env(cfg: ExperimentConfig | None = None) -> dict[str, str]:
         for k, v in os.environ.items()
         if k.startswith(FORWARDED_ENV_PREFIXES) or k in SETTINGS_ENV_VARS
     }
-    env.pop(SCRATCH_ENV_VAR, None)  # each node's own (trainlab.storage.scratch_root)
+    env.pop(SCRATCH_ENV_VAR, None)  # each node's own (trainlab.nodedisk.scratch_root)
     return shareable_env(env, also_secret=hooks)
 
 
@@ -190,8 +190,27 @@ def ray_job_id() -> str | None:
     return meta.get("job_submission_id")
 
 
+class _StoreUsers(contextlib.ExitStack):
+    """What of a run talks to its storage in the background (its lock's beat, the
+    log shipper), closed in reverse order when the run returns. After `abandon()`
+    closing them sends nothing more: storage that does not answer would hold each
+    close for every retry of its SDK."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._users: list[Any] = []
+
+    def enter(self, user: Any) -> Any:
+        self._users.append(user)
+        return self.enter_context(user)
+
+    def abandon(self) -> None:
+        for user in self._users:
+            user.abandon()
+
+
 def _lock_new(
-    lock: contextlib.ExitStack, loc: RunLocation, cfg: ExperimentConfig, base_dir: Path | None
+    lock: _StoreUsers, loc: RunLocation, cfg: ExperimentConfig, base_dir: Path | None
 ) -> RunLocation:
     """Lock a new run's directory; when another start took the same name a moment
     before (two `train` of one config started together), the next free name
@@ -205,7 +224,7 @@ def _lock_new(
             loc = rundir.choose_run_dir(cfg, None, False, base_dir)
             continue
         if not loc.exists("config.yaml"):
-            lock.enter_context(held)
+            lock.enter(held)
             return loc
         held.release()  # the other start got there first and wrote its config
         loc = rundir.choose_run_dir(cfg, None, False, base_dir)
@@ -261,14 +280,14 @@ def run(
     """
     # The run directory's lock (trainlab.run.lock) is held from before the first
     # write into it until this returns: one writer per run.
-    with Interrupts() as interrupts, contextlib.ExitStack() as lock:
+    with Interrupts() as interrupts, _StoreUsers() as lock:
         return _run(cfg, interrupts, lock, run_dir, resume, smoke, extend, base_dir, callbacks)
 
 
 def _run(
     cfg: ExperimentConfig,
     interrupts: Interrupts,
-    lock: contextlib.ExitStack,
+    lock: _StoreUsers,
     run_dir: str | Path | None,
     resume: bool,
     smoke: bool,
@@ -304,7 +323,7 @@ def _run(
         loc = _lock_new(lock, loc, cfg, base_dir)
         path = loc.local
     elif locked:
-        lock.enter_context(RunLock.acquire(loc))
+        lock.enter(RunLock.acquire(loc))
     check_resumable(loc, cfg, chash, data)
     if not loc.remote:  # a store has no disk to fill; scratch holds a cache only
         check_disk_room(  # else UserError
@@ -317,14 +336,14 @@ def _run(
         loc = _lock_new(lock, loc, cfg, base_dir)
         path = loc.local
     elif not locked:
-        lock.enter_context(RunLock.acquire(loc))
+        lock.enter(RunLock.acquire(loc))
     if identity.extension is not None:
         RunRecords(loc).add_extension(identity.extension)
     rundir.write_run_files(loc, cfg, plan_json)
     RunRecords(loc).clear_interrupt()  # a Ctrl-C of an earlier start is done with
     _driver_log(path)
     if loc.remote:  # the driver's logs (driver.log, ray.log, the MLflow journal)
-        lock.enter_context(LogShipper(loc))
+        lock.enter(LogShipper(loc))
     job = TrainJob(
         cfg=cfg,
         plan=plan_json,
@@ -354,7 +373,7 @@ def _run(
     try:
         summary = _fit(cfg, job)
     except KeyboardInterrupt:  # a Ctrl-C during start-up, or a second one: stop at once
-        return _interrupted(job, shutdown=True)
+        return _interrupted(job, shutdown=True, store_users=lock)
     except UserError:  # the cluster or a node refused before any worker started
         if new and not RunRecords(loc).attempts():  # this start's directory, nothing ran
             lock.close()  # the lock and the log shipper end before their directory goes
@@ -370,7 +389,7 @@ def _fit(cfg: ExperimentConfig, job: TrainJob) -> dict[str, Any]:
     from ray.train.torch import TorchConfig
 
     from trainlab import hooksecrets
-    from trainlab.environment import check_nodes
+    from trainlab.envlock import check_nodes
     from trainlab.raycluster import ensure_ray
     from trainlab.train.driver.placement import excluded_nodes, lost_nodes, node_selector
     from trainlab.train.driver.startup import StartupNotes
@@ -466,39 +485,49 @@ def _driver_record(loc: RunLocation) -> tuple[str, int, float] | None:
     return (holder.host, holder.pid, holder.since)
 
 
-def _keep_summary(job: TrainJob, summary: dict[str, Any]) -> None:
+def _keep_summary(job: TrainJob, summary: dict[str, Any]) -> bool:
     """The driver's summary of a run that ended without one, written to the run;
     when its storage does not take it (an object store's outage, after retries),
     to this node's working copy instead, said in one line: never lost with the
-    driver's traceback."""
+    driver's traceback. Whether the run's storage took it."""
     from trainlab.run.records import SUMMARY
 
     try:
         RunRecords(job.run_dir).write_summary(summary)
+        return True
     except OSError as e:
         local = RunLocation.of(job.run_dir).local / SUMMARY
         local.parent.mkdir(parents=True, exist_ok=True)
         local.write_text(json.dumps(summary, indent=2, default=str) + "\n")
         log.error("%s could not be written to the run (%s); it is kept at %s", SUMMARY, e, local)
+        return False
 
 
-def _interrupted(job: TrainJob, shutdown: bool = False) -> dict[str, Any]:
+def _interrupted(
+    job: TrainJob, shutdown: bool = False, store_users: _StoreUsers | None = None
+) -> dict[str, Any]:
     """The run's summary when the user stopped it before its training processes
     could (status "interrupted", newest valid checkpoint); with `shutdown`, Ray's
     processes of this driver go too (they end its workers, the training
-    processes with them)."""
+    processes with them). When the run's storage did not take the summary,
+    `store_users` are abandoned: the lease is left to go stale (a resume takes it
+    over, recorded) and the logs unshipped, so that the driver ends at once after
+    Ray's shutdown instead of waiting there on every retry of the store's SDK
+    (a wait in which the process was seen to crash, 1 run in 17)."""
     from trainlab.location.errors import retry_budget
 
     with retry_budget(INTERRUPT_STORE_WAIT_S):  # a person waits: seconds, not every retry
         summary = interrupted_summary(job)
         records = RunRecords(job.run_dir)
-        _keep_summary(job, summary)
+        answered = _keep_summary(job, summary)
         try:
             started = bool(records.attempts())  # a process started: its MLflow run may exist
         except OSError:  # storage that does not answer: close the records, which may exist
             started = True
     if started:
         _abandon(job, summary)
+    if store_users is not None and not answered:
+        store_users.abandon()
     ray = sys.modules.get("ray")  # a Ctrl-C during `import ray` leaves it half imported
     if shutdown and getattr(ray, "is_initialized", lambda: False)():
         ray.shutdown()

@@ -1,5 +1,5 @@
 """Where a job retry places its training workers: away from the nodes blamed
-for the previous attempt's failure (trainlab.jobs.retry re-runs the trainer).
+for the previous attempt's failure (trainlab.rayjobs.retry re-runs the trainer).
 
 The trainer, once Ray Train gave up, names the nodes where its workers died
 or that the cluster declared dead under them (`lost_nodes`, into run_summary.json); the retry wrapper passes every node

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from trainlab.run.records import GrowthState
 from trainlab.train.loop.protocol import Loop
 
 log = logging.getLogger("trainlab.train")
@@ -48,11 +49,11 @@ class GrowthHold:
             return False
         self.checked_at = now
         record = loop.records.growth()
-        if record is None or record.get("state") != "requested":
+        if record is None or record.state is not GrowthState.REQUESTED:
             return False
-        if record.get("id") == self.asked_id:
+        if record.id == self.asked_id:
             return False
-        self.asked_id = str(record.get("id"))
+        self.asked_id = record.id
         loop.records.growth_accepted(self.asked_id)  # the controller waits for the commit
         return True
 
@@ -77,7 +78,7 @@ class GrowthHold:
             if main:
                 record = loop.records.growth()
                 expired = time.monotonic() - t0 > HOLD_S
-                if record is None or record.get("id") != self.asked_id or expired:
+                if record is None or record.id != self.asked_id or expired:
                     go_on = 1.0
                     log.info(
                         "the elastic run did not grow (%s); going on from step %d",

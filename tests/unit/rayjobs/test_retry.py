@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from trainlab.jobs.retry import (
+from trainlab.rayjobs.retry import (
     EXIT_INFRASTRUCTURE,
     is_infrastructure_exit,
     is_infrastructure_job_failure,
@@ -39,7 +39,7 @@ def _run(tmp_path: Path, mode: str, fail_times: int, retries: int):
         [
             sys.executable,
             "-m",
-            "trainlab.jobs.retry",
+            "trainlab.rayjobs.retry",
             f"--retries={retries}",
             "--pause=0",
             "--",

@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from tests.unit.jobs.test_localcluster import _group_of
+from tests.unit.rayjobs.test_localcluster import _group_of
 from trainlab.cli import main
-from trainlab.jobs import localcluster as lc
 from trainlab.raycluster import LOCAL_CLUSTER_ENV
+from trainlab.rayjobs import localcluster as lc
 from trainlab.train.driver.startup import StartupNotes
 
 RAY_VARS = ("RAY_ADDRESS", "RAY_AUTH_MODE", LOCAL_CLUSTER_ENV, *lc.SINGLE_MACHINE_ENV)

@@ -1,6 +1,6 @@
 """Run on the cluster before a submission: can every node see the data and storage?
 
-`python -m trainlab.jobs.probe --data DIR --storage URI [--storage URI2]` (a
+`python -m trainlab.rayjobs.probe --data DIR --storage URI [--storage URI2]` (a
 short Ray job submitted by `trainlab submit`). The driver writes a marker file
 into each storage location (the runs root); a
 zero-CPU task pinned to each alive node checks that the prepared dataset's
@@ -123,7 +123,7 @@ def _probe_nodes(data_dir: str, markers: list[tuple[str, str]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainlab.jobs.probe")
+    ap = argparse.ArgumentParser(prog="python -m trainlab.rayjobs.probe")
     ap.add_argument(
         "--data", required=True, help="prepared dataset: an absolute directory or s3:// URI"
     )

@@ -11,7 +11,7 @@ import sys
 
 from ray.core.generated import common_pb2
 
-from trainlab.jobs.retry import blamed_in, run_dir_of
+from trainlab.rayjobs.retry import blamed_in, run_dir_of
 from trainlab.train.driver.placement import EXCLUDE_ENV, _blamed, excluded_nodes, node_selector
 
 # Fails like a trainer whose workers were lost on the nodes named in argv (exit 75,
@@ -42,7 +42,7 @@ def test_each_retry_excludes_every_node_blamed_so_far(tmp_path):
         [
             sys.executable,
             "-m",
-            "trainlab.jobs.retry",
+            "trainlab.rayjobs.retry",
             "--retries=3",
             "--pause=0",
             "--",

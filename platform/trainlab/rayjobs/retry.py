@@ -9,7 +9,7 @@ preempted VM), the trainer reported that the cluster lost the nodes it needed
 (exit 1), fails the same way every time and is never retried.
 
 Two places retry, with the same rule:
-- on the cluster, `python -m trainlab.jobs.retry --retries N -- CMD...` wraps the
+- on the cluster, `python -m trainlab.rayjobs.retry --retries N -- CMD...` wraps the
   job's entrypoint and re-runs CMD after an infrastructure failure: it keeps
   working when nobody follows the job;
 - `trainlab submit --follow` resubmits a job whose supervisor Ray lost (the
@@ -164,7 +164,7 @@ def _say(msg: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m trainlab.jobs.retry",
+        prog="python -m trainlab.rayjobs.retry",
         description="Run CMD, retrying infrastructure failures.",
     )
     ap.add_argument("--retries", type=int, required=True)

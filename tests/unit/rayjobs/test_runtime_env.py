@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from trainlab.errors import UserError
-from trainlab.jobs import runtime_env as renv
-from trainlab.jobs.submit import prepare, stage_working_dir, train_entrypoint
+from trainlab.rayjobs import runtime_env as renv
+from trainlab.rayjobs.submit import prepare, stage_working_dir, train_entrypoint
 
 
 def _write(path: Path, size: int = 10) -> None:
@@ -73,7 +73,7 @@ def test_excludes_never_touch_the_library_it_ships():
     lib = renv.library_dir()
     pkg = renv.collect(lib, renv.PY_MODULE_EXCLUDES)
     shipped = {rel for rel, _ in pkg.files}
-    assert "data/__init__.py" in shipped and "jobs/runtime_env.py" in shipped
+    assert "data/__init__.py" in shipped and "rayjobs/runtime_env.py" in shipped
     assert not any(rel.endswith(".pyc") for rel in shipped)
     env = renv.build_runtime_env("/staged", env_vars={"A": "1"})
     assert env["py_modules"] == [str(lib)]
@@ -115,7 +115,7 @@ def test_a_submitted_job_carries_the_commit_and_dirty_flag_of_its_repo(tmp_path,
     runtime env, so its MLflow run records the submitted commit, not "unknown"."""
     import subprocess
 
-    from trainlab.jobs.submit import job_runtime_env
+    from trainlab.rayjobs.submit import job_runtime_env
 
     repo = tmp_path / "repo"
     _write(repo / "trainers/pretrain.py")
@@ -156,7 +156,7 @@ def test_entrypoints():
     assert train_entrypoint("c.yaml") == "python trainers/pretrain.py c.yaml"
     assert train_entrypoint("c.yaml", smoke=True) == "python trainers/pretrain.py c.yaml --smoke"
     assert train_entrypoint("c.yaml", run_dir="/r/a b", retries=2) == (
-        "python -m trainlab.jobs.retry --retries=2 -- "
+        "python -m trainlab.rayjobs.retry --retries=2 -- "
         "python trainers/pretrain.py c.yaml --run-dir '/r/a b' --create"
     )
 
@@ -187,7 +187,7 @@ def test_prepare_refuses_a_plan_that_does_not_fit(repo):
 
 def test_probe_names_what_a_node_cannot_see(tmp_path):
     """The per-node check of the reachability probe (run here without Ray)."""
-    from trainlab.jobs.probe import check_node
+    from trainlab.rayjobs.probe import check_node
 
     data, shared, private = tmp_path / "data", tmp_path / "shared", tmp_path / "private"
     for d in (data, shared, private):

@@ -1,6 +1,6 @@
 """`ray start` for the nodes of a loopback-only local cluster.
 
-`python -m trainlab.jobs.raynode start [--head | --address=127.0.0.1:PORT] ...`
+`python -m trainlab.rayjobs.raynode start [--head | --address=127.0.0.1:PORT] ...`
 runs Ray's own `ray start` command with two adjustments, both for a cluster
 whose nodes all live on this machine:
 

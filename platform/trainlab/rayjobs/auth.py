@@ -2,8 +2,8 @@
 
 Ray 2.60 clusters require a token: `RAY_AUTH_TOKEN`, else the file at
 `RAY_AUTH_TOKEN_PATH`, else `~/.ray/auth_token`. The job client
-(`trainlab.jobs.client`) sends it as a bearer header; a cluster started here
-(`trainlab.jobs.localcluster`) makes sure one exists first.
+(`trainlab.rayjobs.client`) sends it as a bearer header; a cluster started here
+(`trainlab.rayjobs.localcluster`) makes sure one exists first.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 
 from trainlab.cli import main
 from trainlab.errors import UserError
-from trainlab.jobs import client
+from trainlab.rayjobs import client
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from trainlab.errors import UserError
-from trainlab.jobs import auth
+from trainlab.rayjobs import auth
 
 
 def test_token_lookup_follows_rays_order(clean_env, monkeypatch):

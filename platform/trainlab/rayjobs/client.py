@@ -5,7 +5,7 @@ from, in order: `--address`, `RAY_API_SERVER_ADDRESS`, `RAY_ADDRESS` when it is
 an http(s) URL, and the cluster started by `trainlab cluster up`.
 
 Ray 2.60 clusters require a token. We send it ourselves as a bearer header
-(`trainlab.jobs.auth`), so the client works without the caller having to
+(`trainlab.rayjobs.auth`), so the client works without the caller having to
 export `RAY_AUTH_MODE=token`. Never in clear to another machine: with a token,
 a plain `http://` address that is not loopback is refused unless the caller
 passes `allow_plain_http` (`--allow-plain-http`), and then warned about; use
@@ -26,8 +26,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from trainlab.errors import UserError, first_line
-from trainlab.jobs.auth import auth_headers
-from trainlab.jobs.localcluster import read_state
+from trainlab.rayjobs.auth import auth_headers
+from trainlab.rayjobs.localcluster import read_state
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 

@@ -12,7 +12,7 @@ would end every cluster on the machine).
 Loopback only: every node runs in Ray's single-machine mode
 (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0), which keeps every address on 127.0.0.1.
 `ray start` refuses extra raylets in that mode and gives a node only 30 s to
-register, so nodes start through `python -m trainlab.jobs.raynode start ...`:
+register, so nodes start through `python -m trainlab.rayjobs.raynode start ...`:
 Ray's own `ray start` with those two limits adjusted (see that module).
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from trainlab.errors import UserError
 from trainlab.home import home_dir
-from trainlab.jobs.auth import ensure_token
+from trainlab.rayjobs.auth import ensure_token
 
 HOST = "127.0.0.1"
 DEFAULT_GCS_PORT = 6390
@@ -40,8 +40,8 @@ DEFAULT_DASHBOARD_PORT = 8290
 READY_MARK = "Ray runtime started"
 SINGLE_MACHINE_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 # Ray's `ray start`, run from this environment with the adjustments of
-# trainlab.jobs.raynode (extra loopback nodes allowed, patient registration).
-RAY_START = [sys.executable, "-m", "trainlab.jobs.raynode", "start"]
+# trainlab.rayjobs.raynode (extra loopback nodes allowed, patient registration).
+RAY_START = [sys.executable, "-m", "trainlab.rayjobs.raynode", "start"]
 
 
 def state_path() -> Path:
@@ -190,7 +190,7 @@ def _node_env(gcs_address: str, scratch_dir: str = "") -> dict[str, str]:
     another engineer's cluster, when there is more than one."""
     extra = {**SINGLE_MACHINE_ENV, "RAY_ADDRESS": gcs_address}
     if scratch_dir:  # every process Ray starts on the node inherits it
-        from trainlab.storage import SCRATCH_ENV_VAR
+        from trainlab.nodedisk import SCRATCH_ENV_VAR
 
         extra[SCRATCH_ENV_VAR] = scratch_dir
     return _ray_env(extra)

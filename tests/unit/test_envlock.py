@@ -1,11 +1,11 @@
-"""trainlab.environment: the fingerprint of this process and the lines a node
+"""trainlab.envlock: the fingerprint of this process and the lines a node
 off its lock produces (the node check's message), against the real lock files."""
 
 from __future__ import annotations
 
 import json
 
-from trainlab import environment as env
+from trainlab import envlock as env
 
 
 def test_this_venv_fingerprint_names_its_lock_and_versions():

@@ -252,7 +252,7 @@ def fingerprint() -> dict[str, Any]:
         "mlflow": packages.get("mlflow"),
         "trainlab": trainlab.__version__,
         "lock": platform_lock(cuda),
-        # The cluster image a submitted job expects (trainlab.jobs.runtime_env.image_env).
+        # The cluster image a submitted job expects (trainlab.rayjobs.runtime_env.image_env).
         "image": os.environ.get("TRAINLAB_IMAGE"),
         "accelerator": model,
         "accelerator_driver": driver,
@@ -518,7 +518,7 @@ def mlflow_tags(env: Mapping[str, Any]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m trainlab.environment [image-tag [cpu|cuda] | check-lock]`: the image's
+    """`python -m trainlab.envlock [image-tag [cpu|cuda] | check-lock]`: the image's
     tag, whether this environment is its lock (exit 1, one line per package), else
     this process's fingerprint as JSON."""
     args = sys.argv[1:] if argv is None else argv

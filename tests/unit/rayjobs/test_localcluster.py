@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from trainlab.jobs import localcluster as lc
+from trainlab.rayjobs import localcluster as lc
 
 STUBBORN = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from trainlab.errors import UserError
-from trainlab.jobs import client
+from trainlab.rayjobs import client
 
 
 def test_address_precedence(clean_env, monkeypatch):
@@ -26,7 +26,7 @@ def test_address_precedence(clean_env, monkeypatch):
 
 
 def test_an_unreachable_cluster_is_a_user_error(clean_env):
-    from trainlab.jobs.localcluster import free_port
+    from trainlab.rayjobs.localcluster import free_port
 
     with pytest.raises(UserError, match="cannot reach the Ray cluster"):
         client.connect(f"http://127.0.0.1:{free_port()}")

@@ -29,10 +29,10 @@ from typing import Any
 
 from trainlab import hooksecrets
 from trainlab.errors import UserError
-from trainlab.jobs import client as jobclient
-from trainlab.jobs import runtime_env as renv
-from trainlab.jobs.auth import auth_token
-from trainlab.jobs.retry import (
+from trainlab.rayjobs import client as jobclient
+from trainlab.rayjobs import runtime_env as renv
+from trainlab.rayjobs.auth import auth_token
+from trainlab.rayjobs.retry import (
     EXIT_INFRASTRUCTURE,
     INFRASTRUCTURE_JOB_ERRORS,
     is_infrastructure_job_failure,
@@ -162,7 +162,7 @@ def train_entrypoint(
     # command, continues the run in it; trainlab.run.dir).
     cmd += ["--run-dir", run_dir, "--create"] if run_dir else []
     if retries:
-        cmd = ["python", "-m", "trainlab.jobs.retry", f"--retries={retries}", "--", *cmd]
+        cmd = ["python", "-m", "trainlab.rayjobs.retry", f"--retries={retries}", "--", *cmd]
     return shlex.join(cmd)
 
 
@@ -228,9 +228,9 @@ class Submitter:
 
     def probe(self) -> None:
         """Every node reaches the prepared data and the storage, or UserError."""
-        from trainlab.jobs.probe import PROBLEM_PREFIX
+        from trainlab.rayjobs.probe import PROBLEM_PREFIX
 
-        cmd = ["python", "-m", "trainlab.jobs.probe", "--data", self.prep.cfg.data.path]
+        cmd = ["python", "-m", "trainlab.rayjobs.probe", "--data", self.prep.cfg.data.path]
         for uri in self.prep.storage_uris:
             cmd += ["--storage", uri]
         job_id = self._submit(shlex.join(cmd), "probe")
@@ -330,7 +330,7 @@ def submit(
 ) -> Submission:
     """The whole flow; returns the submission (with status when followed).
     `allow_plain_http`: send the token over plain HTTP to another machine
-    (trainlab.jobs.client.connect)."""
+    (trainlab.rayjobs.client.connect)."""
     repo = repo_root()
     url = jobclient.resolve_address(address)  # no network yet: only which cluster
     prep = prepare(config, overrides, repo)
@@ -373,7 +373,7 @@ def submit(
 def next_steps(result: Submission, prep: Prepared) -> list[str]:
     """What to run next, as commands that work from here: watch or stop a job not
     followed; look at the record of one that ran."""
-    from trainlab.jobs.localcluster import trainlab_command
+    from trainlab.rayjobs.localcluster import trainlab_command
 
     tl = trainlab_command()
     at = "" if _default_address() == result.address else f" --address {result.address}"

@@ -57,7 +57,7 @@ DEFAULT_MAX_PACKAGE_BYTES = 512 * 1024 * 1024
 FORWARDED_ENV_VARS = (
     "MLFLOW_TRACKING_URI",
     *SETTINGS_ENV_VARS,  # the stores' endpoints, regions, projects (trainlab.location)
-    # --allow-env-drift (trainlab.environment: the job's node check records, not stops)
+    # --allow-env-drift (trainlab.envlock: the job's node check records, not stops)
     "TRAINLAB_ALLOW_ENV_DRIFT",
 )
 # The image the job expects its nodes to run: the CUDA lock's (cluster/Dockerfile).
@@ -203,8 +203,8 @@ def forwarded_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def image_env() -> dict[str, str]:
     """`TRAINLAB_IMAGE=trainlab:<tag>`: the cluster image of this checkout's lock
-    (trainlab.environment.image_tag), recorded with the job's runs; {} without a lock."""
-    from trainlab.environment import image_tag
+    (trainlab.envlock.image_tag), recorded with the job's runs; {} without a lock."""
+    from trainlab.envlock import image_tag
 
     try:
         return {IMAGE_ENV: f"trainlab:{image_tag('cuda')}"}

@@ -1,1 +1,0 @@
-"""trainlab.jobs."""
