@@ -17,11 +17,11 @@ it open; an explicit value is respected):
 4. tensor parallelism (within a node), then pipeline parallelism (across
    nodes), composed with FSDP over what is left of the devices.
 
-An MoE (`model.moe`) is searched data-parallel only (a configured tp runs, its
-MoE layers replicated over tp; pp is refused); under `strategy: auto` each layout
-is sized with the parallel.ep `choose_ep` gives it there (each device then holds
-num_experts/ep of the routed experts), so expert parallelism can make an MoE fit
-at a layout that would not hold every expert on every device.
+An MoE (`model.moe`) is searched without pp (refused with it); at tp > 1 its MoE
+layers are replicated over tp and the rest is split. Under `strategy: auto` each
+layout is sized with the parallel.ep `choose_ep` gives it there (each device then
+holds num_experts/ep of the routed experts), so expert parallelism can make an MoE
+fit at a layout that would not hold every expert on every device.
 
 The global batch is the experiment's (`data.global_batch_size`): every layout
 keeps it by choosing grad_accum_steps = global / (micro_batch x dp). Without it,
@@ -214,13 +214,12 @@ def candidate_layouts(cfg: ExperimentConfig) -> list[Layout]:
     arch = arch_of(m)
     measured = arch.measured  # pp, and tp without a plan, are refused (config rules)
     no_tp = measured and arch.tensor_parallel_refusal(m) is not None
-    # An MoE is searched data-parallel only (expert parallelism borrows dp ranks):
-    # the config rules refuse pp with model.moe; a configured tp runs (the MoE
-    # layers replicated over tp) but is not searched.
+    # An MoE is searched without pp (the config rules refuse pp with model.moe);
+    # at tp > 1 its MoE layers are replicated over tp, the rest is split.
     moe = m.moe is not None
     out = []
     for tp in _divisors(world):
-        if (no_tp or moe) and tp > 1:
+        if no_tp and tp > 1:
             continue
         if tp > per_node or m.num_heads % tp or kv % tp or (p.tp and tp != p.tp):
             continue
@@ -515,7 +514,7 @@ def _ep_fixes(cfg: ExperimentConfig) -> list[str]:
             return ["parallel.ep: null (the planner picks it)"]
         return []
     dims = ParallelDims.of(cfg)
-    if dims.tp * dims.pp > 1 or dims.zero_stage == 1:
+    if dims.pp > 1 or dims.zero_stage == 1:
         return []
     for ep in _divisors(math.gcd(dims.dp, m.moe.num_experts)):
         if ep > (p.ep or 1) and _runs_and_fits(_variant(cfg, parallel={"ep": ep})):
@@ -618,7 +617,7 @@ def choose_ep(cfg: ExperimentConfig, lay: Layout) -> tuple[int, str | None]:
     under `strategy: auto`, for an MoE on GPUs whose routed experts are at least
     EP_EXPERTS_SHARE of the parameters, the largest ep that divides dp and
     num_experts and stays within a node (its all-to-all on the node's links), when
-    the layout runs it (no tp/pp, not ZeRO-1); else 1. Each device then keeps
+    the layout runs it (no pp, not ZeRO-1); else 1. Each device then keeps
     1/ep of the experts' weights, gradients and optimizer state (under FSDP,
     which leaves them unsharded at ep > 1, that is more than ZeRO's 1/dp shards
     when ep < dp, and no all-gather or reduce-scatter of them: `_memory` sizes
@@ -630,13 +629,14 @@ def choose_ep(cfg: ExperimentConfig, lay: Layout) -> tuple[int, str | None]:
         return p.ep or 1, None
     if p.strategy != "auto" or not cfg.resource.use_gpu:
         return 1, None
-    if lay.tp > 1 or lay.pp > 1 or lay.zero_stage == 1:
+    if lay.pp > 1 or lay.zero_stage == 1:
         return 1, None
     routed = moe_params(m.moe, m.hidden_size, m.ffn_hidden_size)["routed"]
     share = routed * moe_layer_count(m.moe, m.num_layers) / count_params(m).total
     if share < EP_EXPERTS_SHARE:
         return 1, None
-    limit = min(lay.dp, m.moe.num_experts, cfg.resource.gpus_per_node)
+    # an ep group is the dp ranks of one tp coordinate: on a node, gpus_per_node/tp
+    limit = min(lay.dp, m.moe.num_experts, cfg.resource.gpus_per_node // lay.tp)
     ep = max(d for d in range(1, limit + 1) if lay.dp % d == 0 and m.moe.num_experts % d == 0)
     if ep == 1:
         return 1, None

@@ -177,8 +177,52 @@ def test_ep_makes_an_moe_fit():
     assert chosen.fits and chosen.parallel == {"tp": 1, "pp": 1, "dp": 2, "zero_stage": 0, "ep": 2}
     assert chosen.memory_per_device_bytes["total"] <= chosen.usable_memory_bytes
     zero0 = plan(wide(ep=1, strategy="auto", zero=0, **small))
-    assert not zero0.fits and zero0.parallel["tp"] == 1  # no tensor parallelism for an MoE
+    assert not zero0.fits  # tp=2 saves the dense part only: the MoE layers stay whole
     assert any("parallel.ep: null" in n for n in zero0.notes)
+
+
+def test_strategy_auto_proposes_tp_for_an_moe_whose_attention_needs_it():
+    """Eager attention at 4096 tokens: its scores are most of the activations, which
+    ZeRO does not shard and tensor parallelism splits by heads. On 2 GPUs of 8 GiB
+    no data-parallel layout holds it (FSDP: 9.3 GiB per device); tp=2 does (6.6
+    GiB), with the MoE layers replicated over tp, and the run's config is valid."""
+    from trainlab.plan import resolve_layout
+
+    c = ExperimentConfig.model_validate(
+        {
+            "name": "moe",
+            "model": {"hidden_size": 1024, "num_layers": 4, "num_heads": 16, "vocab_size": 32000,
+                      "max_seq_len": 4096, "ffn_hidden_size": 2816, "attention": "eager",
+                      "moe": {"num_experts": 4, "top_k": 2, "expert_ffn_hidden_size": 512,
+                              "first_dense_layers": 1}},
+            "data": {"seq_len": 4096, "micro_batch_size": 1, "global_batch_size": 8},
+            "train": {"precision": "bf16"},
+            "parallel": {"strategy": "auto"},
+            "resource": {"num_workers": 2, "use_gpu": True, "gpus_per_node": 2,
+                         "gpu_memory_gb": 8.0},
+        }
+    )  # fmt: skip
+    p = plan(c)
+    assert p.fits and p.parallel == {"tp": 2, "pp": 1, "dp": 1, "zero_stage": 0, "ep": 1}
+    run_cfg = resolve_layout(c, p)
+    assert ExperimentConfig.model_validate(run_cfg.model_dump()).parallel.tp == 2
+
+
+def test_ep_at_tp_stays_within_a_node():
+    """An ep group is the dp ranks of one tp coordinate (trainlab.train.parallel.
+    expert): at tp=2 on 4 GPUs of a node, 2 of them; on nodes of 2 GPUs each dp
+    rank of a tp coordinate is on another node, and strategy auto keeps ep 1."""
+    from trainlab.plan.planner import choose_ep
+
+    def four(gpus_per_node: int) -> ExperimentConfig:
+        raw = cfg(num_experts=16, expert_ffn_hidden_size=256, first_dense_layers=0).model_dump()
+        raw["parallel"] = {"strategy": "auto"}
+        raw["resource"] = {"num_workers": 4, "use_gpu": True, "gpus_per_node": gpus_per_node}
+        return ExperimentConfig.model_validate(raw)
+
+    assert choose_ep(four(4), Layout(2, 1, 2, 0))[0] == 2
+    assert choose_ep(four(2), Layout(2, 1, 2, 0))[0] == 1
+    assert choose_ep(four(4), Layout(1, 1, 4, 0))[0] == 4
 
 
 def test_fsdp_leaves_the_experts_whole_at_ep():
