@@ -20,7 +20,7 @@ from trainlab import exitcodes
 from trainlab.cli import cli
 from trainlab.config import to_yaml
 from trainlab.monitor import alert_log_path
-from trainlab.train import checkpoint as ck
+from trainlab.run import checkpoints as ckpts
 from trainlab.train import run
 from trainlab.train.loop.checkpointer import load_weights_on_cpu
 
@@ -82,9 +82,9 @@ def test_nan_with_checkpoint_and_stop_stops_at_its_step_with_exit_code_4(
     on_disk = json.loads((run_dir / "run_summary.json").read_text())
     assert on_disk["status"] == "stopped_by_alert" and on_disk["rollbacks"] == []
     # the resume point: valid, finite, before the NaN; nothing after it was saved
-    infos = ck.committed(run_dir / "checkpoints")
+    infos = ckpts.committed(run_dir / "checkpoints")
     assert [i.step for i in infos] == [CKPT_EVERY]
-    resume = ck.find_resume(run_dir / "checkpoints")
+    resume = ckpts.find_resume(run_dir / "checkpoints")
     assert resume is not None and resume.step == CKPT_EVERY and resume.valid
     model = load_weights_on_cpu(resume.path, cfg)
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

@@ -165,12 +165,16 @@ def test_the_run_package_sits_below_training():
 
 
 def test_importing_the_run_package_loads_neither_torch_nor_ray():
-    """A fresh interpreter: a run's records, lock, directory and location are read
-    by commands that must start fast (gc, jobs, track) without torch or Ray."""
+    """A fresh interpreter: a run's records, lock, directory, location and
+    checkpoints (their catalog, local or in a store) are read by commands that must
+    start fast (gc, jobs, track) without torch or Ray."""
     code = textwrap.dedent(
         """
         import sys
         import trainlab.run.records, trainlab.run.lock, trainlab.run.dir, trainlab.run.location
+        import trainlab.run.checkpoints, trainlab.run.checkpoints.names
+        import trainlab.run.checkpoints.info, trainlab.run.checkpoints.validation
+        import trainlab.run.checkpoints.local, trainlab.run.checkpoints.store
         bad = sorted(m for m in sys.modules
                      if m in ("torch", "ray") or m.startswith(("torch.", "ray.")))
         print(",".join(bad))

@@ -4,7 +4,7 @@ free the disk that old runs hold.
 It works on the runs root layout (`{runs_root}/{YYYY-MM-DD}/{name}/`,
 trainlab.run.dir) and reads each run with the training layer's own readers:
 its status from `run_summary.json` (trainlab.run.records; no summary means
-"unfinished"), its checkpoints from `checkpoints/` (trainlab.train.checkpoint).
+"unfinished"), its checkpoints from `checkpoints/` (trainlab.run.checkpoints).
 
 A run is selected when nothing in it changed for `--older-than` (default 14
 days: a running run writes its logs and progress all the time) and its status
@@ -185,12 +185,12 @@ class Action:
 def kept_checkpoints(run_dir: Path) -> dict[str, str]:
     """The checkpoints gc keeps without --force: the last valid (newest whose
     validation passed) and the best (lowest validation loss), by directory name."""
-    from trainlab.train import checkpoint as ck
+    from trainlab.run import checkpoints as ckpts
 
-    infos = ck.committed(run_dir / "checkpoints")
+    infos = ckpts.committed(run_dir / "checkpoints")
     valid = [i for i in infos if i.valid]
     kept: dict[str, str] = {}
-    best = ck.best(infos)
+    best = ckpts.best(infos)
     if best is not None:
         kept[best.path.name] = "best"
     if valid:

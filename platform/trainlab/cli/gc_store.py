@@ -7,7 +7,7 @@ its newest object; a run whose lease (`.lock.json`, trainlab.run.lock
 again right before anything of a run is deleted. A trimmed run keeps its
 records (config.yaml, plan.json, run_summary.json, logs/, the lease) and its
 last valid and best checkpoints; `--force` deletes the run whole. A checkpoint
-is deleted commit marker first (trainlab.train.checkpoint.store), so a
+is deleted commit marker first (trainlab.run.checkpoints.store), so a
 half-deleted one is never taken for a checkpoint.
 """
 
@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from trainlab.run import checkpoints as ckpts
 from trainlab.run import holder as run_holder
 from trainlab.run import lock as run_lock
+from trainlab.run.checkpoints.store import CheckpointStore
 from trainlab.run.location import RunLocation
-from trainlab.train import checkpoint as ck
-from trainlab.train.checkpoint.store import CheckpointStore
 
 _DATE = re.compile(r"^\d{4}-\d\d-\d\d$")
 RECORDS = ("config.yaml", "plan.json", "run_summary.json", "logs", run_lock.HOLDER)
@@ -109,11 +109,11 @@ def _kept(run: StoreRun) -> dict[str, str]:
     infos = CheckpointStore(run.loc).committed()
     valid = [i for i in infos if i.valid]
     kept: dict[str, str] = {}
-    best = ck.best(infos)
+    best = ckpts.best(infos)
     if best is not None:
-        kept[ck.dir_name(best.step)] = "best"
+        kept[ckpts.dir_name(best.step)] = "best"
     if valid:
-        last = ck.dir_name(valid[-1].step)
+        last = ckpts.dir_name(valid[-1].step)
         kept[last] = "last valid and best" if kept.get(last) == "best" else "last valid"
     return kept
 
@@ -162,7 +162,9 @@ def apply_store(actions: list[StoreAction]) -> list[tuple[StoreRun, str]]:
             continue
         store = CheckpointStore(loc)
         for rel in action.remove:
-            step = ck.parse_step(rel.rsplit("/", 1)[-1]) if rel.startswith("checkpoints/") else None
+            step = (
+                ckpts.parse_step(rel.rsplit("/", 1)[-1]) if rel.startswith("checkpoints/") else None
+            )
             if step is not None:
                 store.delete(step)  # commit marker first
             elif rel == "":

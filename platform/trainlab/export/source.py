@@ -3,7 +3,7 @@
 A path is a run directory (`{runs_root}/{date}/{name}/`, holding config.yaml
 and checkpoints/) or one checkpoint directory in it (`checkpoints/step-N/`).
 The run's newest valid checkpoint whose files match their checksums is taken
-(`trainlab.train.checkpoint.find_resume`), or the one of `step`.
+(`trainlab.run.checkpoints.find_resume`), or the one of `step`.
 
 The checkpoint (trainlab.train.loop.checkpointer) is read without the training
 layout or a process group: `state/` holds torch.distributed.checkpoint shards,
@@ -26,7 +26,7 @@ import yaml
 from trainlab.config import ExperimentConfig
 from trainlab.config.loader import validate_raw
 from trainlab.errors import UserError
-from trainlab.train import checkpoint as ck
+from trainlab.run import checkpoints as ckpts
 from trainlab.train.loop.checkpointer import DCP_DIR
 
 MODEL_PREFIX = "model."
@@ -35,7 +35,7 @@ MODEL_PREFIX = "model."
 @dataclass(frozen=True)
 class Located:
     run_dir: Path  # on this machine (a run in object storage: its working copy)
-    checkpoint: ck.CheckpointInfo
+    checkpoint: ckpts.CheckpointInfo
     cfg: ExperimentConfig
     where: str = ""  # the run's URI, for a run in object storage
 
@@ -69,23 +69,23 @@ def locate(path: str | Path, step: int | None = None) -> Located:
     p = Path(path).expanduser().resolve()
     if not p.is_dir():
         raise UserError(f"{path}: no such directory (give a run directory or a checkpoint)")
-    if (p / ck.META_FILE).is_file():  # one checkpoint: {run_dir}/checkpoints/step-N
-        info = ck.read_info(p)
+    if (p / ckpts.META_FILE).is_file():  # one checkpoint: {run_dir}/checkpoints/step-N
+        info = ckpts.read_info(p)
         if info is None:
-            raise UserError(f"{p}: unreadable {ck.META_FILE} (not a committed checkpoint)")
+            raise UserError(f"{p}: unreadable {ckpts.META_FILE} (not a committed checkpoint)")
         if step is not None and step != info.step:
             raise UserError(f"--step {step}: {p} is the checkpoint of step {info.step}")
         return _located(p.parents[1], _checked(info))
     root = p / "checkpoints"
     if step is None:
         cfg = _run_config(p)
-        info = ck.find_resume(root, require_valid=cfg.train.checkpoint.validate)
+        info = ckpts.find_resume(root, require_valid=cfg.train.checkpoint.validate)
         if info is None:
             raise UserError(f"{root}: no valid checkpoint to export")
         return _located(p, info)
-    match = [i for i in ck.committed(root) if i.step == step]
+    match = [i for i in ckpts.committed(root) if i.step == step]
     if not match:
-        have = ", ".join(str(i.step) for i in ck.committed(root)) or "none"
+        have = ", ".join(str(i.step) for i in ckpts.committed(root)) or "none"
         raise UserError(f"--step {step}: {root} has no checkpoint of that step (steps: {have})")
     return _located(p, _checked(match[0]))
 
@@ -93,8 +93,8 @@ def locate(path: str | Path, step: int | None = None) -> Located:
 def _locate_in_store(uri: str, step: int | None) -> Located:
     """A run in object storage: its config.yaml and the checkpoint (newest valid,
     or of `step`) fetched into this machine's scratch and sha256-checked."""
+    from trainlab.run.checkpoints.store import CheckpointStore
     from trainlab.run.location import RunLocation
-    from trainlab.train.checkpoint.store import CheckpointStore
 
     loc = RunLocation.of(uri)
     text = loc.read_text("config.yaml")
@@ -122,7 +122,7 @@ def _locate_in_store(uri: str, step: int | None) -> Located:
     return Located(loc.local, info, cfg, where=loc.uri)
 
 
-def _located(run_dir: Path, info: ck.CheckpointInfo) -> Located:
+def _located(run_dir: Path, info: ckpts.CheckpointInfo) -> Located:
     # Not checked against the checkpoint's config hash: a newer trainlab adds config
     # fields (with defaults) that change the hash of an old run's config.yaml. What
     # matters, that every tensor has the shape the model section says, is checked
@@ -130,12 +130,12 @@ def _located(run_dir: Path, info: ck.CheckpointInfo) -> Located:
     return Located(run_dir, info, _run_config(run_dir))
 
 
-def _checked(info: ck.CheckpointInfo) -> ck.CheckpointInfo:
+def _checked(info: ckpts.CheckpointInfo) -> ckpts.CheckpointInfo:
     """`info` when it is valid and intact (the same rules as resuming)."""
     if info.meta.get("validated") and not info.valid:
         reason = info.meta.get("error") or "it failed validation"
         raise UserError(f"{info.path}: not a valid checkpoint ({reason})")
-    problem = ck.verify(info)
+    problem = ckpts.verify(info)
     if problem:
         raise UserError(f"{info.path}: {problem}")
     return info
@@ -151,13 +151,13 @@ class CheckpointTensors:
     """The model's tensors in one checkpoint, by their state-dict name; `get`
     reads one tensor (fp32 CPU as stored)."""
 
-    def __init__(self, info: ck.CheckpointInfo):
+    def __init__(self, info: ckpts.CheckpointInfo):
         self.path = info.path
         self.format = info.meta.get("format")
-        if self.format != ck.FORMAT:
+        if self.format != ckpts.FORMAT:
             raise UserError(
                 f"{info.path}: checkpoint format {self.format!r}, which this trainlab does "
-                f"not read (it reads {ck.FORMAT!r}: torch.distributed.checkpoint)"
+                f"not read (it reads {ckpts.FORMAT!r}: torch.distributed.checkpoint)"
             )
         self.specs = self._dcp_specs()
 

@@ -9,6 +9,10 @@ imports this package; it imports neither trainlab.train nor torch nor Ray):
                stop when their driver is gone (`orphaned`)
     records    the run's records: attempts, failures, progress, extensions,
                interrupts, growth requests, run_summary.json (RunRecords)
+    checkpoints
+               a run's checkpoints as their readers see them (no torch): names,
+               records, validation, the catalog (a directory's or a store's:
+               catalog(loc)) and retention; writing them is trainlab.train.checkpoint
 
 A summary's content is built from a job in trainlab.train.summaries.
 """

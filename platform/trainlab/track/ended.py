@@ -51,10 +51,10 @@ def write_ended_summary(run_dir: str | Path, status: str, reason: str) -> dict[s
     storage) ended with `status` ("stopped", "lost") unless its own processes
     already ended it; returns the summary written, or None when there was nothing
     to end (no run there, or a summary of the latest start that says it ended)."""
+    from trainlab.run import checkpoints as ckpts
     from trainlab.run.dir import read_run_config
     from trainlab.run.location import RunLocation
     from trainlab.run.records import RunRecords
-    from trainlab.train import checkpoint as ck
 
     loc = RunLocation.of(run_dir)
     cfg = read_run_config(loc)
@@ -64,10 +64,10 @@ def write_ended_summary(run_dir: str | Path, status: str, reason: str) -> dict[s
     old = records.read_summary() or {}
     if summary_is_current(run_dir) and old.get("status") in (*FINAL_STATUSES, status):
         return None  # ended by the run, or already marked so
-    checkpoints = ck.catalog(loc)
+    checkpoints = ckpts.catalog(loc)
     newest = checkpoints.find_resume(require_valid=cfg.train.checkpoint.validate)
     committed = checkpoints.committed()
-    best = ck.best(committed)
+    best = ckpts.best(committed)
     # val_loss: the latest held-out evaluation on disk (a checkpoint's); best_val_loss:
     # the lowest (keep_best keeps its checkpoint).
     evaluated = [c for c in committed if c.val_loss is not None]

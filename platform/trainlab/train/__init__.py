@@ -25,11 +25,10 @@ trainlab.run, below this package):
     job            what the driver hands every worker (TrainJob)
     parallel/      the techniques applied from outside (FSDP/replicate, tensor,
                    pipeline, recomputation), the mesh and the process groups
-    checkpoint/    names, info (a checkpoint's record), validation (checksums,
-                   the validator's outcome), local (a directory's catalog,
-                   retention), disk (the atomic commit), writer (one rank's
-                   saves, async), faults, and store (the object-storage form:
-                   per-rank parts, commit marker)
+    checkpoint/    disk (the atomic commit), writer (one rank's saves, async),
+                   faults; a checkpoint's names, record, validation, catalog
+                   and retention, and the object-storage form (per-rank parts,
+                   commit marker) are trainlab.run.checkpoints
     memtrace       the planner's check: one real step on fake tensors
 """
 

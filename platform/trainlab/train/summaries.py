@@ -124,13 +124,13 @@ def _summary_at_newest_checkpoint(job: Any, status: str, **extra: Any) -> dict[s
     """A summary written from the driver, at the run's newest valid checkpoint.
     Storage that does not answer (an object store's outage) still gives one: at
     the last step rank 0 logged, naming no checkpoint and saying why."""
-    from trainlab.train import checkpoint as ck
+    from trainlab.run import checkpoints as ckpts
 
     records = RunRecords(job.location)
     try:
-        catalog = ck.catalog(job.location)
+        catalog = ckpts.catalog(job.location)
         newest = catalog.find_resume(require_valid=job.cfg.train.checkpoint.validate)
-        best = ck.best(catalog.committed())
+        best = ckpts.best(catalog.committed())
         restarts = records.restarts()
     except (OSError, StoreUnavailable) as e:
         log.error("the run's storage did not answer (%s): the summary names no checkpoint", e)

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from trainlab.cli import main
+from trainlab.run import checkpoints as ckpts
 from trainlab.run.records import RunRecords
 from trainlab.train import checkpoint as ck
 
@@ -19,14 +20,14 @@ DAY = 86400.0
 
 
 def _checkpoint(run: Path, step: int, val_loss: float | None, valid: bool = True) -> None:
-    staging = run / "checkpoints" / f"{ck.STAGING_PREFIX}{ck.dir_name(step)}"
+    staging = run / "checkpoints" / f"{ckpts.STAGING_PREFIX}{ckpts.dir_name(step)}"
     staging.mkdir(parents=True)
     (staging / "model.pt").write_bytes(os.urandom(4096))
 
-    def validator(_: Path) -> ck.Validation:
-        return ck.Validation(ok=valid, loss=val_loss, error=None if valid else "loss is nan")
+    def validator(_: Path) -> ckpts.Validation:
+        return ckpts.Validation(ok=valid, loss=val_loss, error=None if valid else "loss is nan")
 
-    ck.commit(staging, run / "checkpoints" / ck.dir_name(step), {"step": step}, validator)
+    ck.commit(staging, run / "checkpoints" / ckpts.dir_name(step), {"step": step}, validator)
 
 
 def make_run(
@@ -107,7 +108,7 @@ def test_gc_keeps_each_runs_last_valid_and_best_checkpoint_and_its_records(runs,
     }
     assert {"config.yaml", "run_summary.json", "logs/rank0.log"} <= left
     assert not (r["done"] / "ray").exists()
-    assert ck.verify(ck.read_info(r["done"] / "checkpoints" / "step-00000030")) is None
+    assert ckpts.verify(ckpts.read_info(r["done"] / "checkpoints" / "step-00000030")) is None
 
     # A failed run with no valid checkpoint goes whole, and its empty date folder.
     assert by_dir["crashy"]["action"] == "delete" and not r["failed"].parent.exists()

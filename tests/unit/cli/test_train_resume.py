@@ -150,7 +150,7 @@ def test_the_driver_holds_the_lock_while_it_trains(run, monkeypatch):
 def test_a_run_whose_checkpoints_are_all_refused_is_not_restarted_from_zero(
     tmp_path_factory, monkeypatch, capsys
 ):
-    from trainlab.train import checkpoint as ck
+    from trainlab.run import checkpoints as ckpts
 
     base = tmp_path_factory.mktemp("all-refused")
     cfg = tiny_config(
@@ -163,12 +163,12 @@ def test_a_run_whose_checkpoints_are_all_refused_is_not_restarted_from_zero(
     rv, out, _ = train(str(config), "--json")
     assert rv == 0, rv
     run_dir = Path(json.loads(out.strip().splitlines()[-1])["run_dir"])
-    two, four = (run_dir / "checkpoints" / ck.dir_name(s) for s in (2, 4))
+    two, four = (run_dir / "checkpoints" / ckpts.dir_name(s) for s in (2, 4))
     # step 4 corrupted on disk, step 2 marked invalid by its validation
     payload = next(p for p in sorted(four.rglob("*")) if p.is_file() and p.suffix == ".pt")
     payload.write_bytes(b"corrupted" + payload.read_bytes()[9:])
-    meta = json.loads((two / ck.META_FILE).read_text())
-    (two / ck.META_FILE).write_text(json.dumps({**meta, "valid": False, "error": "loss is nan"}))
+    meta = json.loads((two / ckpts.META_FILE).read_text())
+    (two / ckpts.META_FILE).write_text(json.dumps({**meta, "valid": False, "error": "loss is nan"}))
 
     def state() -> dict:
         # Not logs/driver.log: in one process the "trainlab" logger keeps every earlier

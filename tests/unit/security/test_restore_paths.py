@@ -17,9 +17,9 @@ import pytest
 
 from trainlab.config import ExperimentConfig
 from trainlab.errors import UserError
+from trainlab.run import checkpoints as ckpts
+from trainlab.run.checkpoints.store import CheckpointStore
 from trainlab.run.location import RunLocation
-from trainlab.train import checkpoint as ck
-from trainlab.train.checkpoint.store import CheckpointStore
 from trainlab.train.driver.launcher import check_resumable
 
 STEP = 8
@@ -35,12 +35,12 @@ def _meta(files: dict[str, bytes]) -> bytes:
 
 
 def _put(s3, bucket: str, files: dict[str, bytes]) -> None:
-    prefix = f"runs/{RUN_KEY}/checkpoints/{ck.dir_name(STEP)}"
+    prefix = f"runs/{RUN_KEY}/checkpoints/{ckpts.dir_name(STEP)}"
     for rel, data in files.items():
         # Under its literal key and where an HTTP path with `..` lands on the server.
         for key in {f"{prefix}/{rel}", posixpath.normpath(f"{prefix}/{rel}").lstrip("/")}:
             s3.put_object(Bucket=bucket, Key=key, Body=data)
-    s3.put_object(Bucket=bucket, Key=f"{prefix}/{ck.META_FILE}", Body=_meta(files))
+    s3.put_object(Bucket=bucket, Key=f"{prefix}/{ckpts.META_FILE}", Body=_meta(files))
 
 
 def _everything_under(root) -> set[str]:

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from trainlab.run import checkpoints as ckpts
 from trainlab.train import checkpoint as ck
 
 
 def write_checkpoint(
     root: Path, step: int, val_loss: float | None = 1.0, ok: bool = True, world_size: int = 1
-) -> ck.CheckpointInfo:
+) -> ckpts.CheckpointInfo:
     writer = ck.CheckpointWriter(root, 0, world_size, keep_last=100, keep_best=0, async_save=False)
     for r in range(1, world_size):  # the other ranks' parts, as they would write them
         staging = writer.staging_dir(step)
@@ -26,8 +27,8 @@ def write_checkpoint(
     def files(staging: Path) -> None:
         ck.save_file({"w": torch.full((3,), float(step))}, staging / "model.pt")
 
-    def validator(staging: Path) -> ck.Validation:
-        return ck.Validation(ok=ok, loss=val_loss, error=None if ok else "loss is nan")
+    def validator(staging: Path) -> ckpts.Validation:
+        return ckpts.Validation(ok=ok, loss=val_loss, error=None if ok else "loss is nan")
 
     writer.submit(step, files, {"step": step}, validator)
     (info,) = writer.completed()
@@ -42,7 +43,7 @@ def test_commit_writes_metadata_last_and_renames_into_place(tmp_path):
     assert set(meta["files"]) == {"model.pt", "rng-rank1.pt"}
     assert not list(tmp_path.glob(".tmp-*"))
     assert not list(info.path.glob(".done-*"))
-    assert ck.verify(info) is None
+    assert ckpts.verify(info) is None
 
 
 def test_half_written_checkpoint_is_invisible_and_cleaned(tmp_path):
@@ -50,9 +51,9 @@ def test_half_written_checkpoint_is_invisible_and_cleaned(tmp_path):
     staging = tmp_path / ".tmp-step-00000020"
     staging.mkdir()
     ck.save_file({"w": torch.zeros(2)}, staging / "model.pt")  # killed before commit
-    assert [i.step for i in ck.committed(tmp_path)] == [10]
-    assert ck.find_resume(tmp_path).step == 10
-    ck.clean_staging(tmp_path)
+    assert [i.step for i in ckpts.committed(tmp_path)] == [10]
+    assert ckpts.find_resume(tmp_path).step == 10
+    ckpts.clean_staging(tmp_path)
     assert not staging.exists()
 
 
@@ -63,7 +64,7 @@ def test_resume_skips_a_corrupted_newest_checkpoint_with_a_warning(tmp_path, cap
         f.seek(40)
         f.write(b"\x00garbage\x00")
     with caplog.at_level(logging.WARNING):
-        chosen = ck.find_resume(tmp_path)
+        chosen = ckpts.find_resume(tmp_path)
     assert chosen.step == 10
     assert "step-00000020" in caplog.text and "sha256" in caplog.text
 
@@ -77,14 +78,14 @@ def test_resume_skips_truncated_unreadable_and_invalid_checkpoints(tmp_path, cap
     invalid = write_checkpoint(tmp_path, 40, ok=False, val_loss=None)
     assert not invalid.valid
     with caplog.at_level(logging.WARNING):
-        assert ck.find_resume(tmp_path).step == 10
+        assert ckpts.find_resume(tmp_path).step == 10
     for expected in ("loss is nan", "no readable checkpoint.json", "0 bytes"):
         assert expected in caplog.text
 
 
 def test_no_checkpoint_means_fresh_start(tmp_path):
-    assert ck.find_resume(tmp_path / "none") is None
-    assert ck.find_resume(tmp_path) is None
+    assert ckpts.find_resume(tmp_path / "none") is None
+    assert ckpts.find_resume(tmp_path) is None
 
 
 def test_an_orphaned_group_commits_nothing(tmp_path):
@@ -96,13 +97,13 @@ def test_an_orphaned_group_commits_nothing(tmp_path):
     writer.submit(5, lambda s: ck.save_file({}, s / "model.pt"), {"step": 5}, None)
     with pytest.raises(ck.Orphaned, match="not committing step 10: its driver"):
         writer.submit(10, lambda s: ck.save_file({}, s / "model.pt"), {"step": 10}, None)
-    assert [i.step for i in ck.committed(tmp_path)] == [5]
+    assert [i.step for i in ckpts.committed(tmp_path)] == [5]
 
 
 def test_validator_exception_marks_invalid(tmp_path):
     writer = ck.CheckpointWriter(tmp_path, 0, 1, 2, 1, async_save=False)
 
-    def broken(staging: Path) -> ck.Validation:
+    def broken(staging: Path) -> ckpts.Validation:
         raise RuntimeError("size mismatch for tok_embeddings.weight")
 
     writer.submit(5, lambda s: ck.save_file({}, s / "model.pt"), {"step": 5}, broken)
@@ -123,8 +124,8 @@ def test_validator_exception_marks_invalid(tmp_path):
 def test_retention_keeps_last_and_best(tmp_path, losses, keep_last, keep_best, expected):
     for step, loss in losses.items():
         write_checkpoint(tmp_path, step, val_loss=loss)
-    ck.prune(tmp_path, keep_last, keep_best)
-    assert {i.step for i in ck.committed(tmp_path)} == expected
+    ckpts.prune(tmp_path, keep_last, keep_best)
+    assert {i.step for i in ckpts.committed(tmp_path)} == expected
 
 
 def test_a_kill_during_pruning_leaves_no_step_folder_without_its_commit(tmp_path, monkeypatch):
@@ -135,17 +136,17 @@ def test_a_kill_during_pruning_leaves_no_step_folder_without_its_commit(tmp_path
         write_checkpoint(tmp_path, step)
 
     def killed(path, *args, **kwargs):  # the process dies inside the delete
-        (Path(path) / ck.META_FILE).unlink()
+        (Path(path) / ckpts.META_FILE).unlink()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(ck.local.shutil, "rmtree", killed)  # what remove_checkpoint calls
+    monkeypatch.setattr(ckpts.local.shutil, "rmtree", killed)  # what remove_checkpoint calls
     with pytest.raises(KeyboardInterrupt):
-        ck.prune(tmp_path, keep_last=1, keep_best=0)
+        ckpts.prune(tmp_path, keep_last=1, keep_best=0)
     monkeypatch.undo()
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(ck.PREFIX)) == [
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(ckpts.PREFIX)) == [
         "step-00000004"
     ]
-    ck.clean_staging(tmp_path)  # the next attempt's start
+    ckpts.clean_staging(tmp_path)  # the next attempt's start
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-00000004"]
 
 
@@ -153,9 +154,9 @@ def test_retention_never_counts_or_drops_newer_invalid_ones(tmp_path):
     for step in (10, 20):
         write_checkpoint(tmp_path, step)
     write_checkpoint(tmp_path, 30, ok=False, val_loss=None)
-    ck.prune(tmp_path, keep_last=1, keep_best=0)
+    ckpts.prune(tmp_path, keep_last=1, keep_best=0)
     # 20 is the newest valid one; 30 (invalid, newer) stays for diagnosis
-    assert [i.step for i in ck.committed(tmp_path)] == [20, 30]
+    assert [i.step for i in ckpts.committed(tmp_path)] == [20, 30]
 
 
 def test_async_writer_runs_in_background_and_reports_commit(tmp_path):

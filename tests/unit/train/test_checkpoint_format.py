@@ -10,6 +10,7 @@ import shutil
 import pytest
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
+from trainlab.run import checkpoints as ckpts
 from trainlab.train import checkpoint as ck
 from trainlab.train.loop.checkpointer import DCP_DIR, TRAINER_FILE
 from trainlab.train.loop.state import ModelState
@@ -44,7 +45,7 @@ def as_legacy(src, dst, job) -> None:
     trainer_state = ck.load_file(src / TRAINER_FILE)
     ck.save_file({**trainer_state, "format": "torch"}, staging / TRAINER_FILE)
     shutil.copy(src / "rng-rank0.pt", staging / "rng-rank0.pt")
-    meta = json.loads((src / ck.META_FILE).read_text())
+    meta = json.loads((src / ckpts.META_FILE).read_text())
     keep = {k: v for k, v in meta.items() if k not in ("files", "valid", "validated", "error")}
     ck.commit(staging, dst, {**keep, "format": "torch"}, None)
 
@@ -53,7 +54,7 @@ def test_every_layout_writes_dcp(dataset, tmp_path):
     cfg = tiny_config(dataset, train={"total_steps": 4, "checkpoint": {"every_steps": 2}})
     train(cfg, tmp_path / "run")
     step = tmp_path / "run/checkpoints/step-00000004"
-    meta = json.loads((step / ck.META_FILE).read_text())
+    meta = json.loads((step / ckpts.META_FILE).read_text())
     assert meta["format"] == "dcp" and meta["valid"] is True
     assert (step / DCP_DIR / ".metadata").is_file()
     assert not (step / "model.pt").exists() and not (step / "optimizer.pt").exists()
@@ -76,7 +77,7 @@ def test_a_checkpoint_of_another_format_is_refused_by_name(dataset, tmp_path):
     with pytest.raises(RuntimeError, match="checkpoint format 'torch', which this trainlab"):
         train(cfg, tmp_path / "legacy")
     with pytest.raises(UserError, match="checkpoint format 'torch', which this trainlab"):
-        CheckpointTensors(ck.read_info(legacy))
+        CheckpointTensors(ckpts.read_info(legacy))
     assert not (tmp_path / "legacy/checkpoints/step-00000006").exists()  # nothing trained on
 
 

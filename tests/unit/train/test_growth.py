@@ -36,7 +36,7 @@ def _fit(cfg, run_dir, elastic: bool):
 def test_the_ranks_hold_at_a_committed_checkpoint_then_go_on_unchanged(
     dataset, tmp_path, monkeypatch, async_save
 ):
-    from trainlab.train import checkpoint as ck
+    from trainlab.run import checkpoints as ckpts
     from trainlab.train.loop import growth
 
     monkeypatch.setattr(growth, "CHECK_EVERY_S", 0.0)
@@ -59,9 +59,9 @@ def test_the_ranks_hold_at_a_committed_checkpoint_then_go_on_unchanged(
             record = records.growth()
             if record and record.state is GrowthState.READY:
                 seen["step"] = record.step
-                seen["committed"] = [c.step for c in ck.catalog(records.loc).committed()]
+                seen["committed"] = [c.step for c in ckpts.catalog(records.loc).committed()]
                 time.sleep(1.5)  # the ranks hold meanwhile: step 8 is not reached
-                seen["later"] = [c.step for c in ck.catalog(records.loc).committed()]
+                seen["later"] = [c.step for c in ckpts.catalog(records.loc).committed()]
                 records.cancel_growth()  # no room after all: the ranks go on
                 return
             time.sleep(0.05)
@@ -77,8 +77,8 @@ def test_the_ranks_hold_at_a_committed_checkpoint_then_go_on_unchanged(
     assert held["status"] == plain["status"] == "completed" and held["final_step"] == 8
     assert held["weights_sha256"] == plain["weights_sha256"]
     assert held["final_loss"] == plain["final_loss"]
-    assert {c.step for c in ck.catalog(RunRecords(tmp_path / "plain").loc).committed()} == {8}
-    assert {c.step for c in ck.catalog(RunRecords(run).loc).committed()} == {4, 8}
+    assert {c.step for c in ckpts.catalog(RunRecords(tmp_path / "plain").loc).committed()} == {8}
+    assert {c.step for c in ckpts.catalog(RunRecords(run).loc).committed()} == {4, 8}
     assert RunRecords(run).growth() is None
 
 

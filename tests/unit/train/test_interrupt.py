@@ -11,8 +11,8 @@ import time
 import pytest
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
+from trainlab.run import checkpoints as ckpts
 from trainlab.run.records import INTERRUPT_REASON, RunRecords
-from trainlab.train import checkpoint as ck
 from trainlab.train.driver.interrupt import Interrupts, call_in_thread
 from trainlab.train.loop.callbacks import Callback
 from trainlab.train.loop.trainer import Trainer
@@ -161,10 +161,10 @@ def test_ctrl_c_stops_at_the_next_step_and_skips_a_checkpoint_when_the_newest_is
     _, summary, ctrl_c = interrupted_run(dataset, tmp_path, min_age_s=3600)
     assert summary["status"] == "interrupted" and summary["stop_reason"] == INTERRUPT_REASON
     assert summary["final_step"] == 14 and ctrl_c.logged == [10, 14]  # the stop step is logged
-    assert [c.step for c in ck.committed(tmp_path / "checkpoints")] == [8]
+    assert [c.step for c in ckpts.committed(tmp_path / "checkpoints")] == [8]
     assert summary["resume_step"] == 8 and summary["dropped_steps"] == [9, 14]
     assert summary["last_checkpoint"].endswith("step-00000008")
-    info = ck.find_resume(tmp_path / "checkpoints", require_valid=True)
+    info = ckpts.find_resume(tmp_path / "checkpoints", require_valid=True)
     assert info is not None and info.step == 8  # what `train RUN_DIR --resume` takes
 
 
@@ -174,7 +174,7 @@ def test_ctrl_c_saves_at_the_stop_step_when_the_newest_checkpoint_is_old_enough(
     assert (summary["status"], summary["final_step"]) == ("interrupted", 14)
     assert summary["last_checkpoint"].endswith("step-00000014")
     assert "resume_step" not in summary
-    assert ck.find_resume(tmp_path / "checkpoints", require_valid=True).step == 14
+    assert ckpts.find_resume(tmp_path / "checkpoints", require_valid=True).step == 14
 
 
 def test_an_early_ctrl_c_of_a_run_without_any_checkpoint_saves_one(dataset, tmp_path):

@@ -177,13 +177,12 @@ def test_a_run_dir_that_is_not_a_run_directory_is_refused_before_anything_is_wri
 def test_two_starts_of_one_config_take_two_names(dataset, tmp_path):
     """A second start that chose the same new name a moment after the first took
     it moves on to the next free name instead of being refused."""
-    import contextlib
 
     from trainlab.run.lock import RunLock
 
     cfg = tiny_config(dataset)
     first = rundir.choose_run_dir(cfg, None, False, tmp_path)
-    with RunLock.acquire(first), contextlib.ExitStack() as stack:
+    with RunLock.acquire(first), launcher._StoreUsers() as stack:
         second = launcher._lock_new(stack, first, cfg, tmp_path)
         assert second.local.name == f"{first.local.name}-2"
 

@@ -34,7 +34,7 @@ def _localns() -> dict[str, object]:
     import importlib
 
     where = {
-        "nn": "torch.nn", "ck": "trainlab.train.checkpoint",
+        "nn": "torch.nn", "ckpts": "trainlab.run.checkpoints",
         "ExperimentConfig": "trainlab.config.schema", "TrainJob": "trainlab.train.job",
         "Callback": "trainlab.train.loop.callbacks",
         "Checkpointer": "trainlab.train.loop.checkpointer",
@@ -45,7 +45,7 @@ def _localns() -> dict[str, object]:
     }  # fmt: skip
     out: dict[str, object] = {}
     for name, module in where.items():
-        if name in ("nn", "ck"):
+        if name in ("nn", "ckpts"):
             out[name] = importlib.import_module(module)
         else:
             out[name] = getattr(importlib.import_module(module), name)

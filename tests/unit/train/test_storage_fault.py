@@ -31,6 +31,7 @@ from typing import Any
 import pytest
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
+from trainlab.run import checkpoints as ckpts
 from trainlab.run.records import RESERVE, RunRecords, failure_cause
 from trainlab.train import checkpoint as ck
 from trainlab.train.loop.callbacks import Callback
@@ -91,9 +92,9 @@ def fit(cfg, run_dir: Path, callbacks: Callback) -> tuple[Trainer, BaseException
 def assert_recorded(run_dir: Path, ends: Ends, cause: str, step: int, kept: list[int]) -> None:
     """The fault as every record says it; the partial checkpoint gone, the earlier kept."""
     root = run_dir / "checkpoints"
-    assert not [p.name for p in root.iterdir() if p.name.startswith(ck.STAGING_PREFIX)]
-    assert [i.step for i in ck.committed(root)] == kept
-    newest = ck.find_resume(root)
+    assert not [p.name for p in root.iterdir() if p.name.startswith(ckpts.STAGING_PREFIX)]
+    assert [i.step for i in ckpts.committed(root)] == kept
+    newest = ckpts.find_resume(root)
     assert (newest.step if newest else None) == (kept[-1] if kept else None)
     summary = json.loads((run_dir / "run_summary.json").read_text())
     assert summary["status"] == "failed"
@@ -147,7 +148,7 @@ def test_an_injected_enospc_on_the_second_save_ends_the_run_recorded(
     real = ck.save_file
 
     def save_file(obj: Any, path: Path) -> None:
-        if path.parent.name != f"{ck.STAGING_PREFIX}{ck.dir_name(4)}":
+        if path.parent.name != f"{ckpts.STAGING_PREFIX}{ckpts.dir_name(4)}":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         real(obj, path)
 
@@ -222,7 +223,7 @@ def test_trainlab_train_on_a_full_disk_exits_74_with_the_cause_and_no_traceback(
     real = ck.save_file
 
     def save_file(obj: Any, path: Path) -> None:
-        if path.parent.name != f"{ck.STAGING_PREFIX}{ck.dir_name(4)}":
+        if path.parent.name != f"{ckpts.STAGING_PREFIX}{ckpts.dir_name(4)}":
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
         real(obj, path)
 
@@ -376,4 +377,4 @@ def test_a_read_only_logs_folder_stops_a_resume_in_one_line_exit_74(
     assert f"{run_dir}/logs/" in err[0] and ("read-only" in err[0] or "permission" in err[0])
     assert started == [str(run_dir)]  # nothing trained
     assert (run_dir / "config.yaml").read_text() == before
-    assert [i.step for i in ck.committed(run_dir / "checkpoints")] == [8, 12]
+    assert [i.step for i in ckpts.committed(run_dir / "checkpoints")] == [8, 12]

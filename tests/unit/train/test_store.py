@@ -1,4 +1,4 @@
-"""Runs in object storage (trainlab.run.location, trainlab.train.checkpoint.store),
+"""Runs in object storage (trainlab.run.location, trainlab.run.checkpoints.store),
 against a real S3-compatible server (moto's, tests/conftest.py) on 127.0.0.1:
 the per-rank checkpoint protocol and its commit marker, what a resume never
 takes, retention, a store outage during a save, the run's records and its lock.
@@ -16,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from trainlab.nodedisk import UnsafePath
+from trainlab.run import checkpoints as ckpts
+from trainlab.run.checkpoints.store import CheckpointStore
 from trainlab.run.location import RunLocation
 from trainlab.run.lock import RunLock, RunLockHeld
 from trainlab.run.records import Failure, RunRecords
 from trainlab.train import checkpoint as ck
-from trainlab.train.checkpoint.store import CheckpointStore
 
 
 @pytest.fixture
@@ -77,7 +78,7 @@ def test_every_rank_uploads_its_part_and_rank_0_commits_last(run, s3_env):
     seen = []
     validator = lambda staging: (  # noqa: E731 - the whole checkpoint is there to check
         seen.append(sorted(p.name for p in staging.rglob("*") if p.is_file()))
-        or ck.Validation(ok=True, loss=1.5)
+        or ckpts.Validation(ok=True, loss=1.5)
     )
     (info,) = _save(run, 10, world=2, validator=validator)
     assert info.uri == f"{run.uri}/checkpoints/step-00000010" == info.where
@@ -285,7 +286,7 @@ def test_gc_in_the_store_keeps_records_and_two_checkpoints_and_never_a_live_run(
         RunRecords(loc).write_summary({"status": "completed"})
         RunRecords(loc).attempt_started("s", 0, 1)
     for step, loss in ((10, 2.0), (20, 1.0), (30, 3.0)):  # best 20, last valid 30
-        validator = lambda _, loss=loss: ck.Validation(ok=True, loss=loss)  # noqa: E731
+        validator = lambda _, loss=loss: ckpts.Validation(ok=True, loss=loss)  # noqa: E731
         _save(old, step, validator=validator, keep_last=5)
     _save(live, 10, keep_last=5)
     args = ["gc", "--runs-root", root, "--older-than", "0d", "--json"]
@@ -320,7 +321,7 @@ def test_a_run_stopped_from_outside_gets_its_summary_in_the_store(run, s3_env):
     records = RunRecords(run)
     records.attempt_started("s1", 0, 1)
     records.write_progress(6)
-    ok = lambda staging: ck.Validation(ok=True, loss=2.5)  # noqa: E731
+    ok = lambda staging: ckpts.Validation(ok=True, loss=2.5)  # noqa: E731
     _save(run, 4, validator=ok)
 
     summary = write_ended_summary(run.uri, "stopped", "stopped by trainlab stop job-1")

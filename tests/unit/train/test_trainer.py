@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.train_helpers import dataset_dir, local_loader, make_job, tiny_config
-from trainlab.train import checkpoint as ck
+from trainlab.run import checkpoints as ckpts
 from trainlab.train.loop.callbacks import Callback
 from trainlab.train.loop.trainer import Trainer
 from trainlab.train.parallel.distributed import DistEnv
@@ -109,7 +109,7 @@ def test_trains_evaluates_checkpoints_and_summarizes(dataset, tmp_path):
 
     # every 4 steps, keep_last 2 + keep_best 1, all validated
     assert [e[1] for e in rec.events if e[0] == "checkpoint"] == [4, 8, 12, 16, 20, 24]
-    kept = ck.committed(tmp_path / "checkpoints")
+    kept = ckpts.committed(tmp_path / "checkpoints")
     assert {20, 24} <= {i.step for i in kept} and len(kept) <= 3
     assert all(i.valid and i.meta["validated"] for i in kept)
     assert summary["last_checkpoint"].endswith("step-00000024")
@@ -237,4 +237,4 @@ def test_activation_checkpointing_keeps_results_and_checkpoint_keys(dataset, tmp
     b, _ = train(recompute, tmp_path / "recompute")
     assert a["final_loss"] == pytest.approx(b["final_loss"], rel=1e-5)
     # checkpoints load into a plain model (no wrapper prefixes in the keys)
-    assert ck.committed(tmp_path / "recompute/checkpoints")[-1].valid
+    assert ckpts.committed(tmp_path / "recompute/checkpoints")[-1].valid

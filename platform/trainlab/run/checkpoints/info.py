@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trainlab.train.checkpoint.names import META_FILE, parse_step
+from trainlab.run.checkpoints.names import META_FILE, parse_step
 
 
 @dataclass(frozen=True)

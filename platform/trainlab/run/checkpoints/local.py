@@ -1,7 +1,7 @@
 """The checkpoints of a run in a directory (local or shared): the committed ones,
 which one a resume takes, retention, and removal that a kill cannot leave half
-done. `catalog(loc)` gives a run's catalog: a `LocalCatalog`, or a
-`store.CheckpointStore` (same methods) for a run in object storage."""
+done. `LocalCatalog` has the methods of a run's in object storage
+(`store.CheckpointStore`); trainlab.run.checkpoints.catalog(loc) picks one."""
 
 from __future__ import annotations
 
@@ -10,19 +10,19 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
-from trainlab.train.checkpoint.info import CheckpointInfo, read_info
-from trainlab.train.checkpoint.names import (
+from trainlab.run.checkpoints.info import CheckpointInfo, read_info
+from trainlab.run.checkpoints.names import (
     META_FILE,
     PULL_PREFIX,
     STAGING_PREFIX,
     TRASH_PREFIX,
     parse_step,
 )
-from trainlab.train.checkpoint.validation import verify
+from trainlab.run.checkpoints.validation import verify
 
-# The package's logger, as before its split into modules.
+# The checkpoint package's logger, as before its split into modules and the
+# catalog's move out of trainlab.train.checkpoint (the same logger for log filters).
 log = logging.getLogger("trainlab.train.checkpoint")
 
 
@@ -138,7 +138,7 @@ def clean_staging(root: Path) -> None:
                 shutil.rmtree(child, ignore_errors=True)
 
 
-# --------------------------------------------------------------------------- catalogs
+# --------------------------------------------------------------------------- the catalog
 
 
 class LocalCatalog:
@@ -159,13 +159,3 @@ class LocalCatalog:
 
     def prune(self, keep_last: int, keep_best: int) -> list[int]:
         return [parse_step(p.name) or 0 for p in prune(self.root, keep_last, keep_best)]
-
-
-def catalog(loc: Any) -> Any:
-    """The checkpoints of the run at `loc` (a `trainlab.run.location.RunLocation`): a
-    `LocalCatalog`, or a `store.CheckpointStore` for a run in object storage."""
-    if loc.remote:
-        from trainlab.train.checkpoint.store import CheckpointStore
-
-        return CheckpointStore(loc)
-    return LocalCatalog(loc.local / "checkpoints")

@@ -1,5 +1,5 @@
 """What the files and folders of a checkpoint are called (the layout is drawn in
-trainlab.train.checkpoint's docstring)."""
+trainlab.run.checkpoints's docstring)."""
 
 from __future__ import annotations
 

@@ -52,10 +52,21 @@ from typing import Any
 from trainlab.errors import UserError, first_line
 from trainlab.location import Absent, Corrupt, StorageError, read_retrying
 from trainlab.nodedisk import UnsafePath, resolve_inside
+from trainlab.run.checkpoints.info import CheckpointInfo
+from trainlab.run.checkpoints.local import retained_steps
+from trainlab.run.checkpoints.names import (
+    META_FILE,
+    PULL_PREFIX,
+    STAGING_PREFIX,
+    TRASH_PREFIX,
+    dir_name,
+    parse_step,
+)
 from trainlab.run.location import RunLocation
-from trainlab.train import checkpoint as ck
 
-log = logging.getLogger(__name__)
+# Named as before the catalog moved out of trainlab.train.checkpoint: the same
+# logger for log filters and for readers of the logs.
+log = logging.getLogger("trainlab.train.checkpoint.store")
 
 DONE = ".done-rank"
 FAILED = ".failed-rank"
@@ -87,12 +98,10 @@ class CheckpointStore:
         self.local_root = loc.local / "checkpoints"
 
     def uri(self, step: int | None = None) -> str:
-        return self.loc.uri_of(
-            "checkpoints" + (f"/{ck.dir_name(step)}" if step is not None else "")
-        )
+        return self.loc.uri_of("checkpoints" + (f"/{dir_name(step)}" if step is not None else ""))
 
     def _dir(self, step: int) -> str:
-        return f"{self.root}/{ck.dir_name(step)}"
+        return f"{self.root}/{dir_name(step)}"
 
     def _read_json(self, path: str) -> Any:
         """The JSON object at `path`: `Absent` or `Corrupt` when it is not there or
@@ -128,36 +137,34 @@ class CheckpointStore:
         names = read_retrying(
             lambda: self.loc.home.list("checkpoints"), f"listing {self._uri(self.root)}"
         )
-        steps = (ck.parse_step(name) for name in names)
+        steps = (parse_step(name) for name in names)
         return sorted(s for s in steps if s is not None)
 
-    def commit_state(self, step: int) -> ck.CheckpointInfo | StorageError:
+    def commit_state(self, step: int) -> CheckpointInfo | StorageError:
         """The committed checkpoint of `step`, or why there is none: `Absent` (no
         checkpoint.json: never committed, a save that did not finish) or `Corrupt`
         (one that does not parse or names another step). An unavailable store is
         retried and then raises: it says nothing about the checkpoint."""
-        where = f"{self.uri(step)}/{ck.META_FILE}"
+        where = f"{self.uri(step)}/{META_FILE}"
         try:
-            meta = self._read_json(f"{self._dir(step)}/{ck.META_FILE}")
+            meta = self._read_json(f"{self._dir(step)}/{META_FILE}")
         except (Absent, Corrupt) as err:
             return err
         if not isinstance(meta, dict) or meta.get("step") != step:
             return Corrupt(f"{where}: not the commit of step {step}")
-        return ck.CheckpointInfo(
-            self.local_root / ck.dir_name(step), step, meta, uri=self.uri(step)
-        )
+        return CheckpointInfo(self.local_root / dir_name(step), step, meta, uri=self.uri(step))
 
-    def info(self, step: int) -> ck.CheckpointInfo | None:
+    def info(self, step: int) -> CheckpointInfo | None:
         """The committed checkpoint of `step` (its checkpoint.json), or None."""
         state = self.commit_state(step)
-        return state if isinstance(state, ck.CheckpointInfo) else None
+        return state if isinstance(state, CheckpointInfo) else None
 
-    def committed(self) -> list[ck.CheckpointInfo]:
+    def committed(self) -> list[CheckpointInfo]:
         """Committed checkpoints, oldest first."""
         infos = (self.info(s) for s in self.step_dirs())
         return [i for i in infos if i is not None]
 
-    def missing_or_short(self, info: ck.CheckpointInfo) -> str | None:
+    def missing_or_short(self, info: CheckpointInfo) -> str | None:
         """None when every file checkpoint.json lists is in the store with its size
         (what can be checked without reading them); otherwise what is wrong."""
         from pyarrow import fs
@@ -166,7 +173,7 @@ class CheckpointStore:
         if not isinstance(files, dict) or not files:
             return "lists no files"
         for rel in files:  # whoever can write to the store wrote these names
-            check_name(rel, f"file name in {info.uri}/{ck.META_FILE}")
+            check_name(rel, f"file name in {info.uri}/{META_FILE}")
         clash = name_clash(list(files))
         if clash:  # a store holds "zz" and "zz/b"; no disk can: corrupt
             return clash
@@ -183,7 +190,7 @@ class CheckpointStore:
                 return f"{rel} has {found[rel]} bytes, expected {expected.get('bytes')}"
         return None
 
-    def candidates(self, require_valid: bool = True) -> list[ck.CheckpointInfo]:
+    def candidates(self, require_valid: bool = True) -> list[CheckpointInfo]:
         """Committed checkpoints a resume may take, newest first (complete in the
         store, and valid when `require_valid`); each one left out is logged."""
         out = []
@@ -199,7 +206,7 @@ class CheckpointStore:
             out.append(info)
         return out
 
-    def find_resume(self, require_valid: bool = True) -> ck.CheckpointInfo | None:
+    def find_resume(self, require_valid: bool = True) -> CheckpointInfo | None:
         """The newest checkpoint a resume would take (files present with their sizes;
         their sha256 is checked when it is fetched)."""
         found = self.candidates(require_valid)
@@ -211,9 +218,9 @@ class CheckpointStore:
         for step in reversed(self.step_dirs()):
             info = self.commit_state(step)
             if isinstance(info, Absent):
-                reason = f"no {ck.META_FILE} (not committed)"
+                reason = f"no {META_FILE} (not committed)"
             elif isinstance(info, Corrupt):
-                reason = f"{ck.META_FILE} unreadable ({info}): kept as it is"
+                reason = f"{META_FILE} unreadable ({info}): kept as it is"
             elif require_valid and not info.valid:
                 reason = f"not valid: {info.meta.get('error') or 'it failed validation'}"
             else:
@@ -226,7 +233,7 @@ class CheckpointStore:
 
     def staging_dir(self, step: int, rank: int) -> Path:
         """Rank `rank`'s local staging folder for its part of `step`."""
-        return self.local_root / f"{ck.STAGING_PREFIX}{ck.dir_name(step)}-rank{rank}"
+        return self.local_root / f"{STAGING_PREFIX}{dir_name(step)}-rank{rank}"
 
     def upload_part(self, staging: Path, step: int, rank: int) -> dict[str, dict[str, Any]]:
         """Upload every file of `staging` under the step's folder, then the rank's
@@ -285,7 +292,7 @@ class CheckpointStore:
         what = f"file name listed for {self.uri(step)}"
         todo = []
         for rel in sorted(files, key=str):
-            if rel == ck.META_FILE or str(rel).startswith((DONE, FAILED)):
+            if rel == META_FILE or str(rel).startswith((DONE, FAILED)):
                 raise UnsafePath(f"{what} {rel!r} is a marker, not a part")
             todo.append((rel, resolve_inside(target, rel, what)))
         base = self._dir(step)
@@ -306,7 +313,7 @@ class CheckpointStore:
     def commit(self, step: int, meta: dict[str, Any]) -> None:
         """Write checkpoint.json (the commit), then remove the done markers."""
         base = self._dir(step)
-        self._write_json(f"{base}/{ck.META_FILE}", meta)
+        self._write_json(f"{base}/{META_FILE}", meta)
         for r in range(int(meta.get("world_size") or 0) or 1):
             with contextlib.suppress(OSError):
                 self.fs.delete_file(f"{base}/{DONE}{r}")
@@ -316,14 +323,14 @@ class CheckpointStore:
         never taken for a checkpoint."""
         base = self._dir(step)
         with contextlib.suppress(OSError):
-            self.fs.delete_file(f"{base}/{ck.META_FILE}")
+            self.fs.delete_file(f"{base}/{META_FILE}")
         with contextlib.suppress(OSError):
             self.fs.delete_dir(base)
 
     def prune(self, keep_last: int, keep_best: int) -> list[int]:
         """Delete committed checkpoints retention does not keep; return their steps."""
         infos = self.committed()
-        keep = ck.retained_steps(infos, keep_last, keep_best)
+        keep = retained_steps(infos, keep_last, keep_best)
         gone = [i.step for i in infos if i.step not in keep]
         for step in gone:
             self.delete(step)
@@ -349,23 +356,23 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ reading
 
-    def fetch(self, info: ck.CheckpointInfo) -> ck.CheckpointInfo:
+    def fetch(self, info: CheckpointInfo) -> CheckpointInfo:
         """This node's verified copy of checkpoint `info` (downloaded into the
         scratch cache unless a verified copy of the same commit is there; ranks of
         one node share it, under a file lock). `ValueError` when a file does not
         match its sha256."""
         from filelock import FileLock
 
-        final = self.local_root / ck.dir_name(info.step)
+        final = self.local_root / dir_name(info.step)
         self.local_root.mkdir(parents=True, exist_ok=True)
         marker = json.dumps(info.meta, sort_keys=True)
         with FileLock(str(final) + ".lock"):
             try:
                 if (final / VERIFIED).read_text() == marker:
-                    return ck.CheckpointInfo(final, info.step, info.meta, uri=info.uri)
+                    return CheckpointInfo(final, info.step, info.meta, uri=info.uri)
             except OSError:
                 pass
-            part = self.local_root / f"{ck.PULL_PREFIX}{ck.dir_name(info.step)}"
+            part = self.local_root / f"{PULL_PREFIX}{dir_name(info.step)}"
             shutil.rmtree(part, ignore_errors=True)
             part.mkdir(parents=True)
             try:
@@ -373,13 +380,13 @@ class CheckpointStore:
             except BaseException:
                 shutil.rmtree(part, ignore_errors=True)
                 raise
-            (part / ck.META_FILE).write_text(json.dumps(info.meta, indent=1, sort_keys=True))
+            (part / META_FILE).write_text(json.dumps(info.meta, indent=1, sort_keys=True))
             (part / VERIFIED).write_text(marker)
             shutil.rmtree(final, ignore_errors=True)
             part.rename(final)
-        return ck.CheckpointInfo(final, info.step, info.meta, uri=info.uri)
+        return CheckpointInfo(final, info.step, info.meta, uri=info.uri)
 
-    def fetch_newest(self, require_valid: bool = True) -> ck.CheckpointInfo | None:
+    def fetch_newest(self, require_valid: bool = True) -> CheckpointInfo | None:
         """The newest checkpoint whose every file arrives intact, fetched (older ones
         are tried after a corrupted one, with a warning); None when there is none."""
         try:
@@ -402,9 +409,9 @@ class CheckpointStore:
         if not self.local_root.is_dir():
             return
         for child in self.local_root.iterdir():
-            step = ck.parse_step(child.name)
+            step = parse_step(child.name)
             stale = step is not None and step != newest_step
-            if child.is_dir() and (stale or child.name.startswith(ck.TRASH_PREFIX)):
+            if child.is_dir() and (stale or child.name.startswith(TRASH_PREFIX)):
                 shutil.rmtree(child, ignore_errors=True)
 
 
@@ -434,11 +441,13 @@ def name_clash(names: list[str]) -> str | None:
     for key, name in seen.items():
         for parent in PurePosixPath(key).parents:
             if str(parent) in seen:
-                return f"its file names {seen[str(parent)]!r} and {name!r} nest (a file and a folder)"
+                return (
+                    f"its file names {seen[str(parent)]!r} and {name!r} nest (a file and a folder)"
+                )
     return None
 
 
-def refused(info: ck.CheckpointInfo, error: UnsafePath) -> UserError:
+def refused(info: CheckpointInfo, error: UnsafePath) -> UserError:
     """The error of a checkpoint whose listing names files outside it."""
     return UserError(
         f"refusing the checkpoint {info.uri}: {error}; nothing was restored. Whoever can "

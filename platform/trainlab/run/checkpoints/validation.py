@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.fileutil import sha256_file
-from trainlab.train.checkpoint.info import CheckpointInfo
-from trainlab.train.checkpoint.names import FORMAT_VERSION
+from trainlab.run.checkpoints.info import CheckpointInfo
+from trainlab.run.checkpoints.names import FORMAT_VERSION
 
 
 @dataclass

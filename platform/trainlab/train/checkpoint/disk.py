@@ -15,10 +15,10 @@ from typing import Any
 import torch
 
 from trainlab.fileutil import sha256_file
-from trainlab.train.checkpoint.info import CheckpointInfo
-from trainlab.train.checkpoint.local import remove_checkpoint
-from trainlab.train.checkpoint.names import DONE_PREFIX, META_FILE
-from trainlab.train.checkpoint.validation import Validator, committed_meta
+from trainlab.run.checkpoints.info import CheckpointInfo
+from trainlab.run.checkpoints.local import remove_checkpoint
+from trainlab.run.checkpoints.names import DONE_PREFIX, META_FILE
+from trainlab.run.checkpoints.validation import Validator, committed_meta
 
 
 def save_file(obj: Any, path: Path) -> None:

@@ -1,6 +1,6 @@
 """One rank's saves: `CheckpointWriter` runs the write and commit protocol inline
 or in a background thread (`async_save`), into a directory (trainlab.train.
-checkpoint.disk) or a run in object storage (trainlab.train.checkpoint.store);
+checkpoint.disk) or a run in object storage (trainlab.run.checkpoints.store);
 a write the storage fails becomes a `StorageFault`, and a group whose driver is
 gone commits nothing (`Orphaned`)."""
 
@@ -15,12 +15,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from trainlab.run.checkpoints.info import CheckpointInfo
+from trainlab.run.checkpoints.local import prune, remove_checkpoint
+from trainlab.run.checkpoints.names import META_FILE, STAGING_PREFIX, dir_name
+from trainlab.run.checkpoints.validation import Validator, committed_meta
 from trainlab.train.checkpoint.disk import commit, wait_for_ranks, write_done_marker
 from trainlab.train.checkpoint.faults import Orphaned, StorageFault, first_line_of, os_error_in
-from trainlab.train.checkpoint.info import CheckpointInfo
-from trainlab.train.checkpoint.local import prune, remove_checkpoint
-from trainlab.train.checkpoint.names import META_FILE, STAGING_PREFIX, dir_name
-from trainlab.train.checkpoint.validation import Validator, committed_meta
 
 # The package's logger, as before its split into modules.
 log = logging.getLogger("trainlab.train.checkpoint")
@@ -44,7 +44,7 @@ class CheckpointWriter:
         orphaned: Callable[[], str | None] | None = None,
     ):
         """`after_commit`: called on rank 0 after each commit and pruning.
-        `store`: a `trainlab.train.checkpoint.store.CheckpointStore` when the run
+        `store`: a `trainlab.run.checkpoints.store.CheckpointStore` when the run
         lives in object storage: every rank uploads its part there and rank 0
         commits there (`root` is then this node's scratch for staging).
         `orphaned`: asked by rank 0 right before each commit; a reason (the driver
@@ -137,9 +137,9 @@ class CheckpointWriter:
         self, step: int, staging: Path, meta: dict[str, Any], validator: Validator | None
     ) -> CheckpointInfo | None:
         """Upload this rank's part; on rank 0, wait for every part, validate a
-        complete local copy and commit in the store (trainlab.train.checkpoint.store).
+        complete local copy and commit in the store (trainlab.run.checkpoints.store).
         A failure of the store gives up this save only (logged, never committed)."""
-        from trainlab.train.checkpoint.store import SaveAbandoned, abandoned_text
+        from trainlab.run.checkpoints.store import SaveAbandoned, abandoned_text
 
         store = self.store
         try:
@@ -166,7 +166,7 @@ class CheckpointWriter:
         final = store.local_root / dir_name(step)  # this node's cache of the newest
         remove_checkpoint(final)
         if validator is not None:  # a complete, checked copy: what a resume here reads
-            from trainlab.train.checkpoint.store import VERIFIED
+            from trainlab.run.checkpoints.store import VERIFIED
 
             full = json.loads(json.dumps(full))  # as a reader of the store sees it
             (staging / META_FILE).write_text(json.dumps(full, indent=1, sort_keys=True))

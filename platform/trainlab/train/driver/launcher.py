@@ -38,12 +38,12 @@ from trainlab.errors import UserError
 from trainlab.location import SETTINGS_ENV_VARS
 from trainlab.nodedisk import SCRATCH_ENV_VAR, UnsafePath, check_disk_room
 from trainlab.plan import plan, require_fit, resolve_layout
+from trainlab.run import checkpoints as ckpts
 from trainlab.run import dir as rundir
 from trainlab.run.location import LogShipper, RunLocation
 from trainlab.run.lock import RunLock
 from trainlab.run.records import RunRecords
 from trainlab.runstatus import RunStatus
-from trainlab.train import checkpoint as ck
 from trainlab.train.driver.interrupt import INTERRUPT_STORE_WAIT_S, Interrupts, call_in_thread
 from trainlab.train.job import TrainJob
 from trainlab.train.summaries import failed_summary, interrupted_summary
@@ -134,7 +134,7 @@ def check_resumable(
 
     loc = run_dir if isinstance(run_dir, RunLocation) else RunLocation.of(run_dir)
     require_valid = cfg.train.checkpoint.validate
-    catalog = ck.catalog(loc)
+    catalog = ckpts.catalog(loc)
     try:
         info = catalog.find_resume(require_valid=require_valid)
         refused = catalog.refusals(require_valid=require_valid) if info is None else []
@@ -156,10 +156,10 @@ def check_resumable(
                 "directory, these checkpoints stay as they are)"
             )
         return
-    problem = ck.foreign_config(info, chash)
+    problem = ckpts.foreign_config(info, chash)
     if problem:
         raise UserError(problem)
-    check_resume(data.spec, ck.data_state(info))
+    check_resume(data.spec, ckpts.data_state(info))
 
 
 def forwarded_env(cfg: ExperimentConfig | None = None) -> dict[str, str]:
@@ -692,7 +692,7 @@ def _check_smoke(loc: RunLocation, summary: dict[str, Any]) -> dict[str, Any]:
     validated checkpoint before the kill, and the run completed."""
     records = RunRecords(loc)
     resumed_from = [a["start_step"] for a in records.attempts()][1:]
-    committed = ck.catalog(loc).committed()
+    committed = ckpts.catalog(loc).committed()
     checks = {
         "completed": summary.get("status") == RunStatus.COMPLETED,
         "checkpoint_saved_and_validated": bool(committed) and all(i.valid for i in committed),

@@ -1,5 +1,6 @@
 """The training state in and out of checkpoints (the disk protocol itself,
-commits, validation records and retention, is trainlab.train.checkpoint).
+commits, is trainlab.train.checkpoint; validation records and retention,
+trainlab.run.checkpoints).
 
 One format for every layout and world size, torch.distributed.checkpoint
 (DCP). A checkpoint of step s holds the parts of `TrainState`:
@@ -14,7 +15,7 @@ One format for every layout and world size, torch.distributed.checkpoint
 and checkpoint.json, whose fields start from the same header.
 
 A checkpoint of another format is refused before anything is loaded
-(trainlab.train.checkpoint.foreign_config names it).
+(trainlab.run.checkpoints.foreign_config names it).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import torch
 
 from trainlab.config.dims import ParallelDims
 from trainlab.config.schema import ExperimentConfig, ModelConfig
+from trainlab.run import checkpoints as ckpts
 from trainlab.train import checkpoint as ck
 from trainlab.train.job import TrainJob
 from trainlab.train.loop.rng import seed_everything
@@ -48,7 +50,7 @@ warnings.filterwarnings(
 
 TRAINER_FILE = "trainer.pt"
 DCP_DIR = "state"
-FORMAT = ck.FORMAT
+FORMAT = ckpts.FORMAT
 
 
 def rng_file(rank: int) -> str:
@@ -64,7 +66,7 @@ class Checkpointer:
         self.cfg: ExperimentConfig = job.cfg
         c = self.cfg.train.checkpoint
         loc = job.location
-        self.store = ck.catalog(loc) if loc.remote else None  # a run in object storage
+        self.store = ckpts.catalog(loc) if loc.remote else None  # a run in object storage
         self.writer = ck.CheckpointWriter(
             job.checkpoint_root,
             env.rank,
@@ -174,7 +176,7 @@ class Checkpointer:
             self._stager.close()
             self._stager = None
 
-    def completed(self) -> list[ck.CheckpointInfo]:
+    def completed(self) -> list[ckpts.CheckpointInfo]:
         """Checkpoints committed since the last call (rank 0)."""
         return self.writer.completed()
 
@@ -183,7 +185,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------ restoring
 
-    def restore(self) -> ck.CheckpointInfo | None:
+    def restore(self) -> ckpts.CheckpointInfo | None:
         """Load the newest valid checkpoint into the state (rank 0 chooses, every
         rank loads); None when there is none."""
         t0 = time.perf_counter()
@@ -191,8 +193,8 @@ class Checkpointer:
             return self._restore_from_store(t0)
         choice = None
         if self.env.is_main:
-            ck.clean_staging(self.job.checkpoint_root)
-            info = ck.find_resume(
+            ckpts.clean_staging(self.job.checkpoint_root)
+            info = ckpts.find_resume(
                 self.job.checkpoint_root, require_valid=self.cfg.train.checkpoint.validate
             )
             choice = str(info.path) if info else None
@@ -207,15 +209,15 @@ class Checkpointer:
             self.state.progress.step,
             time.perf_counter() - t0,
         )
-        return ck.read_info(path)
+        return ckpts.read_info(path)
 
-    def _restore_from_store(self, t0: float) -> ck.CheckpointInfo | None:
+    def _restore_from_store(self, t0: float) -> ckpts.CheckpointInfo | None:
         """A run in object storage: rank 0 picks the newest checkpoint whose files
         all arrive intact (fetched into its node's cache and checked), every other
         rank fetches the same one into its node's cache (a copy already there and
         verified is reused), and every rank loads from its cache."""
         store = self.store
-        ck.clean_staging(store.local_root)  # this node's leftovers of a crashed attempt
+        ckpts.clean_staging(store.local_root)  # this node's leftovers of a crashed attempt
         chosen: dict[str, Any] | None = None
         if self.env.is_main:
             store.clean_uncommitted()
@@ -226,7 +228,7 @@ class Checkpointer:
             return None
         step = int(chosen["step"])
         info = store.fetch(
-            ck.CheckpointInfo(store.local_root, step, chosen["meta"], store.uri(step))
+            ckpts.CheckpointInfo(store.local_root, step, chosen["meta"], store.uri(step))
         )
         fetched = time.perf_counter() - t0
         self.load(info.path)
@@ -239,7 +241,7 @@ class Checkpointer:
         )
         return info
 
-    def load_info(self, info: ck.CheckpointInfo) -> None:
+    def load_info(self, info: ckpts.CheckpointInfo) -> None:
         """Load checkpoint `info` (chosen by rank 0, the same on every rank): from
         its directory, or for a run in object storage from this node's verified
         copy (fetched first when the node has none)."""
@@ -249,8 +251,8 @@ class Checkpointer:
 
     def load(self, path: Path) -> None:
         trainer_state = ck.load_file(path / TRAINER_FILE)
-        info = ck.CheckpointInfo(path, int(trainer_state["step"]), trainer_state)
-        problem = ck.foreign_config(info, self.job.config_hash)
+        info = ckpts.CheckpointInfo(path, int(trainer_state["step"]), trainer_state)
+        problem = ckpts.foreign_config(info, self.job.config_hash)
         if problem:
             raise RuntimeError(problem)
         model = self.state.model
@@ -356,7 +358,7 @@ def load_weights_on_cpu(path: Path, cfg: ExperimentConfig | ModelConfig) -> Any:
     return model.eval()
 
 
-def validate_checkpoint(path: Path, m: ModelConfig, batch: Batch) -> ck.Validation:
+def validate_checkpoint(path: Path, m: ModelConfig, batch: Batch) -> ckpts.Validation:
     """Load into a fresh CPU model and run one forward on a fixed batch: valid when
     it loads and the loss is finite."""
     model = load_weights_on_cpu(path, m)
@@ -364,13 +366,13 @@ def validate_checkpoint(path: Path, m: ModelConfig, batch: Batch) -> ck.Validati
         total, count = loss_sum_and_count(model, to_tensors(batch, torch.device("cpu")))
     loss = (total / count.clamp(min=1)).item()
     if not math.isfinite(loss):
-        return ck.Validation(ok=False, loss=None, error=f"validation loss is {loss}")
-    return ck.Validation(ok=True, loss=loss)
+        return ckpts.Validation(ok=False, loss=None, error=f"validation loss is {loss}")
+    return ckpts.Validation(ok=True, loss=loss)
 
 
 def validate_sharded_checkpoint(
     path: Path, m: ModelConfig, val_loss: float | None
-) -> ck.Validation:
+) -> ckpts.Validation:
     """A sharded (dcp) checkpoint, checked without ever holding the model: every
     parameter of the model is there with its shape, and finite, read one tensor at
     a time (host memory: the largest tensor). Its loss is the latest evaluation's."""
@@ -383,19 +385,21 @@ def validate_sharded_checkpoint(
     for key, shape in expected.items():
         meta = stored.get(f"model.{key}")
         if not isinstance(meta, TensorStorageMetadata):
-            return ck.Validation(ok=False, loss=None, error=f"model.{key} is missing")
+            return ckpts.Validation(ok=False, loss=None, error=f"model.{key} is missing")
         if tuple(meta.size) != shape:
-            return ck.Validation(
+            return ckpts.Validation(
                 ok=False, loss=None, error=f"model.{key} has shape {tuple(meta.size)}, not {shape}"
             )
         tensor = torch.empty(shape, dtype=meta.properties.dtype)
         dcp.load({"model": {key: tensor}}, storage_reader=reader, no_dist=True)
         if not bool(torch.isfinite(tensor).all()):
-            return ck.Validation(ok=False, loss=None, error=f"model.{key} holds non-finite values")
+            return ckpts.Validation(
+                ok=False, loss=None, error=f"model.{key} holds non-finite values"
+            )
         del tensor
     if val_loss is not None and not math.isfinite(val_loss):
-        return ck.Validation(ok=False, loss=None, error=f"the latest val_loss is {val_loss}")
-    return ck.Validation(ok=True, loss=val_loss)
+        return ckpts.Validation(ok=False, loss=None, error=f"the latest val_loss is {val_loss}")
+    return ckpts.Validation(ok=True, loss=val_loss)
 
 
 def fresh_meta_state(m: ModelConfig) -> dict[str, torch.Tensor]:

@@ -35,8 +35,8 @@ import time
 from typing import Any
 
 from trainlab.models.moe.metrics import router_metrics
+from trainlab.run import checkpoints as ckpts
 from trainlab.runstatus import RunStatus
-from trainlab.train import checkpoint as ck
 from trainlab.train.loop.callbacks import load_factory
 from trainlab.train.loop.metrics import (
     HOLD,
@@ -213,7 +213,7 @@ class P0Guard(Component):
         loop.saver.deliver(loop)
         choice = None
         if loop.env.is_main:
-            committed = ck.catalog(loop.job.location).committed()
+            committed = ckpts.catalog(loop.job.location).committed()
             before = [c for c in committed if c.valid and c.step < at]
             choice = max(before, key=lambda c: c.step) if before else None
         choice = loop.env.broadcast_object(choice)

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
     from torch import nn
 
     from trainlab.config.schema import ExperimentConfig
+    from trainlab.run import checkpoints as ckpts
     from trainlab.run.records import RunRecords
-    from trainlab.train import checkpoint as ck
     from trainlab.train.job import TrainJob
     from trainlab.train.loop.callbacks import Callback
     from trainlab.train.loop.checkpointer import Checkpointer
@@ -63,8 +63,8 @@ class Loop(Protocol):
     restarts: int
     last_signals: StepSignals  # the newest step's agreed health signals
     last_loss: float | None
-    last_checkpoint: ck.CheckpointInfo | None
-    checkpoints: list[ck.CheckpointInfo]
+    last_checkpoint: ckpts.CheckpointInfo | None
+    checkpoints: list[ckpts.CheckpointInfo]
 
     # Stopping (the built-in components' counters; a component calls request_stop)
     stop: int

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from trainlab.run import checkpoints as ckpts
 from trainlab.run.records import (
     INTERRUPT_REASON,
     SUMMARY,
@@ -109,8 +110,8 @@ class Trainer:
         self.start_step = 0
         self.restarts = 0
         self.last_loss: float | None = None
-        self.last_checkpoint: ck.CheckpointInfo | None = None
-        self.checkpoints: list[ck.CheckpointInfo] = []
+        self.last_checkpoint: ckpts.CheckpointInfo | None = None
+        self.checkpoints: list[ckpts.CheckpointInfo] = []
         self.stop_reason = ""
         self.stopped_at: int | None = None  # the step a P0 action stopped the run at
         self.stop_signal = NO_STOP  # the newest stop request every rank agreed on
@@ -355,7 +356,7 @@ class Trainer:
             # room for the records of the run's end, should the disk fill (`_fault`)
             self.records.reserve_room()
             self.checkpointer.validation_batch = self._validation_batch()
-            self.checkpoints = ck.catalog(self.job.location).committed()
+            self.checkpoints = ckpts.catalog(self.job.location).committed()
             if self.job.elastic:  # a new worker group: no growth asked of the old one holds
                 self.records.cancel_growth()
         self.last_checkpoint = self.checkpointer.restore()
@@ -455,7 +456,7 @@ class Trainer:
             step=self.stopped_at if status == RunStatus.STOPPED_BY_ALERT else self.step,
             restarts=self.restarts,
             last_checkpoint=self.last_checkpoint,
-            best_checkpoint=ck.best(self.checkpoints),
+            best_checkpoint=ckpts.best(self.checkpoints),
             final_loss=self.last_loss,
             val_losses=self.state.progress.val_losses,
             weights_sha256=digest,
@@ -472,7 +473,7 @@ class Trainer:
         saved = self.last_checkpoint is not None and self.last_checkpoint.step == self.step
         # The state in memory is past the anomaly, or a Ctrl-C stopped without saving.
         if status == RunStatus.STOPPED_BY_ALERT or (status == RunStatus.STOPPED and not saved):
-            resume = ck.catalog(self.job.location).find_resume(require_valid=True)
+            resume = ckpts.catalog(self.job.location).find_resume(require_valid=True)
             summary["resume_step"] = resume.step if resume else 0
             if self.stop_reason == INTERRUPT_REASON and self.step > summary["resume_step"]:
                 # An early Ctrl-C: what the run keeps and what a resume redoes.
@@ -513,7 +514,7 @@ class Trainer:
     def fault_cause(self, fault: ck.StorageFault) -> str:
         """`no space left on device while saving step 20; newest valid checkpoint
         step 10`: what failed, and where a resume would start."""
-        newest = ck.catalog(self.job.location).find_resume(
+        newest = ckpts.catalog(self.job.location).find_resume(
             require_valid=self.cfg.train.checkpoint.validate
         )
         where = "no valid checkpoint yet (a resume starts from step 0)"
@@ -533,7 +534,7 @@ class Trainer:
         if fault.step is not None:
             self.checkpointer.writer.discard(fault.step)
         if self.env.is_main:
-            ck.clean_staging(self.job.checkpoint_root)
+            ckpts.clean_staging(self.job.checkpoint_root)
             self.records.release_room()  # the records below fit on a full disk
         cause = self.fault_cause(fault)
         fault.cause, fault.args = cause, (cause,)

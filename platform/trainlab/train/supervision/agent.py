@@ -44,6 +44,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any, Protocol
 
+from trainlab.run import checkpoints as ckpts
 from trainlab.run.records import (
     COMPONENT,
     INTERRUPT_REASON,
@@ -51,7 +52,6 @@ from trainlab.run.records import (
     Failure,
     RunRecords,
 )
-from trainlab.train import checkpoint as ck
 from trainlab.train.job import TrainJob
 from trainlab.train.loop.callbacks import Callback
 from trainlab.train.summaries import failed_summary
@@ -412,7 +412,7 @@ class Agent:
                 self.feeder.stop()
                 self.feeder = None
         if self._orphaned is None and (proc.exitcode != 0 or not done):
-            self._stop_if_orphaned(proc)  # a commit refused for it (ck.Orphaned), a kill
+            self._stop_if_orphaned(proc)  # a commit refused for it (checkpoint.Orphaned), a kill
         if self._orphaned is not None:
             return None  # nothing recorded: the run is another driver's, or its own is gone
         if proc.exitcode != 0 or not done:
@@ -559,7 +559,7 @@ class Agent:
         if summary is not None and summary.get("status") == "failed":
             self._drain_hooks()
             return summary
-        ck.clean_staging(self.job.checkpoint_root)
+        ckpts.clean_staging(self.job.checkpoint_root)
         self.records.release_room()
         summary = failed_summary(self.job, error)
         try:
@@ -575,7 +575,7 @@ class Agent:
         run summary with it (failure_cause "code", exit 1) and closes the record."""
         if self.rank != 0:
             return None
-        ck.clean_staging(self.job.checkpoint_root)
+        ckpts.clean_staging(self.job.checkpoint_root)
         summary = failed_summary(self.job, f"{error} (not restarted: fix the component)")
         self.records.write_summary(summary)
         self._submit_hook("on_run_end", (summary,))
