@@ -479,10 +479,9 @@ def test_a_run_in_gcs_checkpoints_resumes_and_records_as_in_s3(gcs_env, tmp_path
 
 
 def test_an_abandoned_lease_and_log_shipper_send_nothing_more(run):
-    """A Ctrl-C in a store outage: the driver ends right after Ray's shutdown
-    instead of waiting on the SDK's retries of every unanswered request (a wait
-    in which the process was seen to crash). Abandoned, the lease's release and
-    the log shipper's exit make no request; the lease record stays, to go stale."""
+    """A Ctrl-C in a store outage: the driver ends at once instead of waiting on
+    the SDK's retries of every unanswered request. Abandoned, the lease's release
+    and the log shipper's exit make no request; the lease record stays, to go stale."""
     import time
 
     from trainlab.location.core import Backend

@@ -44,7 +44,12 @@ from trainlab.run.location import LogShipper, RunLocation
 from trainlab.run.lock import RunLock
 from trainlab.run.records import RunRecords
 from trainlab.runstatus import RunStatus
-from trainlab.train.driver.interrupt import INTERRUPT_STORE_WAIT_S, Interrupts, call_in_thread
+from trainlab.train.driver.interrupt import (
+    INTERRUPT_STORE_WAIT_S,
+    Interrupts,
+    call_in_thread,
+    end_fit_then_shutdown,
+)
 from trainlab.train.job import TrainJob
 from trainlab.train.summaries import failed_summary, interrupted_summary
 
@@ -511,9 +516,9 @@ def _interrupted(
     processes of this driver go too (they end its workers, the training
     processes with them). When the run's storage did not take the summary,
     `store_users` are abandoned: the lease is left to go stale (a resume takes it
-    over, recorded) and the logs unshipped, so that the driver ends at once after
-    Ray's shutdown instead of waiting there on every retry of the store's SDK
-    (a wait in which the process was seen to crash, 1 run in 17)."""
+    over, recorded) and the logs unshipped, so that the driver ends at once
+    instead of waiting on every retry of the store's SDK. Ray's shutdown waits
+    for the fit thread to leave `ray.get` (end_fit_then_shutdown)."""
     from trainlab.location.errors import retry_budget
 
     with retry_budget(INTERRUPT_STORE_WAIT_S):  # a person waits: seconds, not every retry
@@ -530,7 +535,7 @@ def _interrupted(
         store_users.abandon()
     ray = sys.modules.get("ray")  # a Ctrl-C during `import ray` leaves it half imported
     if shutdown and getattr(ray, "is_initialized", lambda: False)():
-        ray.shutdown()
+        end_fit_then_shutdown(ray)
     return summary
 
 

@@ -110,6 +110,9 @@ class Checkpointer:
         }
         rng = self.state.rng.state_dict()
         rank = self.env.rank
+        # The previous save first: its fault (async) must surface before this save
+        # begins, whose DCP writer would otherwise write on after the cleanup.
+        self.writer.wait()
         write_model = self._stage_model(step, background)
 
         def write_files(staging: Path) -> None:

@@ -1,0 +1,66 @@
+"""A stop at once (a second Ctrl-C, one during start-up or in a store outage)
+ends Ray Train's controller before Ray's shutdown, so that no thread of the
+driver is inside `ray.get` when Ray frees what that wait reads (a driver died of
+SIGSEGV there: trainlab.train.driver.interrupt.end_fit_then_shutdown)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.ray]
+
+DRIVER = textwrap.dedent(
+    """
+    import threading, time
+    import ray
+    from trainlab.train.driver.interrupt import FIT_THREAD, end_fit_then_shutdown
+
+    ray.init(address="auto", log_to_driver=False)
+
+    @ray.remote(num_cpus=0)
+    class TrainController:  # what Ray Train's fit waits on, here forever
+        def run(self):
+            time.sleep(3600)
+
+    controller = TrainController.remote()
+    seen = {}
+
+    def fit():
+        try:
+            ray.get(controller.run.remote())
+        except Exception as e:
+            seen["error"] = type(e).__name__
+
+    thread = threading.Thread(target=fit, name=FIT_THREAD, daemon=True)
+    thread.start()
+    time.sleep(1.0)  # the thread is inside ray.get
+    t0 = time.monotonic()
+    end_fit_then_shutdown(ray)
+    print("fit thread alive:", thread.is_alive(), "| its error:", seen.get("error"),
+          "| ray up:", ray.is_initialized(), "| took %.1f s" % (time.monotonic() - t0))
+    """
+)
+
+
+def test_a_stop_at_once_ends_the_controller_and_the_fit_thread_before_ray_shuts_down(
+    ray_cluster,
+):
+    import ray
+
+    env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
+    done = subprocess.run(
+        [sys.executable, "-c", DRIVER], cwd=REPO, env=env, capture_output=True, text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("fit thread alive:")]
+    assert line, done.stdout[-2000:] + done.stderr[-2000:]
+    assert line[0].startswith("fit thread alive: False | its error: ActorDiedError"), line[0]
+    assert "| ray up: False |" in line[0]
