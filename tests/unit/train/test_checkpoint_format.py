@@ -41,7 +41,7 @@ def as_legacy(src, dst, job) -> None:
     staging = dst.parent / ".legacy-staging"
     staging.mkdir(parents=True)
     ck.save_file(model.model.state_dict(), staging / "model.pt")
-    ck.save_file(model.optimizer.state_dict(), staging / "optimizer.pt")
+    ck.save_file(model.optimizers.only().state_dict(), staging / "optimizer.pt")
     trainer_state = ck.load_file(src / TRAINER_FILE)
     ck.save_file({**trainer_state, "format": "torch"}, staging / TRAINER_FILE)
     shutil.copy(src / "rng-rank0.pt", staging / "rng-rank0.pt")

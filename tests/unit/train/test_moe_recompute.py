@@ -99,7 +99,7 @@ def train(tmp_path, moe: dict, recompute: str, early_stop: bool) -> dict[str, li
 
         return wrapped
 
-    m.optimizer.step = step_with_grads(m.optimizer.step)
+    m.optimizers.only().step = step_with_grads(m.optimizers.only().step)
     stop = contextlib.nullcontext() if early_stop else set_checkpoint_early_stop(False)
     with stop:
         for step in range(STEPS):

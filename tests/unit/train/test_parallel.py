@@ -49,7 +49,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         loss, norm = train_step(state, cfg, 0, [_batch(rank)], env.device)
         handle.remove()
         sharded = {str(p.to_local().dtype) for p in state.model.parameters()}
-        moments = {str(s["exp_avg"].to_local().dtype) for s in state.optimizer.state.values()}
+        moments = {str(s["exp_avg"].to_local().dtype) for s in state.optimizers.only().state.values()}
         result[precision] = {
             "loss": loss,
             "grad_norm": norm,

@@ -74,6 +74,40 @@ def _renamed(optim: dict[str, Any], old: str, new: str) -> dict[str, Any]:
     return {k.replace(old, new, 1): v for k, v in optim.items()}
 
 
+class PartOptimizers:
+    """One optimizer per part of the model as this rank holds it (one part, or
+    its pipeline stages), stepped together."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self._all = list(optimizers)
+
+    def __iter__(self) -> Any:
+        return iter(self._all)
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def only(self) -> torch.optim.Optimizer:
+        """The optimizer of a model in one part (fp16's GradScaler, tests); a
+        pipeline's stages have one each (fp16 with pp is refused by the config)."""
+        if len(self._all) != 1:
+            raise ValueError(f"{len(self._all)} optimizers (one per pipeline stage), not one")
+        return self._all[0]
+
+    def set_lr(self, lr: float) -> None:
+        for optimizer in self._all:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+
+    def step(self) -> None:
+        for optimizer in self._all:
+            optimizer.step()
+
+    def zero_grad(self) -> None:
+        for optimizer in self._all:
+            optimizer.zero_grad(set_to_none=True)
+
+
 class ModelState:
     """Model, optimizer and grad scaler of one rank, built for the run's layout.
 
@@ -92,8 +126,7 @@ class ModelState:
         self.parts = self.parallel.parts
         self.pipeline = self.parallel.pipeline
         self.model = self.parts[0]
-        self.optimizers = [build_optimizer(part, cfg, env) for part in self.parts]
-        self.optimizer = self.optimizers[0]
+        self.optimizers = PartOptimizers([build_optimizer(part, cfg, env) for part in self.parts])
         self.scaler = torch.amp.GradScaler("cuda") if cfg.train.precision == "fp16" else None
         # The MoE layers (model.moe) whose router statistics and balance the step
         # finishes (trainlab.models.moe.layer), and the last step's statistics.

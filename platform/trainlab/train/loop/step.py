@@ -160,9 +160,7 @@ def train_step_tensors(
     queues its work and returns: trainlab.train.loop.metrics reads its values
     one step late)."""
     lr = lr_at(step, cfg.train)
-    for optimizer in m.optimizers:
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+    m.optimizers.set_lr(lr)
     tensors = to_step_tensors(micro_batches, device)
     # Everything below stays on the device: no value is read back by the host
     # (tests/unit/train/test_host_sync.py counts the reads: zero).
@@ -194,7 +192,7 @@ def train_step_tensors(
     if m.parallel.experts is not None:  # expert parallelism: the experts' own sync
         m.parallel.experts.sync_grads(model)
     if scaler is not None:
-        scaler.unscale_(m.optimizer)
+        scaler.unscale_(m.optimizers.only())
     max_norm = cfg.train.grad_clip or float("inf")
     if m.parallel.sharded:  # tensor/pipeline parallel: norms over meshes and stages
         pp_group = m.pipeline.group if m.pipeline is not None else None
@@ -206,13 +204,11 @@ def train_step_tensors(
     if scaler is not None:
         # A fused optimizer takes the scale and the inf flags as tensors: no host
         # read (torch.amp.GradScaler.step; the per-tensor loop reads found_inf).
-        scaler.step(m.optimizer)
+        scaler.step(m.optimizers.only())
         scaler.update()
     else:
-        for optimizer in m.optimizers:
-            optimizer.step()
-    for optimizer in m.optimizers:
-        optimizer.zero_grad(set_to_none=True)
+        m.optimizers.step()
+    m.optimizers.zero_grad()
     if m.moe_layers:  # once per optimizer step, from the whole step's routing
         rate = cfg.model.moe.bias_update_rate
         m.moe_stats = finish_step(m.moe_layers, m.env.dp_sum, rate, device)
