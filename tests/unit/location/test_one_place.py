@@ -20,9 +20,10 @@ DECISION = re.compile(
     r"\.remote\b(?!\()|\.is_local\b|\"://\" in|is_uri\(|scheme_of\(|startswith\(\(?\"(?:s3|gs|file)"
     r"|LocalFileSystem|S3FileSystem|GcsFileSystem"
 )
-# Where the count stood when the location package landed (the walk from
-# `train.runs_root` to a checkpoint write is in docs/layers.md).
-MOST = 39
+# 39 when the location package landed (the walk from `train.runs_root` to a
+# checkpoint write is in docs/layers.md); 38 since a trainer restores through one
+# catalog for a directory and an object store.
+MOST = 38
 
 
 def decisions() -> list[str]:

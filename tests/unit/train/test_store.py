@@ -41,7 +41,7 @@ def _writer(loc: RunLocation, rank: int = 0, world: int = 1, **kw) -> ck.Checkpo
         kw.pop("keep_last", 2),
         kw.pop("keep_best", 0),
         async_save=False,
-        store=store,
+        catalog=store,
         **kw,
     )
 

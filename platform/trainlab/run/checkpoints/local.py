@@ -17,6 +17,7 @@ from trainlab.run.checkpoints.names import (
     PULL_PREFIX,
     STAGING_PREFIX,
     TRASH_PREFIX,
+    dir_name,
     parse_step,
 )
 from trainlab.run.checkpoints.validation import verify
@@ -143,10 +144,32 @@ def clean_staging(root: Path) -> None:
 
 class LocalCatalog:
     """The checkpoints of a run in a directory (local or shared), with the same
-    methods as a run's in object storage (`store.CheckpointStore`)."""
+    methods as a run's in object storage (`store.CheckpointStore`): a resume
+    reads them in place (`fetch` returns the run's own folder)."""
 
     def __init__(self, root: Path):
         self.root = root
+
+    @property
+    def local_root(self) -> Path:
+        """Where this node reads checkpoints from: the run's own folder."""
+        return self.root
+
+    def uri(self, step: int | None = None) -> str:
+        return str(self.root if step is None else self.root / dir_name(step))
+
+    def clean_uncommitted(self) -> list[int]:
+        """Half-written and half-deleted checkpoints of a crashed attempt, removed
+        (rank 0, at start); their steps are not known here: []."""
+        clean_staging(self.root)
+        return []
+
+    def fetch_newest(self, require_valid: bool = True) -> CheckpointInfo | None:
+        return find_resume(self.root, require_valid)
+
+    def fetch(self, info: CheckpointInfo) -> CheckpointInfo:
+        """Checkpoint `info` where this node reads it: in place."""
+        return CheckpointInfo(self.root / dir_name(info.step), info.step, info.meta)
 
     def committed(self) -> list[CheckpointInfo]:
         return committed(self.root)

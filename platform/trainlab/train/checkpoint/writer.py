@@ -19,6 +19,7 @@ from typing import Any
 from trainlab.run.checkpoints.info import CheckpointInfo
 from trainlab.run.checkpoints.local import prune, remove_checkpoint
 from trainlab.run.checkpoints.names import META_FILE, STAGING_PREFIX, dir_name
+from trainlab.run.checkpoints.store import CheckpointStore
 from trainlab.run.checkpoints.validation import Validator, committed_meta
 from trainlab.train.checkpoint.disk import commit, wait_for_ranks, write_done_marker
 from trainlab.train.checkpoint.faults import Orphaned, StorageFault, first_line_of, os_error_in
@@ -132,13 +133,14 @@ class CheckpointWriter:
         keep_best: int,
         async_save: bool,
         after_commit: Callable[[], None] | None = None,
-        store: Any = None,
+        catalog: Any = None,
         orphaned: Callable[[], str | None] | None = None,
     ):
         """`after_commit`: called on rank 0 after each commit and pruning.
-        `store`: a `trainlab.run.checkpoints.store.CheckpointStore` when the run
-        lives in object storage: every rank uploads its part there and rank 0
-        commits there (`root` is then this node's scratch for staging).
+        `catalog`: the run's (trainlab.run.checkpoints.catalog); a `CheckpointStore`
+        when the run lives in object storage: every rank uploads its part there and
+        rank 0 commits there (`root` is then this node's scratch for staging).
+        Otherwise the checkpoints are committed into `root`.
         `orphaned`: asked by rank 0 right before each commit; a reason (the driver
         that started this group is gone, or another holds the run) raises
         `Orphaned` instead of committing."""
@@ -146,8 +148,8 @@ class CheckpointWriter:
         self.after_commit = after_commit
         self.orphaned = orphaned
         self.target = (
-            _StoreTarget(store, keep_last, keep_best)
-            if store is not None
+            _StoreTarget(catalog, keep_last, keep_best)
+            if isinstance(catalog, CheckpointStore)
             else _DirTarget(root, keep_last, keep_best)
         )
         self._executor = ThreadPoolExecutor(1, "checkpoint") if async_save else None

@@ -65,8 +65,9 @@ class Checkpointer:
         self.job, self.env, self.state = job, env, state
         self.cfg: ExperimentConfig = job.cfg
         c = self.cfg.train.checkpoint
-        loc = job.location
-        self.store = ckpts.catalog(loc) if loc.remote else None  # a run in object storage
+        # The run's checkpoints: its directory's, or its object store's (read
+        # through this node's verified cache); one restore path for both.
+        self.catalog = ckpts.catalog(job.location)
         self.writer = ck.CheckpointWriter(
             job.checkpoint_root,
             env.rank,
@@ -74,7 +75,7 @@ class Checkpointer:
             c.keep_last,
             c.keep_best,
             c.async_save,
-            store=self.store,
+            catalog=self.catalog,
             orphaned=job.orphaned if env.rank == 0 else None,
         )
         self.validation_batch: Batch | None = None  # rank 0, set before the first save
@@ -189,55 +190,31 @@ class Checkpointer:
     # ------------------------------------------------------------------ restoring
 
     def restore(self) -> ckpts.CheckpointInfo | None:
-        """Load the newest valid checkpoint into the state (rank 0 chooses, every
-        rank loads); None when there is none."""
+        """Load the newest valid checkpoint into the state; None when there is none.
+        Rank 0 picks it: in a directory, the newest valid and intact one; in object
+        storage, the newest whose files all arrive intact (fetched into its node's
+        cache and checked). Every other rank then reads the same one where its node
+        has it (the run's folder, or its node's cache: a verified copy is reused)."""
         t0 = time.perf_counter()
-        if self.store is not None:
-            return self._restore_from_store(t0)
-        choice = None
-        if self.env.is_main:
-            ckpts.clean_staging(self.job.checkpoint_root)
-            info = ckpts.find_resume(
-                self.job.checkpoint_root, require_valid=self.cfg.train.checkpoint.validate
-            )
-            choice = str(info.path) if info else None
-        choice = self.env.broadcast_object(choice)
-        if choice is None:
-            return None
-        path = Path(choice)
-        self.load(path)
-        log.info(
-            "resumed from %s (step %d) in %.2f s",
-            path,
-            self.state.progress.step,
-            time.perf_counter() - t0,
-        )
-        return ckpts.read_info(path)
-
-    def _restore_from_store(self, t0: float) -> ckpts.CheckpointInfo | None:
-        """A run in object storage: rank 0 picks the newest checkpoint whose files
-        all arrive intact (fetched into its node's cache and checked), every other
-        rank fetches the same one into its node's cache (a copy already there and
-        verified is reused), and every rank loads from its cache."""
-        store = self.store
-        ckpts.clean_staging(store.local_root)  # this node's leftovers of a crashed attempt
+        catalog = self.catalog
         chosen: dict[str, Any] | None = None
         if self.env.is_main:
-            store.clean_uncommitted()
-            info = store.fetch_newest(require_valid=self.cfg.train.checkpoint.validate)
+            ckpts.clean_staging(catalog.local_root)  # leftovers of a crashed attempt
+            catalog.clean_uncommitted()
+            info = catalog.fetch_newest(require_valid=self.cfg.train.checkpoint.validate)
             chosen = {"step": info.step, "meta": info.meta} if info else None
         chosen = self.env.broadcast_object(chosen)
         if chosen is None:
             return None
         step = int(chosen["step"])
-        info = store.fetch(
-            ckpts.CheckpointInfo(store.local_root, step, chosen["meta"], store.uri(step))
+        info = catalog.fetch(
+            ckpts.CheckpointInfo(catalog.local_root, step, chosen["meta"], catalog.uri(step))
         )
         fetched = time.perf_counter() - t0
         self.load(info.path)
         log.info(
-            "resumed from %s (step %d): fetched in %.2f s, loaded in %.2f s",
-            info.uri,
+            "resumed from %s (step %d): found in %.2f s, loaded in %.2f s",
+            info.uri or info.path,
             self.state.progress.step,
             fetched,
             time.perf_counter() - t0 - fetched,
@@ -245,12 +222,10 @@ class Checkpointer:
         return info
 
     def load_info(self, info: ckpts.CheckpointInfo) -> None:
-        """Load checkpoint `info` (chosen by rank 0, the same on every rank): from
-        its directory, or for a run in object storage from this node's verified
-        copy (fetched first when the node has none)."""
-        if self.store is not None:
-            info = self.store.fetch(info)
-        self.load(info.path)
+        """Load checkpoint `info` (chosen by rank 0, the same on every rank) where
+        this node has it: its directory, or for a run in object storage this node's
+        verified copy (fetched first when the node has none)."""
+        self.load(self.catalog.fetch(info).path)
 
     def load(self, path: Path) -> None:
         trainer_state = ck.load_file(path / TRAINER_FILE)
