@@ -181,21 +181,24 @@ def ship_logs(loc: RunLocation, names: list[str] | None = None) -> list[str]:
 
 class LogShipper:
     """Uploads this process's log files of a run in object storage every
-    `interval_s` and when it ends (trainlab.run.location.ship_logs); a context manager."""
+    `interval_s` and when it ends (trainlab.run.location.ship_logs); a context
+    manager. For a run on a disk it does nothing: the logs are already in place."""
 
     def __init__(self, loc: RunLocation, names: list[str] | None = None, interval_s: float = 30.0):
         self.loc, self.names, self.interval_s = loc, names, interval_s
-        self._abandoned = False
+        self._abandoned = self._shipping = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="trainlab-logs", daemon=True)
 
     def __enter__(self) -> LogShipper:
-        self._thread.start()
+        self._shipping = self.loc.remote
+        if self._shipping:
+            self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        if self._abandoned:
+        if self._abandoned or not self._shipping:
             return
         self._thread.join(timeout=5)
         self.ship()

@@ -347,8 +347,7 @@ def _run(
     rundir.write_run_files(loc, cfg, plan_json)
     RunRecords(loc).clear_interrupt()  # a Ctrl-C of an earlier start is done with
     _driver_log(path)
-    if loc.remote:  # the driver's logs (driver.log, ray.log, the MLflow journal)
-        lock.enter(LogShipper(loc))
+    lock.enter(LogShipper(loc))  # a store's run: driver.log, ray.log, the MLflow journal
     job = TrainJob(
         cfg=cfg,
         plan=plan_json,

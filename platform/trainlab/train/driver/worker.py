@@ -93,11 +93,7 @@ def train_loop_per_worker(config: dict[str, Any]) -> None:
         rendezvous=RayRendezvous(rank),
         mp_context=mp_context,
     )
-    loc = job.location
-    if not loc.remote:
-        agent.run()
-        return
     # A run in object storage: this rank's log (rank 0: its node's logs, the
     # MLflow journal and the alert log with them) goes to the store as it grows.
-    with LogShipper(loc, None if rank == 0 else [f"rank{rank}.log"]):
+    with LogShipper(job.location, None if rank == 0 else [f"rank{rank}.log"]):
         agent.run()
