@@ -132,9 +132,10 @@ class SourceDoc(_Doc):
 
     @model_validator(mode="after")
     def _sums(self) -> SourceDoc:
-        if sum(s.rows for s in self.shards) != self.docs_out or sum(
-            s.tokens for s in self.shards
-        ) != self.tokens:
+        if (
+            sum(s.rows for s in self.shards) != self.docs_out
+            or sum(s.tokens for s in self.shards) != self.tokens
+        ):
             raise ValueError(
                 f"docs_out/tokens ({self.docs_out}/{self.tokens}) do not match the sum "
                 "over its shards"
@@ -211,9 +212,7 @@ def load_manifest(path: str | os.PathLike[str] | Location) -> Manifest:
         text = os.fspath(path).rstrip("/")
         if text.rsplit("/", 1)[-1] == MANIFEST:  # the manifest file itself
             text = text[: -len(MANIFEST)].rstrip("/") or "."
-        where = locate(text, what="dataset")
-        if where.is_local:
-            where = locate(where.local_path().resolve())
+        where = locate(text, what="dataset").resolved()
     file = where.uri_of(MANIFEST)
     try:
         raw = json.loads(where.read_bytes(MANIFEST).decode("utf-8"))

@@ -18,7 +18,7 @@ from typing import Any
 from trainlab.data.manifest import MANIFEST, resolve_dataset_dir
 from trainlab.errors import UserError
 from trainlab.fileutil import sha256_file
-from trainlab.location import Location
+from trainlab.nodedisk import scratch_root
 
 TOKENIZER_FILE = "tokenizer.json"
 
@@ -38,7 +38,7 @@ def dataset_tokenizer(data_path: str, fingerprint: str | None) -> tuple[Path, st
             "tokenizer.json the model was trained with"
         )
     try:
-        path = where.local_path(rel) if where.is_local else _fetched(where, rel)
+        path = where.file_here(rel, scratch_root() / "datasets")  # checked below
     except FileNotFoundError:
         path = None
     if path is None or not path.is_file():
@@ -51,19 +51,6 @@ def dataset_tokenizer(data_path: str, fingerprint: str | None) -> tuple[Path, st
     if not isinstance(eos, str):
         raise UserError(f"{where.uri_of(MANIFEST)}: tokenizer.eos_token missing")
     return path, eos
-
-
-def _fetched(where: Location, rel: str) -> Path:
-    """A file of a dataset in object storage, copied under this node's scratch (by
-    the dataset's location: the copy is checked against the manifest's sha256)."""
-    import hashlib
-
-    from trainlab.nodedisk import scratch_root
-
-    key = hashlib.sha256(where.uri.encode()).hexdigest()[:16]
-    dest = scratch_root() / "datasets" / key / rel
-    where.download(rel, dest)
-    return dest
 
 
 def eos_of(tokenizer_file: Path, eos_token: str) -> int:

@@ -385,6 +385,17 @@ class Location:
         with self._kinds(rel):
             self.backend.download(self.fs_path(rel), dst)
 
+    def file_here(self, rel: str, cache: Path) -> Path:
+        """File `rel` as a path on this machine: in place on a disk; from a store,
+        downloaded under `cache` (in a folder of this location's own)."""
+        if self.is_local:
+            return self.local_path(rel)
+        import hashlib
+
+        dest = cache / hashlib.sha256(self.uri.encode()).hexdigest()[:16] / rel
+        self.download(rel, dest)
+        return dest
+
     # ------------------------------------------------------------------ records
 
     def append_jsonl(self, rel: str, records: list[dict[str, Any]]) -> None:

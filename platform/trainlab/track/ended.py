@@ -16,34 +16,23 @@ from typing import Any
 
 from trainlab.runstatus import FINAL_STATUSES  # a summary its own processes wrote: kept
 
-STORE_TIME_RESOLUTION_S = 1.0  # of an object's modification time in S3
+TIME_RESOLUTION_S = 1.0  # of an object's modification time in S3
 
 
 def summary_is_current(run_dir: Path | str) -> bool:
     """run_summary.json is of the run's latest start (not of an earlier one that a
-    resume continued): it is newer than the latest attempt (for a run in object
-    storage: than the latest attempt's record)."""
+    resume continued): it was written after the latest attempt's record."""
     from trainlab.run.location import RunLocation
+    from trainlab.run.records import RunRecords
 
     loc = RunLocation.of(run_dir)
-    if loc.remote:
-        from pyarrow import fs
-
-        from trainlab.run.records import RunRecords
-
-        info = loc.home.filesystem.get_file_info(loc.key("run_summary.json"))
-        if info.type != fs.FileType.File or info.mtime is None:
-            return False
-        started = [float(a.get("time") or 0.0) for a in RunRecords(loc).attempts()]
-        # S3 keeps an object's time in whole seconds: a summary written in the
-        # second its start began is of that start (a resume takes longer than that).
-        return not started or info.mtime.timestamp() + STORE_TIME_RESOLUTION_S > max(started)
-    run_dir = Path(run_dir)
-    summary = run_dir / "run_summary.json"
-    attempts = run_dir / "logs" / "attempts.jsonl"
-    if not summary.is_file():
+    written = loc.home.modified("run_summary.json")
+    if written is None:
         return False
-    return not attempts.is_file() or summary.stat().st_mtime >= attempts.stat().st_mtime
+    started = [float(a.get("time") or 0.0) for a in RunRecords(loc).attempts()]
+    # S3 keeps an object's time in whole seconds: a summary written in the second
+    # its start began is of that start (a resume takes longer than that).
+    return not started or written + TIME_RESOLUTION_S > max(started)
 
 
 def write_ended_summary(run_dir: str | Path, status: str, reason: str) -> dict[str, Any] | None:

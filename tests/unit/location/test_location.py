@@ -5,6 +5,7 @@ with the same results, and says what went wrong by kind."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +53,9 @@ def test_files_round_trip_on_every_backend(place, tmp_path):
     assert (tmp_path / "back" / "x.bin").read_bytes() == src.read_bytes()
     with place.open_input_file("up/src.bin") as f:
         assert f.read(7) == b"payload"
+    here = place.file_here("up/src.bin", tmp_path / "cache")  # a path to open here
+    assert here.read_bytes() == src.read_bytes()
+    assert (here == Path(place.fs_path("up/src.bin"))) == place.is_local  # in place on a disk
     place.delete("a.json")
     place.delete("a.json")  # twice: no error
     place.delete_tree("sub")
