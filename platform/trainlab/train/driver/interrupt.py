@@ -52,6 +52,7 @@ log = logging.getLogger(__name__)
 JOIN_POLL_S = 0.2
 FIT_THREAD = "trainlab-fit"  # call_in_thread's thread: Ray Train's fit, in ray.get
 FIT_END_S = 10.0  # how long a stop at once waits for that thread to leave ray.get
+_RUNNING: set[threading.Event] = set()  # the fits call_in_thread runs now (their end)
 # How long a Ctrl-C waits for storage that does not answer (a store outage) before
 # it stops at once; the interrupted summary after it waits as long.
 INTERRUPT_STORE_WAIT_S = 3.0
@@ -180,19 +181,30 @@ class Interrupts:
 def call_in_thread(fn: Callable[[], T]) -> T:
     """`fn()` on a daemon thread while the main thread waits, so that signals are
     handled by the main thread's handlers (a KeyboardInterrupt they raise leaves
-    `fn` running on its thread); `fn`'s exception is re-raised here."""
+    `fn` running on its thread); `fn`'s exception is re-raised here.
+
+    The main thread waits on an Event, never in `Thread.join`: CPython 3.11's
+    join, interrupted by a KeyboardInterrupt while the thread runs, releases the
+    running thread's own state lock and marks it stopped (seen in a core dump:
+    `_is_stopped=True, _tstate_lock=None` on a thread still inside `ray.get`), so
+    nothing could tell afterwards that it still ran."""
     box: dict[str, Any] = {}
+    done = threading.Event()
 
     def target() -> None:
         try:
             box["value"] = fn()
         except BaseException as e:  # noqa: BLE001 - re-raised on the main thread
             box["error"] = e
+        finally:
+            done.set()
+            _RUNNING.discard(done)
 
+    _RUNNING.add(done)
     thread = threading.Thread(target=target, name=FIT_THREAD, daemon=True)
     thread.start()
-    while thread.is_alive():
-        thread.join(JOIN_POLL_S)
+    while not done.wait(JOIN_POLL_S):
+        pass
     if "error" in box:
         raise box["error"]
     return box["value"]
@@ -206,10 +218,11 @@ def end_fit_then_shutdown(ray: Any) -> None:
     in CoreWorkerMemoryStore::GetImpl on the fit thread. So the controller of
     this driver's job (on this node: Ray Train places it with the driver) is
     killed first; its workers end with it (Ray ends the actors an actor owns),
-    the fit thread's `ray.get` raises, and Ray shuts down once the thread is out
-    (else Ray is left to end with this process, which a CLI does at once)."""
-    fit = [t for t in threading.enumerate() if t.name == FIT_THREAD and t.is_alive()]
-    if fit:
+    the fit thread's `ray.get` raises, and Ray shuts down once the fit has
+    returned (else Ray is left to end with this process, which a CLI does at
+    once: Ray's processes of a local cluster end with their driver)."""
+    running = [done for done in list(_RUNNING) if not done.is_set()]
+    if running:
         try:
             from ray._private import state  # the GCS's actor table (no dashboard needed)
 
@@ -228,9 +241,9 @@ def end_fit_then_shutdown(ray: Any) -> None:
         except Exception as e:  # noqa: BLE001 - the GCS gone: nothing to wait for
             log.debug("could not end Ray Train's controller: %s", e)
         deadline = time.monotonic() + FIT_END_S
-        for thread in fit:
-            thread.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in fit):
+        for done in running:
+            done.wait(max(0.0, deadline - time.monotonic()))
+        if not all(done.is_set() for done in running):
             log.warning(
                 "Ray Train's fit did not end in %.0f s; Ray ends with this process", FIT_END_S
             )
