@@ -373,6 +373,13 @@ class Location:
         with self._kinds(rel):
             self.backend.delete_tree(self.fs_path(rel))
 
+    def remove_if_empty(self, rel: str = "") -> None:
+        """Remove folder `rel` if nothing is in it; an object store has no empty
+        folders (a prefix exists by its objects): nothing to do there."""
+        if self.is_local:
+            with contextlib.suppress(OSError):
+                Path(self.fs_path(rel)).rmdir()
+
     def upload(self, src: Path, rel: str) -> str:
         """Copy the local file `src` to `rel`; returns its sha256."""
         with self._kinds(rel):

@@ -24,8 +24,9 @@ DECISION = re.compile(
 # checkpoint write is in docs/layers.md); 38 since a trainer restores through one
 # catalog for a directory and an object store; 37 since the log shipper, not its
 # two callers, knows that a run on a disk has its logs in place; 34 with one
-# freshness rule for a run summary, Location.resolved and Location.file_here.
-MOST = 34
+# freshness rule for a run summary, Location.resolved and Location.file_here;
+# 33 with Location.remove_if_empty for a refused run.
+MOST = 33
 
 
 def decisions() -> list[str]:

@@ -205,3 +205,32 @@ def test_a_component_that_cannot_be_built_is_refused_before_ray_starts(dataset, 
         dataset, train={"components": ["tests.e2e.elastic_components:pace_below_three"]}
     )
     launcher._checked_together(good)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_refused_new_run_leaves_nothing_behind(where, request, tmp_path, monkeypatch):
+    """A new run refused before any worker started (a node off its lock, too few
+    CPUs): its folder (in a store: its objects, and this node's working copy)
+    goes, and the day's folder with it unless another run of the day is there."""
+    from trainlab.run.location import RunLocation
+
+    if where == "local":
+        root = str(tmp_path / "runs")
+    else:
+        _, bucket = request.getfixturevalue("s3_env")
+        monkeypatch.setenv("TRAINLAB_SCRATCH_DIR", str(tmp_path / "scratch"))
+        root = f"s3://{bucket}/runs"
+    scratch = str(tmp_path / "scratch")
+    first = RunLocation.of(f"{root}/2026-12-07/first", scratch)
+    other = RunLocation.of(f"{root}/2026-12-07/other", scratch)
+    for loc in (first, other):
+        loc.write_text("config.yaml", "name: x\n")
+        loc.write_text("logs/attempts.jsonl", "")
+    (first.local / "logs").mkdir(parents=True, exist_ok=True)
+    launcher._remove_refused(first)
+    assert not first.home.exists("config.yaml") and not first.local.exists()
+    assert other.home.exists("config.yaml")  # another run of the day stays
+    launcher._remove_refused(other)
+    assert not other.home.exists("config.yaml")
+    if where == "local":
+        assert not (tmp_path / "runs" / "2026-12-07").exists()  # the day's folder, empty

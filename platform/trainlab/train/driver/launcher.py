@@ -544,12 +544,9 @@ def _remove_refused(loc: RunLocation) -> None:
     and the day's folder when it is left empty."""
     import shutil
 
-    shutil.rmtree(loc.local, ignore_errors=True)  # the run, or this node's copy of it
-    if loc.remote:
-        loc.home.delete_tree()
-        return
-    with contextlib.suppress(OSError):  # another run is there: it stays
-        loc.local.parent.rmdir()
+    shutil.rmtree(loc.local, ignore_errors=True)  # this node's copy of it
+    loc.home.delete_tree()  # the run (on a disk: the same folder, gone already)
+    loc.home.parent.remove_if_empty()  # the day's folder, unless another run is there
 
 
 def _abandon(job: TrainJob, summary: dict[str, Any]) -> None:
