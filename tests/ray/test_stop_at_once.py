@@ -21,18 +21,22 @@ pytestmark = [pytest.mark.ray]
 
 DRIVER = textwrap.dedent(
     """
-    import os, signal, threading, time
+    import faulthandler, os, signal, sys, threading, time
     import ray
     from trainlab.train.driver.interrupt import call_in_thread, end_fit_then_shutdown
 
+    faulthandler.dump_traceback_later(90, exit=True)  # a hang shows where
     ray.init(address="auto", log_to_driver=False)
 
     @ray.remote(num_cpus=0)
     class TrainController:  # what Ray Train's fit waits on, here forever
+        def __init__(self, start_s):
+            time.sleep(start_s)  # its process starting, on a busy node
+
         def run(self):
             time.sleep(3600)
 
-    controller = TrainController.remote()
+    controller = TrainController.remote(float(sys.argv[1]))
     seen = {}
 
     def fit():
@@ -55,14 +59,17 @@ DRIVER = textwrap.dedent(
 )
 
 
+@pytest.mark.parametrize("controller_start_s", [0, 3], ids=["controller_up", "controller_starting"])
 def test_a_stop_at_once_ends_the_controller_and_the_fit_thread_before_ray_shuts_down(
-    ray_cluster,
+    ray_cluster, controller_start_s
 ):
+    """The Ctrl-C comes 1 s after the fit began: with the controller up, or while
+    it is still being created (not yet ALIVE: it is ended once it is)."""
     import ray
 
     env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
     done = subprocess.run(
-        [sys.executable, "-c", DRIVER], cwd=REPO, env=env, capture_output=True, text=True,
+        [sys.executable, "-c", DRIVER, str(controller_start_s)], cwd=REPO, env=env, capture_output=True, text=True,
         timeout=120,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
