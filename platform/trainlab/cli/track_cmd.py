@@ -384,8 +384,8 @@ def track_flush(run_dir: str, runs_root: str | None) -> int:
     )
 
     loc = RunLocation.of(run_dir)
-    if not loc.remote and not loc.local.is_dir():
-        raise UserError(f"RUN_DIR {run_dir}: no such directory (a run directory or s3:// URI)")
+    if not loc.home.exists():
+        raise UserError(f"RUN_DIR {run_dir}: no such run (a run directory or s3:// URI)")
     if loc.remote:  # a run in object storage: its shipped journal, on this machine
         for name in (JOURNAL, MARKER):
             text = loc.read_text(f"logs/{name}")

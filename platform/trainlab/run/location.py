@@ -144,17 +144,16 @@ def local_runs_root(runs_root: str, scratch_dir: str | None = None) -> Path:
     layer leaves it): the root itself, or for a root in object storage its working
     copy on this node's scratch (where the embedded MLflow store of runs in the
     store lives: SQLite cannot live in object storage; docs/storage.md)."""
-    where = locate(runs_root, what="train.runs_root")
-    return where.local_path() if where.is_local else working_copy(where, scratch_dir)
+    return _location(locate(runs_root, what="train.runs_root"), scratch_dir).local
 
 
 def ship_logs(loc: RunLocation, names: list[str] | None = None) -> list[str]:
-    """Upload this node's log files of a remote run (all of logs/, or `names` in
-    it) that changed since they were last shipped; returns the names uploaded.
-    Each log file has one writer (rank{r}.log, driver.log, ...), so copies from
-    different nodes never collide. A local run's logs are already in place."""
-    if not loc.remote:
-        return []
+    """Upload this node's log files of a run in a store (all of logs/, or `names`
+    in it) from its working copy, those changed since they were last shipped;
+    returns the names uploaded. Each log file has one writer (rank{r}.log,
+    driver.log, ...), so copies from different nodes never collide. Only
+    `LogShipper` calls it, and only for a run in a store: a run's logs on a disk
+    are in place."""
     logs = loc.local / "logs"
     if not logs.is_dir():
         return []

@@ -25,8 +25,10 @@ DECISION = re.compile(
 # catalog for a directory and an object store; 37 since the log shipper, not its
 # two callers, knows that a run on a disk has its logs in place; 34 with one
 # freshness rule for a run summary, Location.resolved and Location.file_here;
-# 33 with Location.remove_if_empty for a refused run.
-MOST = 33
+# 33 with Location.remove_if_empty for a refused run; 30 with one choice of a runs
+# root's directory on this node (RunLocation's), the log shipper alone deciding
+# to ship, and `track flush` asking whether the run exists wherever it is.
+MOST = 30
 
 
 def decisions() -> list[str]:

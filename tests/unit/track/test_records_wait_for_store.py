@@ -194,6 +194,21 @@ def test_track_flush_writes_a_runs_pending_records(
     assert run.info.status == "KILLED" and run.data.tags["status"] == "stopped"
 
 
+def test_track_flush_of_no_run_names_it(tmp_path):
+    """A RUN_DIR that is no run (a mistyped path) is a one-line error, on a disk as
+    in a store (the same existence check)."""
+    from click.testing import CliRunner
+
+    from trainlab.cli.track_cmd import track_flush
+    from trainlab.errors import UserError
+
+    missing = tmp_path / "2026-12-07" / "tiny"
+    with pytest.raises(UserError, match=f"RUN_DIR {missing}: no such run"):
+        CliRunner().invoke(
+            track_flush, [str(missing)], standalone_mode=False, catch_exceptions=False
+        )
+
+
 def test_a_start_cut_short_after_the_run_was_created_is_completed(
     rank0, runs_root, client, locked_store, monkeypatch
 ):
