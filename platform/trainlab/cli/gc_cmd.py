@@ -26,12 +26,9 @@ is skipped too (or refused, if it starts while gc holds the lock).
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import click
@@ -43,8 +40,10 @@ from trainlab.cli.common import (
     runs_root_hint,
     runs_root_option,
 )
-from trainlab.errors import UserError
+from trainlab.errors import UserError, first_line
+from trainlab.location import Location
 from trainlab.run import lock as run_lock
+from trainlab.run.location import RunLocation
 from trainlab.runstatus import RunStatus
 
 # How runs ended (trainlab.runstatus), and gc's own two: a run without a summary,
@@ -52,8 +51,8 @@ from trainlab.runstatus import RunStatus
 STATUSES = (*RunStatus, "unfinished", "smoke")
 # What a trimmed run keeps besides its two checkpoints: the record of what it was.
 RECORDS = ("config.yaml", "plan.json", "run_summary.json", "logs")
-# The run's lock file stays while the directory does (trainlab.run.lock says why).
-KEPT_FILES = (*RECORDS, run_lock.LOCK)
+# The run's lock file and lease stay while the run does (trainlab.run.lock says why).
+KEPT_FILES = (*RECORDS, run_lock.LOCK, run_lock.HOLDER)
 _DATE_DIR = re.compile(r"^\d{4}-\d\d-\d\d$")
 _UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -80,70 +79,67 @@ def parse_statuses(text: str | None) -> set[str]:
 
 
 # --------------------------------------------------------------------------- reading
+# One implementation for a runs root on a disk and one in object storage: a run
+# is read through its RunLocation (trainlab.run.location), its checkpoints
+# through its catalog (trainlab.run.checkpoints.catalog), its liveness through
+# trainlab.run.lock.kept_still.
 
 
 @dataclass
 class RunInfo:
-    path: Path
+    loc: RunLocation
     status: str  # one of STATUSES but "smoke" (a summary's status, or unfinished)
     smoke: bool
-    age_s: float  # since anything in the run directory last changed
-    live: str | None = None  # who holds its lock ("pid N on host H since T"), if alive
+    age_s: float  # since its newest file (object) was written
+    files: dict[str, int] = field(default_factory=dict)  # below the run -> bytes
+    live: str | None = None  # who holds it ("pid N on host H since T"), if alive
 
     @property
     def statuses(self) -> set[str]:
         return {self.status, *(["smoke"] if self.smoke else [])}
 
-
-def _tree_bytes(path: Path) -> int:
-    if path.is_symlink() or path.is_file():
-        return path.lstat().st_size
-    return sum((Path(d) / f).lstat().st_size for d, _, fs in os.walk(path) for f in fs)
+    @property
+    def uri(self) -> str:
+        return self.loc.uri
 
 
-def _newest_mtime(path: Path) -> float:
-    newest = path.lstat().st_mtime
-    for d, dirs, files in os.walk(path):
-        for name in [*dirs, *files]:
-            newest = max(newest, (Path(d) / name).lstat().st_mtime)
-    return newest
-
-
-def _run_name(path: Path) -> str:
+def _run_name(loc: RunLocation, default: str) -> str:
     import yaml
 
     try:
-        raw = yaml.safe_load((path / "config.yaml").read_text())
+        raw = yaml.safe_load(loc.read_text("config.yaml") or "")
     except (OSError, ValueError, yaml.YAMLError):
-        return path.name
-    return str(raw.get("name", path.name)) if isinstance(raw, dict) else path.name
+        return default
+    return str(raw.get("name", default)) if isinstance(raw, dict) else default
 
 
-def read_run(path: Path, now: float) -> RunInfo:
+def read_run(loc: RunLocation, now: float) -> RunInfo:
     from trainlab.run.records import RunRecords
 
-    live = run_lock.live_holder(path)
-    if live is not None:  # not walked: a live run's files come and go
-        return RunInfo(path, "unfinished", False, 0.0, live)
-    summary = RunRecords(path).read_summary() or {}
+    with run_lock.kept_still(loc) as live:
+        if live is not None:  # not walked: a live run's files come and go
+            return RunInfo(loc, "unfinished", False, 0.0, live=live)
+    files = loc.home.files()
+    newest = max((mtime for _, _, mtime in files), default=now)
+    summary = RunRecords(loc).read_summary() or {}
     status = str(summary.get("status") or "unfinished")
-    smoke = "smoke" in summary or _run_name(path).endswith("-smoke")
-    return RunInfo(path, status, smoke, max(0.0, now - _newest_mtime(path)))
+    smoke = "smoke" in summary or _run_name(loc, loc.name).endswith("-smoke")
+    sizes = {name: size for name, size, _ in files}
+    return RunInfo(loc, status, smoke, max(0.0, now - newest), sizes)
 
 
-def find_runs(runs_root: Path, now: float | None = None) -> list[RunInfo]:
-    """Every run directory `{runs_root}/{YYYY-MM-DD}/{name}/` holding a config.yaml
-    (symlinks are never followed), oldest date first."""
+def find_runs(root: Location, now: float | None = None) -> list[RunInfo]:
+    """Every run `{root}/{YYYY-MM-DD}/{name}/` holding a config.yaml (symbolic
+    links are never followed), oldest date first."""
     now = time.time() if now is None else now
     out = []
-    if not runs_root.is_dir():
-        return out
-    for day in sorted(runs_root.iterdir()):
-        if not _DATE_DIR.match(day.name) or day.is_symlink() or not day.is_dir():
+    for day in root.list():
+        if not _DATE_DIR.match(day) or root.is_link(day):
             continue
-        for run in sorted(day.iterdir()):
-            if run.is_dir() and not run.is_symlink() and (run / "config.yaml").is_file():
-                out.append(read_run(run, now))
+        for name in root.list(day):
+            rel = f"{day}/{name}"
+            if not root.is_link(rel) and root.is_file(f"{rel}/config.yaml"):
+                out.append(read_run(RunLocation.of(root.child(rel)), now))
     return out
 
 
@@ -158,60 +154,64 @@ class Skipped:
     reason: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"run": str(self.run.path), "reason": self.reason}
+        return {"run": self.run.uri, "reason": self.reason}
 
 
 @dataclass
 class Action:
     run: RunInfo
-    whole: bool  # delete the run directory itself
-    remove: list[Path] = field(default_factory=list)
+    whole: bool  # delete the run itself
+    remove: list[str] = field(default_factory=list)  # names below the run
     kept: dict[str, str] = field(default_factory=dict)  # checkpoint dir name -> why
     freed_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "run_dir": str(self.run.path),
+            "run_dir": self.run.uri,
             "status": self.run.status,
             "smoke": self.run.smoke,
             "age_days": round(self.run.age_s / 86400, 2),
             "action": "delete" if self.whole else "trim",
-            "removed": [str(p) for p in self.remove],
+            "removed": [self.run.loc.uri_of(rel) for rel in self.remove],
             "kept_checkpoints": self.kept,
             "freed_bytes": self.freed_bytes,
         }
 
 
-def kept_checkpoints(run_dir: Path) -> dict[str, str]:
+def kept_checkpoints(loc: RunLocation) -> dict[str, str]:
     """The checkpoints gc keeps without --force: the last valid (newest whose
-    validation passed) and the best (lowest validation loss), by directory name."""
+    validation passed) and the best (lowest validation loss), by folder name."""
     from trainlab.run import checkpoints as ckpts
 
-    infos = ckpts.committed(run_dir / "checkpoints")
+    infos = ckpts.catalog(loc).committed()
     valid = [i for i in infos if i.valid]
     kept: dict[str, str] = {}
     best = ckpts.best(infos)
     if best is not None:
-        kept[best.path.name] = "best"
+        kept[ckpts.dir_name(best.step)] = "best"
     if valid:
-        last = valid[-1].path.name
+        last = ckpts.dir_name(valid[-1].step)
         kept[last] = "last valid and best" if kept.get(last) == "best" else "last valid"
     return kept
 
 
+def _below(files: dict[str, int], rel: str) -> int:
+    return sum(size for name, size in files.items() if name == rel or name.startswith(rel + "/"))
+
+
 def decide(run: RunInfo, force: bool) -> Action:
-    kept = {} if force else kept_checkpoints(run.path)
+    kept = {} if force else kept_checkpoints(run.loc)
     if not kept:
-        return Action(run, whole=True, remove=[run.path], freed_bytes=_tree_bytes(run.path))
-    remove = []
-    for child in sorted(run.path.iterdir()):
-        if child.name in KEPT_FILES:
+        return Action(run, whole=True, remove=[""], freed_bytes=sum(run.files.values()))
+    home, remove = run.loc.home, []
+    for name in home.list():
+        if name in KEPT_FILES:
             continue
-        if child.name == "checkpoints" and child.is_dir() and not child.is_symlink():
-            remove += [c for c in sorted(child.iterdir()) if c.name not in kept]
+        if name == "checkpoints" and not home.is_link(name) and not home.is_file(name):
+            remove += [f"{name}/{c}" for c in home.list(name) if c not in kept]
         else:
-            remove.append(child)
-    freed = sum(_tree_bytes(p) for p in remove)
+            remove.append(name)
+    freed = sum(_below(run.files, rel) for rel in remove)
     return Action(run, whole=False, remove=remove, kept=kept, freed_bytes=freed)
 
 
@@ -231,24 +231,47 @@ def plan_gc(
     return actions, skipped
 
 
+def _delete(loc: RunLocation, rel: str) -> None:
+    """Delete `rel` below the run ("" the run whole): a checkpoint through its
+    catalog (commit marker first: a half-deleted one is never taken for a
+    checkpoint), a link as a link (never what it points to)."""
+    from trainlab.run import checkpoints as ckpts
+
+    home = loc.home
+    if rel == "":
+        if not home.is_link("checkpoints"):
+            for name in home.list("checkpoints"):
+                _delete(loc, f"checkpoints/{name}")
+        home.delete_tree()
+        return
+    step = (
+        ckpts.parse_step(rel.removeprefix("checkpoints/"))
+        if rel.startswith("checkpoints/")
+        else None
+    )
+    if step is not None and not home.is_link(rel):
+        ckpts.catalog(loc).delete(step)
+    elif home.is_link(rel) or home.is_file(rel):
+        home.delete(rel)
+    else:
+        home.delete_tree(rel)
+
+
 def apply(actions: list[Action]) -> list[Skipped]:
-    """Delete what each action says, holding the run's lock meanwhile; a run that
-    came alive since it was read is left alone and returned."""
+    """Delete what each action says, the run kept still meanwhile
+    (trainlab.run.lock.kept_still); a run that came alive since it was read is
+    left alone and returned."""
     skipped = []
     for action in actions:
-        holder = run_lock.live_holder(action.run.path)  # a holder on another host, too
-        with run_lock.held_quietly(action.run.path) as held:
-            if holder is not None or not held:
-                skipped.append(Skipped(action.run, live_reason(holder or run_lock.UNKNOWN_HOLDER)))
+        loc = action.run.loc
+        with run_lock.kept_still(loc) as live:
+            if live is not None:
+                skipped.append(Skipped(action.run, live_reason(live)))
                 continue
-            for path in action.remove:
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path)
-                else:
-                    path.unlink(missing_ok=True)
-        day = action.run.path.parent
-        if action.whole and day.is_dir() and not any(day.iterdir()):
-            day.rmdir()
+            for rel in action.remove:
+                _delete(loc, rel)
+        if action.whole:
+            loc.home.parent.remove_if_empty()  # the date's folder, once empty
     return skipped
 
 
@@ -263,14 +286,14 @@ def _size(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _rel(path: Path, root: Path) -> Path:
-    return path.relative_to(root) if path.is_relative_to(root) else path
+def _rel(uri: str, root: Location) -> str:
+    return uri.removeprefix(root.uri.rstrip("/") + "/")
 
 
-def _describe(a: Action, root: Path) -> str:
-    rel = _rel(a.run.path, root)
+def _describe(a: Action, root: Location) -> str:
     what = ", ".join(sorted(a.run.statuses))
-    head = f"{'delete' if a.whole else 'trim'} {rel} ({what}, {a.run.age_s / 86400:.1f} days)"
+    head = f"{'delete' if a.whole else 'trim'} {_rel(a.run.uri, root)} ({what}, "
+    head += f"{a.run.age_s / 86400:.1f} days)"
     if a.whole:
         return f"{head}: {_size(a.freed_bytes)}"
     kept = ", ".join(f"{name} ({why})" for name, why in sorted(a.kept.items()))
@@ -311,26 +334,27 @@ def gc(
     """Delete old run directories and smoke rehearsals, keeping each run's last
     valid and best checkpoint (and its records) unless --force. The runs root may
     be in object storage (s3://bucket/prefix)."""
-    from trainlab.location import locate
+    from trainlab.location import StorageError, locate
 
     age, wanted = parse_age(older_than), parse_statuses(statuses)
     hint, runs_root = runs_root_hint(runs_root), default_runs_root(runs_root)
-    if not locate(runs_root, what="--runs-root").is_local:
-        return _gc_in_store(runs_root, age, wanted, dry_run, force, as_json)
-    root = Path(runs_root).expanduser().resolve()
-    if not root.is_dir():
-        raise UserError(f"--runs-root {runs_root}: no such directory{hint}")
-    actions, skipped = plan_gc(find_runs(root), age, wanted, force)
-    if not dry_run:
-        late = apply(actions)
-        skipped += late
-        left_alone = {s.run.path for s in late}
-        actions = [a for a in actions if a.run.path not in left_alone]
+    root = locate(runs_root, what="--runs-root").resolved()
+    try:
+        if not root.exists():
+            raise UserError(f"--runs-root {runs_root}: no such directory or prefix{hint}")
+        actions, skipped = plan_gc(find_runs(root), age, wanted, force)
+        if not dry_run:
+            late = apply(actions)
+            skipped += late
+            left_alone = {s.run.uri for s in late}
+            actions = [a for a in actions if a.run.uri not in left_alone]
+    except (StorageError, OSError) as e:
+        raise UserError(f"--runs-root {runs_root}: cannot read it: {first_line(e)}") from None
     freed = sum(a.freed_bytes for a in actions)
     if as_json:
         echo_json(
             {
-                "runs_root": str(root),
+                "runs_root": root.uri,
                 "dry_run": dry_run,
                 "force": force,
                 "runs": [a.to_json() for a in actions],
@@ -342,36 +366,7 @@ def gc(
     for a in actions:
         click.echo(_describe(a, root))
     for s in skipped:
-        click.echo(f"skip {_rel(s.run.path, root)}: {s.reason}")
+        click.echo(f"skip {_rel(s.run.uri, root)}: {s.reason}")
     verb = "would free" if dry_run else "freed"
     click.echo(f"{len(actions)} run(s); {verb} {_size(freed)}" + (" (dry run)" if dry_run else ""))
-    return 0
-
-
-def _gc_in_store(
-    root: str, age: float, wanted: set[str], dry_run: bool, force: bool, as_json: bool
-) -> int:
-    from trainlab.cli.gc_store import gc_store
-
-    try:
-        result = gc_store(root, age, wanted, dry_run, force)
-    except OSError as e:
-        raise UserError(f"--runs-root {root}: cannot read the store: {e}") from None
-    if as_json:
-        echo_json(result)
-        return 0
-    base = result["runs_root"].rstrip("/") + "/"
-    for a in result["runs"]:
-        rel = a["run_dir"].removeprefix(base)
-        what = f"{'delete' if a['action'] == 'delete' else 'trim'} {rel} ({a['status']}, "
-        what += f"{a['age_days']:.1f} days): {_size(a['freed_bytes'])}"
-        if a["kept_checkpoints"]:
-            kept = ", ".join(f"{k} ({v})" for k, v in sorted(a["kept_checkpoints"].items()))
-            what += f"; keeps {kept} and the records"
-        click.echo(what)
-    for s in result["skipped"]:
-        click.echo(f"skip {s['run'].removeprefix(base)}: {s['reason']}")
-    verb = "would free" if dry_run else "freed"
-    n, freed = len(result["runs"]), _size(result["freed_bytes"])
-    click.echo(f"{n} run(s); {verb} {freed}" + (" (dry run)" if dry_run else ""))
     return 0

@@ -132,6 +132,21 @@ class Backend:
             if e.type == fs.FileType.File
         )
 
+    def files(self, path: str) -> list[tuple[str, int, float]]:
+        from pyarrow import fs
+
+        sel = fs.FileSelector(path, recursive=True, allow_not_found=True)
+        base = path.rstrip("/") + "/"
+        return sorted(
+            (e.path.removeprefix(base), int(e.size or 0), e.mtime.timestamp() if e.mtime else 0.0)
+            for e in self.filesystem.get_file_info(sel)
+            if e.type == fs.FileType.File
+        )
+
+    def is_link(self, path: str) -> bool:
+        """An object store has no symbolic links."""
+        return False
+
     def file_size(self, path: str) -> int | None:
         from pyarrow import fs
 
@@ -322,6 +337,17 @@ class Location:
         """Every file below `rel`: (name relative to `rel`, size), sorted."""
         with self._kinds(rel):
             return self.backend.walk(self.fs_path(rel))
+
+    def files(self, rel: str = "") -> list[tuple[str, int, float]]:
+        """Every file below `rel`: (name relative to `rel`, size, modified time),
+        sorted; on a disk, symbolic links are neither listed nor followed."""
+        with self._kinds(rel):
+            return self.backend.files(self.fs_path(rel))
+
+    def is_link(self, rel: str) -> bool:
+        """`rel` is a symbolic link (on a disk; never followed by a deletion)."""
+        with self._kinds(rel):
+            return self.backend.is_link(self.fs_path(rel))
 
     def is_empty(self) -> bool:
         return not self.list()

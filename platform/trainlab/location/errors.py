@@ -165,7 +165,9 @@ def read_retrying(read: Callable[[], T], what: str) -> T:
             kind = storage_error(err, what)
             if not isinstance(kind, Unavailable):
                 raise kind from err
-            spent = deadline is not None and time.monotonic() + delays[attempt % len(delays)] > deadline
+            spent = (
+                deadline is not None and time.monotonic() + delays[attempt % len(delays)] > deadline
+            )
             if attempt == len(delays) or spent:
                 raise StoreUnavailable(
                     f"{kind}: storage unavailable through {attempt + 1} tries over "

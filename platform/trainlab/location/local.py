@@ -12,6 +12,7 @@ import contextlib
 import hashlib
 import os
 import shutil
+import stat
 import uuid
 from pathlib import Path
 from typing import Any
@@ -77,6 +78,21 @@ class LocalDisk(Backend):
             for p in root.rglob("*")
             if p.is_file() and not p.is_symlink()
         )
+
+    def files(self, path: str) -> list[tuple[str, int, float]]:
+        out = []
+        for d, _, names in os.walk(path):  # symlinked folders are not walked into
+            for name in names:
+                p = os.path.join(d, name)
+                st = os.lstat(p)
+                if not stat.S_ISLNK(st.st_mode):
+                    out.append(
+                        (os.path.relpath(p, path).replace(os.sep, "/"), st.st_size, st.st_mtime)
+                    )
+        return sorted(out)
+
+    def is_link(self, path: str) -> bool:
+        return os.path.islink(path)
 
     def file_size(self, path: str) -> int | None:
         return os.path.getsize(path) if os.path.isfile(path) else None

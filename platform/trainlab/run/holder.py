@@ -97,5 +97,3 @@ def pid_running(pid: int) -> bool:
     except OSError:
         return True  # no procfs: the signal said it exists
     return stat.rpartition(")")[2].split()[:1] != ["Z"]
-
-

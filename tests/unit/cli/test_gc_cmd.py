@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -215,15 +216,17 @@ def test_a_live_run_survives_gc_force_and_is_collected_once_its_holder_ends(tmp_
 def test_a_run_that_comes_alive_after_planning_is_left_alone(tmp_path):
     from tests.unit.train.test_run_lock import hold
     from trainlab.cli import gc_cmd
+    from trainlab.location import local
 
     root = tmp_path / "runs"
     run = make_run(root, "2026-10-01", "late", "completed", [(10, 2.0, True)])
-    actions, skipped = gc_cmd.plan_gc(gc_cmd.find_runs(root), 0, set(gc_cmd.STATUSES), True)
-    assert [a.run.path for a in actions] == [run] and skipped == []
+    found = gc_cmd.find_runs(local(root))
+    actions, skipped = gc_cmd.plan_gc(found, 0, set(gc_cmd.STATUSES), True)
+    assert [a.run.uri for a in actions] == [str(run)] and skipped == []
     proc = hold(run)  # a resume starts between gc's reading and its deleting
     try:
         (late,) = gc_cmd.apply(actions)
-        assert late.run.path == run and f"pid {proc.pid}" in late.reason
+        assert late.run.uri == str(run) and f"pid {proc.pid}" in late.reason
         assert (run / "checkpoints" / "step-00000010" / "model.pt").exists()
     finally:
         proc.kill()
@@ -257,3 +260,28 @@ def test_a_trimmed_run_keeps_its_lock_file(tmp_path, capsys):
     code, report = gc(capsys, "--runs-root", str(root), "--older-than", "0")
     assert code == 0 and report["runs"][0]["action"] == "trim"
     assert (run / LOCK).exists() and not (run / "ray").exists()
+
+
+def test_a_missing_runs_root_is_one_line_and_links_are_never_followed(tmp_path, capsys):
+    """A mistyped --runs-root is an error, not "0 runs"; a runs root's symbolic
+    links (a date folder, a run, a run's checkpoints) are neither read nor
+    deleted through: what they point to survives gc --force."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["gc", "--runs-root", str(tmp_path / "nope")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1
+    assert f"--runs-root {tmp_path / 'nope'}: no such directory or prefix" in err[0]
+
+    root, elsewhere = tmp_path / "runs", tmp_path / "elsewhere"
+    outside = make_run(elsewhere, "2026-10-01", "precious", "failed", [(10, 2.0, True)])
+    (root / "2026-10-02").mkdir(parents=True)
+    (root / "2026-10-01").symlink_to(elsewhere / "2026-10-01")  # a linked date
+    (root / "2026-10-02" / "linked").symlink_to(outside)  # a linked run
+    run = make_run(root, "2026-10-03", "tiny", "failed", [(10, 2.0, True), (20, 1.0, True)])
+    shutil.rmtree(run / "checkpoints")
+    (run / "checkpoints").symlink_to(outside / "checkpoints")  # linked checkpoints
+    before = _left(outside)
+    code, report = gc(capsys, "--runs-root", str(root), "--older-than", "0", "--force")
+    assert code == 0 and [x["run_dir"] for x in report["runs"]] == [str(run)]
+    assert not run.exists() and _left(outside) == before
+    assert (root / "2026-10-01").is_symlink() and (root / "2026-10-02" / "linked").is_symlink()

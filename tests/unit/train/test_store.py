@@ -270,16 +270,22 @@ def test_a_beat_that_landed_while_its_answer_was_lost_keeps_the_lease(run):
     a.release()
 
 
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_gc_in_the_store_keeps_records_and_two_checkpoints_and_never_a_live_run(
-    s3_env, tmp_path, monkeypatch
+    scheme, request, tmp_path, monkeypatch
 ):
+    """`trainlab gc` is one implementation for a disk and every store
+    (trainlab.cli.gc_cmd); here on S3 and GCS."""
     from click.testing import CliRunner
 
     from trainlab.cli import cli
 
     monkeypatch.setenv("TRAINLAB_LOCK_SETTLE_S", "0.05")
-    _, bucket = s3_env
-    root = f"s3://{bucket}/runs"
+    if scheme == "s3":
+        _, bucket = request.getfixturevalue("s3_env")
+    else:
+        bucket = request.getfixturevalue("gcs_env")
+    root = f"{scheme}://{bucket}/runs"
     old, live = (RunLocation.of(f"{root}/2026-12-01/{n}") for n in ("old", "live"))
     for loc in (old, live):
         loc.write_text("config.yaml", "name: x\n")

@@ -182,3 +182,7 @@ class LocalCatalog:
 
     def prune(self, keep_last: int, keep_best: int) -> list[int]:
         return [parse_step(p.name) or 0 for p in prune(self.root, keep_last, keep_best)]
+
+    def delete(self, step: int) -> None:
+        """Remove a step folder, never leaving a half-deleted one under its name."""
+        remove_checkpoint(self.root / dir_name(step))
