@@ -249,7 +249,10 @@ def _kill_controllers(ray: Any, killed: set[int]) -> None:
 
         ctx = ray.get_runtime_context()
         job, node = ctx.get_job_id(), ctx.get_node_id()
-        for info in state.actors().values():
+        # Filtered by the GCS (this job's live actors): a long-lived cluster's actor
+        # table holds every actor it ever ran.
+        alive = state.actors(job_id=ray.JobID.from_hex(job), actor_state_name="ALIVE")
+        for info in alive.values():
             pid = int(info.get("Pid") or 0)
             if (
                 info.get("ActorClassName") == "TrainController"
