@@ -26,6 +26,9 @@ DRIVER = textwrap.dedent(
     from trainlab.train.driver.interrupt import call_in_thread, end_fit_then_shutdown
 
     faulthandler.dump_traceback_later(90, exit=True)  # a hang shows where
+    # Python's own Ctrl-C handler, as `trainlab train` installs its own: a process
+    # started from a job in the background (`make test &`) inherits SIGINT ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ray.init(address="auto", log_to_driver=False)
 
     @ray.remote(num_cpus=0)
