@@ -1,5 +1,6 @@
 """`trainlab gc [--older-than 14d] [--status failed,smoke] [--dry-run] [--force]`:
-free the disk that old runs hold.
+free the space that old runs hold, on a disk or in object storage (one
+implementation: trainlab.location and the run package answer where).
 
 It works on the runs root layout (`{runs_root}/{YYYY-MM-DD}/{name}/`,
 trainlab.run.dir) and reads each run with the training layer's own readers:
@@ -333,7 +334,7 @@ def gc(
 ) -> int:
     """Delete old run directories and smoke rehearsals, keeping each run's last
     valid and best checkpoint (and its records) unless --force. The runs root may
-    be in object storage (s3://bucket/prefix)."""
+    be in object storage (s3://bucket/prefix, gs://bucket/prefix)."""
     from trainlab.location import StorageError, locate
 
     age, wanted = parse_age(older_than), parse_statuses(statuses)

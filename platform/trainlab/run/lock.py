@@ -393,9 +393,8 @@ def kept_still(run: RunLocation) -> Iterator[str | None]:
     """`trainlab gc` reading or deleting a run: yields None when no live process
     holds it (gc may go on), else who does ("pid N on host H since T"), and gc
     leaves it alone. On a disk the run's flock is held meanwhile, so a start in
-    between is refused; in a store the lease is read (again right before gc
-    deletes: a start in the moment between is the documented window,
-    docs/storage.md)."""
+    between is refused; in a store, where there is no lock to hold, the lease is
+    read (again right before gc deletes; docs/training.md)."""
     if run.remote:
         holder = parse_holder(run.read_text(HOLDER))
         yield holder.describe() if holder is not None and _alive(holder) else None
