@@ -27,8 +27,9 @@ DECISION = re.compile(
 # freshness rule for a run summary, Location.resolved and Location.file_here;
 # 33 with Location.remove_if_empty for a refused run; 30 with one choice of a runs
 # root's directory on this node (RunLocation's), the log shipper alone deciding
-# to ship, and `track flush` asking whether the run exists wherever it is.
-MOST = 30
+# to ship, and `track flush` asking whether the run exists wherever it is; 29
+# with Ray Train's storage given through the run's own filesystem on a disk too.
+MOST = 29
 
 
 def decisions() -> list[str]:

@@ -243,10 +243,9 @@ def _check_store(loc: RunLocation) -> None:
 
 
 def _ray_storage(loc: RunLocation) -> dict[str, Any]:
-    """Ray Train's own bookkeeping (`storage_path`): next to the run, in the store
-    for a run in object storage, so no node needs a shared disk."""
-    if not loc.remote:
-        return {"storage_path": str(loc.local / "ray")}
+    """Ray Train's own bookkeeping (`storage_path`): next to the run, through the
+    run's own filesystem (this disk's, or the store's: no node needs a shared
+    disk for a run in object storage)."""
     return {"storage_path": loc.key("ray"), "storage_filesystem": loc.home.filesystem}
 
 
