@@ -464,11 +464,10 @@ def project_root(start: str | Path | None = None) -> Path | None:
 
 def anchor_path(value: str, anchor: Path) -> str:
     """`value` as an absolute local path (`~` expanded, relative to `anchor`); a URL
-    (`s3://...`) as it is."""
-    if "://" in value:
-        return value
-    p = Path(value).expanduser()
-    return os.path.normpath(p if p.is_absolute() else anchor / p)
+    (`s3://...`) as it is (trainlab.location.anchored)."""
+    from trainlab.location import anchored
+
+    return anchored(value, anchor)
 
 
 def anchor_paths(raw: dict[str, Any], anchor: Path) -> None:

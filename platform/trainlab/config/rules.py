@@ -593,31 +593,13 @@ def _sequence_parallel(cfg: dict[str, Any]) -> Iterator[Problem]:
 
 def _location_form(key: str, value: str, local: str) -> Iterator[Problem]:
     """A location `key` may hold: a local path (`local` says which), s3:// or gs://
-    (trainlab.location); any other scheme would be taken for nothing readable
-    later, credentials never go in it."""
-    from trainlab.location import SCHEMES, credentials_problem, scheme_of
-    from trainlab.redact import redact
+    (trainlab.location.form_problem); any other scheme would be taken for nothing
+    readable later, credentials never go in it."""
+    from trainlab.location import form_problem
 
-    scheme = scheme_of(value)
-    if not scheme:
-        return
-    rest = value.partition("://")[2]
-    if credentials_problem(value):
-        yield Problem(key, redact(value), str(credentials_problem(value)))
-    elif scheme not in SCHEMES:
-        yield Problem(
-            key,
-            value,
-            f"unsupported scheme {scheme!r}; give {local}, s3://bucket/prefix or "
-            "gs://bucket/prefix",
-        )
-    elif not rest.split("/")[0] or "?" in rest:
-        yield Problem(
-            key,
-            value,
-            f"expected {scheme}://bucket/prefix (the endpoint and credentials come from "
-            "the store's environment variables, never the URI)",
-        )
+    problem = form_problem(value, local)
+    if problem is not None:
+        yield Problem(key, *problem)
 
 
 @rule("data")

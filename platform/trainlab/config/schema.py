@@ -517,8 +517,10 @@ class ResourceConfig(Section):
     def _scratch_is_local_and_absolute(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        if "://" in v:
-            raise ValueError("a local directory on each node, not a URI")
+        from trainlab.location import disk_only_problem
+
+        if disk_only_problem(v):
+            raise ValueError(disk_only_problem(v))
         if not (v.startswith("/") or v.startswith("~")):
             raise ValueError("an absolute path (it names a directory on every node)")
         return v

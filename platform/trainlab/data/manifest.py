@@ -70,34 +70,27 @@ def repo_root() -> Path | None:
 
 
 def resolve_dataset_dir(path: str | os.PathLike[str], what: str = "data.path") -> Location:
-    """`data.path` as a dataset location holding a manifest. A URI (s3://, gs://) is looked
-    up as it is (one request); a local path as given when absolute, else relative to
-    the working directory, else to the repo root (where recipes say it lives)."""
+    """`data.path` as a dataset location holding a manifest: as given (a URI, an
+    absolute path, a path relative to the working directory), else a relative path
+    under the repo root (where recipes say it lives). One request for a store."""
     text = os.fspath(path)
-    where = locate(text, what=what)
-    if not where.is_local:
+    root = repo_root()
+    candidates = list(
+        dict.fromkeys(
+            [locate(text, what=what), *([locate(text, what=what, base_dir=root)] if root else [])]
+        )
+    )
+    for where in candidates:
         try:
             there = where.is_file(MANIFEST)
         except StorageError as e:  # the store could not be asked (endpoint, credentials)
             raise UserError(f"{what} = {text!r}: {where.unreachable(MANIFEST, e)}") from None
-        if not there:
-            raise UserError(
-                f"{what} = {str(path)!r}: no prepared dataset (no {where.uri_of(MANIFEST)}); "
-                f"run `trainlab prep SOURCES --out {where.uri}` first"
-            )
-        return where
-    p = Path(text.removeprefix("file://")).expanduser()
-    candidates = [p] if p.is_absolute() else [Path.cwd() / p]
-    root = repo_root()
-    if not p.is_absolute() and root is not None and root != Path.cwd():
-        candidates.append(root / p)
-    for c in candidates:
-        if (c / MANIFEST).is_file():
-            return locate(c.resolve(), what=what)
-    tried = ", ".join(str(c / MANIFEST) for c in candidates)
+        if there:
+            return where.resolved()
+    tried = ", ".join(f"no {where.uri_of(MANIFEST)}" for where in candidates)
     raise UserError(
-        f"{what} = {str(path)!r}: no prepared dataset (looked for {tried}); "
-        "run `trainlab prep` first"
+        f"{what} = {text!r}: no prepared dataset ({tried}); "
+        f"run `trainlab prep SOURCES --out {candidates[0].uri}` first"
     )
 
 

@@ -50,7 +50,10 @@ __all__ = [
     "StorageError",
     "StoreUnavailable",
     "Unavailable",
+    "anchored",
     "check",
+    "disk_only_problem",
+    "form_problem",
     "local",
     "locate",
     "read_retrying",
@@ -98,6 +101,42 @@ def check(text: str, what: str) -> None:
         )
 
 
+def form_problem(text: str, local: str) -> tuple[str, str] | None:
+    """(the value as it may be shown, why) when `text` cannot name a location, a
+    local path being `local` (said in the message); None when it can. No network
+    access: config validation gathers these with the config's other problems."""
+    scheme = scheme_of(text)
+    if not scheme:
+        return None
+    rest = text.partition("://")[2]
+    if credentials_problem(text):
+        return redact(text), CREDENTIALS_ELSEWHERE
+    if scheme not in SCHEMES:
+        return text, (
+            f"unsupported scheme {scheme!r}; give {local}, s3://bucket/prefix or gs://bucket/prefix"
+        )
+    if not rest.split("/")[0] or "?" in rest:
+        return text, (
+            f"expected {scheme}://bucket/prefix (the endpoint and credentials come from "
+            "the store's environment variables, never the URI)"
+        )
+    return None
+
+
+def disk_only_problem(text: str) -> str | None:
+    """Why `text` cannot name a directory on each node's own disk (a URI), or None."""
+    return "a local directory on each node, not a URI" if "://" in text else None
+
+
+def anchored(value: str, anchor: str | os.PathLike[str]) -> str:
+    """`value` as a config records it: a path made absolute (`~` expanded, relative
+    to `anchor`, normalized); a URI as it is."""
+    if "://" in value:
+        return value
+    p = Path(value).expanduser()
+    return os.path.normpath(p if p.is_absolute() else Path(anchor) / p)
+
+
 def local(path: str | os.PathLike[str]) -> Location:
     """A folder on this machine's disk (made absolute; not resolved through links)."""
     p = Path(os.fspath(path)).expanduser()
@@ -109,10 +148,12 @@ def locate(
     *,
     what: str = "storage",
     base_dir: str | os.PathLike[str] | None = None,
+    no_anchor: str | None = None,
 ) -> Location:
     """The location `where` names: a path (relative to `base_dir`, default the
     current directory), `file://`, `s3://` or `gs://`. A bad value is a one-line
-    UserError naming `what`."""
+    UserError naming `what`; so is a relative path without `base_dir` when
+    `no_anchor` says why there is none (the current directory is no anchor then)."""
     if isinstance(where, Location):
         return where
     text = os.fspath(where).strip()
@@ -124,6 +165,8 @@ def locate(
         path = Path(text.removeprefix("file://")).expanduser()
         if not path.is_absolute() and base_dir is not None:
             path = Path(base_dir) / path
+        elif not path.is_absolute() and no_anchor is not None:
+            raise UserError(f"{what} = {text!r}: relative, and {no_anchor}; give an absolute path")
         return local(path)
     parts = urlsplit(text)
     bucket, prefix = parts.netloc, parts.path.strip("/")

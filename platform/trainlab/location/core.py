@@ -262,6 +262,20 @@ class Location:
 
         return Location(self.backend, os.path.realpath(self.path))
 
+    def below(self, folder: str | Path) -> str | None:
+        """Where this location lies below `folder` on this machine's disk, as a
+        POSIX path ("." for the folder itself; symlinks resolved), or None: it lies
+        elsewhere, or in an object store."""
+        if not self.is_local:
+            return None
+        import os
+
+        try:
+            rel = Path(os.path.realpath(self.path)).relative_to(Path(folder).resolve())
+        except ValueError:
+            return None
+        return rel.as_posix()
+
     def describe(self) -> str:
         """The URI, with the endpoint requests go to when one is set."""
         extra = self.backend.describe()
@@ -417,6 +431,14 @@ class Location:
         """Copy `rel` to the local file `dst` (whole or not at all)."""
         with self._kinds(rel):
             self.backend.download(self.fs_path(rel), dst)
+
+    def folder_here(self, copies: Path) -> Path:
+        """This location as a folder on this machine: itself on a disk; for a
+        store, its working copy under `copies` (at the same bucket/prefix path),
+        which the caller fills and ships."""
+        if self.is_local:
+            return self.local_path()
+        return copies / self.path.strip("/")
 
     def file_here(self, rel: str, cache: Path) -> Path:
         """File `rel` as a path on this machine: in place on a disk; from a store,

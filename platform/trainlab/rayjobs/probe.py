@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import uuid
 from typing import Any
@@ -31,17 +30,7 @@ def check_node(data_dir: str, markers: list[tuple[str, str]]) -> dict[str, Any]:
 
     from trainlab.location import locate
 
-    problems = []
-    manifest = os.path.join(data_dir, "manifest.json")
-    if not locate(data_dir).is_local:  # a store: this node's endpoint and credentials reach it?
-        problems += _dataset_in_store(data_dir)
-    elif not os.path.isfile(manifest):
-        problems.append(
-            f"prepared data not found: {manifest} does not exist on this node "
-            "(run `trainlab prep` there, or put data.path on a shared filesystem)"
-        )
-    elif not os.access(manifest, os.R_OK):
-        problems.append(f"prepared data not readable: {manifest}")
+    problems = _dataset_seen(data_dir)
     for uri, marker in markers:
         try:
             if locate(uri).read_bytes(marker) != marker.encode():
@@ -54,24 +43,28 @@ def check_node(data_dir: str, markers: list[tuple[str, str]]) -> dict[str, Any]:
     return {"host": socket.gethostname(), "problems": problems}
 
 
-def _dataset_in_store(uri: str) -> list[str]:
-    """A dataset in object storage as this node sees it (its own settings: endpoint,
-    credentials)."""
+def _dataset_seen(data_dir: str) -> list[str]:
+    """What is wrong with the prepared dataset at `data_dir` as this node sees it
+    (its own disk and mounts, its own store settings: endpoint, credentials)."""
     from trainlab.errors import UserError
-    from trainlab.location import StorageError, locate
+    from trainlab.location import Absent, StorageError, locate
 
     try:
-        where = locate(uri, what="data.path")
-        if not where.is_file("manifest.json"):
-            return [
-                f"prepared data not found: {where.uri_of('manifest.json')} does not exist "
-                "as seen from this node (run `trainlab prep SOURCES --out "
-                f"{where.uri}`, or check this node's store settings, e.g. AWS_ENDPOINT_URL)"
-            ]
-    except StorageError as e:
-        return [f"prepared data not readable from this node: {where.unreachable('', e).lines[0]}"]
+        where = locate(data_dir, what="data.path")
     except UserError as e:
         return [f"prepared data not readable from this node: {e.lines[0]}"]
+    manifest = where.uri_of("manifest.json")
+    try:
+        where.read_bytes("manifest.json")
+    except Absent:
+        hint = where.backend.settings_hint
+        return [
+            f"prepared data not found: {manifest} does not exist as seen from this node "
+            f"(run `trainlab prep SOURCES --out {where.uri}` where every node sees it: a "
+            f"shared filesystem or a store{f'; check this node {hint}' if hint else ''})"
+        ]
+    except (StorageError, OSError) as e:
+        return [f"prepared data not readable from this node: {where.unreachable('', e).lines[0]}"]
     return []
 
 

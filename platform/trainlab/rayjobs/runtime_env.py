@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from trainlab.errors import UserError
-from trainlab.location import SETTINGS_ENV_VARS
+from trainlab.location import SETTINGS_ENV_VARS, locate
 
 # Excluded wherever they appear (gitignore syntax).
 EXCLUDE_ANYWHERE = (
@@ -107,17 +107,10 @@ def exclude_patterns(repo: Path, extra_paths: Iterable[str | Path] = ()) -> list
     `extra_paths` (configured data and runs locations) that lie inside the repo."""
     patterns = [*EXCLUDE_ANYWHERE, *EXCLUDE_AT_ROOT]
     for p in extra_paths:
-        if "://" in str(p):
-            continue  # object storage (s3://): never part of the working_dir
-        path = Path(p)
-        if not path.is_absolute():
-            path = repo / path
-        try:
-            rel = path.resolve().relative_to(repo.resolve())
-        except ValueError:
-            continue  # outside the repo: never part of the working_dir anyway
-        if str(rel) != ".":
-            patterns.append(f"/{rel.as_posix()}/")
+        # None: outside the repo, or in object storage: never part of the working_dir
+        rel = locate(p, base_dir=repo).below(repo)
+        if rel not in (None, "."):
+            patterns.append(f"/{rel}/")
     return patterns
 
 

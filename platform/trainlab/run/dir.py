@@ -45,28 +45,12 @@ import yaml
 from trainlab.config import ExperimentConfig, config_hash, to_yaml
 from trainlab.config.loader import identity_diff
 from trainlab.errors import UserError
-from trainlab.location import Location, locate, scheme_of
+from trainlab.location import Location, locate
 from trainlab.run.location import RunLocation
 from trainlab.run.records import RunRecords
 from trainlab.runstatus import RunStatus
 
 EXTEND_KEY = "train.total_steps"
-
-
-def runs_root(cfg: ExperimentConfig, base_dir: Path | None = None) -> Path:
-    """The absolute runs root. A relative one (a config built in code; `load_config`
-    anchors those it reads) is relative to `base_dir`, else to the checkout
-    holding trainlab; outside one it is an error, not the current directory."""
-    root = Path(cfg.train.runs_root).expanduser()
-    if not root.is_absolute():
-        base = base_dir or _checkout()
-        if base is None:
-            raise UserError(
-                f"train.runs_root = {cfg.train.runs_root!r}: relative, and the config has "
-                "no file to anchor it; give an absolute path"
-            )
-        root = base / root
-    return root.resolve()
 
 
 def _checkout() -> Path | None:
@@ -78,10 +62,16 @@ def _checkout() -> Path | None:
 
 
 def root_location(cfg: ExperimentConfig, base_dir: Path | None = None) -> Location:
-    """The runs root: a store location as written, a path anchored by `runs_root`."""
-    if scheme_of(cfg.train.runs_root):
-        return locate(cfg.train.runs_root, what="train.runs_root")
-    return locate(runs_root(cfg, base_dir))
+    """The runs root, absolute: a store location as written; a path (symlinks
+    resolved) relative to `base_dir` when relative (a config built in code;
+    `load_config` anchors those it reads), else to the checkout holding trainlab;
+    outside one it is an error, not the current directory."""
+    return locate(
+        cfg.train.runs_root,
+        what="train.runs_root",
+        base_dir=base_dir or _checkout(),
+        no_anchor="the config has no file to anchor it",
+    ).resolved()
 
 
 def new_run_dir(

@@ -59,11 +59,6 @@ class RunLocation:
         """The location of the run at `where` (a path, a store URI, a Location)."""
         return _location(locate(where, what="run directory"), scratch_dir)
 
-    @classmethod
-    def _make(cls, home: Location, scratch_dir: str | None) -> RunLocation:
-        if home.is_local:
-            return cls(home=home, local=home.local_path())
-        return cls(home=home, local=working_copy(home, scratch_dir))
 
     @property
     def uri(self) -> str:
@@ -131,12 +126,9 @@ class RunLocation:
 
 @functools.lru_cache(maxsize=64)
 def _location(home: Location, scratch_dir: str | None) -> RunLocation:
-    return RunLocation._make(home, scratch_dir)
-
-
-def working_copy(home: Location, scratch_dir: str | None = None) -> Path:
-    """This node's working copy of the store location `home` (under scratch)."""
-    return scratch_root(scratch_dir) / "runs" / home.path.strip("/")
+    """The run at `home`; a run in a store has its working copy on this node's
+    scratch (trainlab.nodedisk), under runs/."""
+    return RunLocation(home=home, local=home.folder_here(scratch_root(scratch_dir) / "runs"))
 
 
 def local_runs_root(runs_root: str, scratch_dir: str | None = None) -> Path:

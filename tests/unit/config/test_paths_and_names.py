@@ -87,9 +87,12 @@ def test_run_directory_records_absolute_paths_from_another_cwd(repo, tmp_path, m
 def test_a_config_built_in_code_is_not_anchored_at_the_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cfg = ExperimentConfig.model_validate({"name": "n"})  # runs_root: "runs"
-    root = rundir.runs_root(cfg)
+    root = rundir.root_location(cfg).local_path()
     assert root != tmp_path / "runs" and (root.parent / "pyproject.toml").is_file()
-    assert rundir.runs_root(cfg, base_dir=tmp_path) == tmp_path / "runs"
+    assert rundir.root_location(cfg, base_dir=tmp_path).local_path() == tmp_path.resolve() / "runs"
+    monkeypatch.setattr(rundir, "_checkout", lambda: None)  # an installed trainlab
+    with pytest.raises(UserError, match=r"train.runs_root = 'runs': relative, and the config has no"):
+        rundir.root_location(cfg)
 
 
 @pytest.mark.parametrize(

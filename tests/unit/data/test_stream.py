@@ -223,7 +223,7 @@ def test_unknown_mixed_source_is_a_user_error(dataset: Path) -> None:
 
 
 def test_missing_dataset_says_to_run_prep(tmp_path: Path) -> None:
-    with pytest.raises(UserError, match="no prepared dataset .* run `trainlab prep` first"):
+    with pytest.raises(UserError, match="no prepared dataset .* run `trainlab prep SOURCES --out .*nowhere` first"):
         prepare_run_data(make_cfg(tmp_path / "nowhere"))
 
 

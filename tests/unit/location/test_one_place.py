@@ -28,8 +28,12 @@ DECISION = re.compile(
 # 33 with Location.remove_if_empty for a refused run; 30 with one choice of a runs
 # root's directory on this node (RunLocation's), the log shipper alone deciding
 # to ship, and `track flush` asking whether the run exists wherever it is; 29
-# with Ray Train's storage given through the run's own filesystem on a disk too.
-MOST = 29
+# with Ray Train's storage given through the run's own filesystem on a disk too;
+# 21 with a location's forms checked, anchored and placed below a folder by
+# trainlab.location (config rules, scratch_dir, anchoring, runs root, the job's
+# excludes), its folder on this node (`Location.folder_here`), and a dataset
+# found and probed through one path for a disk and a store.
+MOST = 21
 
 
 def decisions() -> list[str]:

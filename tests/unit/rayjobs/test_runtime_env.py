@@ -63,7 +63,7 @@ def test_collect_keeps_code_and_recipes_and_drops_everything_else(fake_repo: Pat
 
 def test_configured_paths_outside_the_repo_add_no_pattern(fake_repo: Path, tmp_path: Path):
     base = renv.exclude_patterns(fake_repo)
-    assert renv.exclude_patterns(fake_repo, [tmp_path / "elsewhere", "/abs/else"]) == base
+    assert renv.exclude_patterns(fake_repo, [tmp_path / "elsewhere", "/abs/else", "s3://b/runs", "gs://b/data"]) == base
     assert renv.exclude_patterns(fake_repo, [fake_repo / "datasets"])[-1] == "/datasets/"
 
 
