@@ -7,18 +7,21 @@
   absolute, no symlink leading out), else `UnsafePath`;
 - `check_disk_room(run_dir, checkpoint_cfg, num_params)`: the preflight before
   a run starts: the run directory's filesystem holds keep_last + keep_best + 1
-  checkpoints of the planned size, else a `UserError` with the numbers.
+  checkpoints of the planned size, else a `UserError` with the numbers (a run
+  in object storage has no disk to fill).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path, PurePosixPath
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from trainlab.errors import UserError
+
+if TYPE_CHECKING:
+    from trainlab.location import Location
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -78,23 +81,12 @@ def planned_checkpoint_bytes(
     return int(bytes_per_param * int(num_params)) + CHECKPOINT_OVERHEAD_BYTES
 
 
-def _tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
-
-
-def _existing_dir(path: Path) -> Path:
-    for d in (path, *path.parents):
-        if d.is_dir():
-            return d
-    return Path(path.anchor or "/")
-
-
 def gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
 def check_disk_room(
-    run_dir: str | os.PathLike[str],
+    run_dir: str | os.PathLike[str] | Location,
     checkpoint_cfg: Any,
     num_params: int,
     bytes_per_param: float = CHECKPOINT_BYTES_PER_PARAM,
@@ -102,20 +94,24 @@ def check_disk_room(
     """Refuse to start a run whose directory's filesystem cannot hold
     `keep_last + keep_best + 1` checkpoints (the retained ones and the one being
     written) of the planned size; the checkpoints already in the run directory
-    count as room taken. `checkpoint_cfg`: the config's `train.checkpoint`."""
-    run_dir = Path(run_dir)
+    count as room taken. A run in object storage has no disk to fill: nothing is
+    asked of the store (`Location.free_bytes`). `checkpoint_cfg`: the config's
+    `train.checkpoint`."""
+    from trainlab.location import locate
+
+    run = locate(run_dir, what="train.runs_root")
     keep_last, keep_best = int(checkpoint_cfg.keep_last), int(checkpoint_cfg.keep_best)
     count = keep_last + keep_best + 1
     size = planned_checkpoint_bytes(num_params, bytes_per_param)
-    ckpts = run_dir / "checkpoints"
-    have = _tree_bytes(ckpts) if ckpts.is_dir() else 0
+    free = run.free_bytes()
+    if count * size <= free:  # fits even with nothing there yet: nothing to count
+        return
+    have = sum(n for _, n in run.walk("checkpoints"))
     need = max(0, count * size - have)
-    where = _existing_dir(run_dir)
-    free = shutil.disk_usage(where).free
     if need <= free:
         return
     raise UserError(
-        f"train.runs_root: the filesystem of {run_dir} (at {where}) has {gib(free)} free; "
+        f"train.runs_root: the filesystem of {run.uri} has {gib(free)} free; "
         f"{count} checkpoints (train.checkpoint.keep_last {keep_last} + keep_best "
         f"{keep_best} + 1 being written) of {gib(size)} each ({num_params:,} parameters x "
         f"{bytes_per_param:.4g} bytes) need {gib(need)} more"

@@ -370,7 +370,6 @@ def track_flush(run_dir: str, runs_root: str | None) -> int:
     """Write the records of RUN_DIR that wait in its journal
     (logs/mlflow-journal.jsonl) because the MLflow store did not answer. Exit 0
     when all are in the store, 1 when some still wait (the store is still busy)."""
-    from pathlib import Path
 
     from trainlab.run.location import RunLocation
     from trainlab.track.backend import client_for, tracking_uri
@@ -386,25 +385,21 @@ def track_flush(run_dir: str, runs_root: str | None) -> int:
     loc = RunLocation.of(run_dir)
     if not loc.home.exists():
         raise UserError(f"RUN_DIR {run_dir}: no such run (a run directory or s3:// URI)")
-    if loc.remote:  # a run in object storage: its shipped journal, on this machine
-        for name in (JOURNAL, MARKER):
-            text = loc.read_text(f"logs/{name}")
-            if text is not None:
-                (loc.local / "logs").mkdir(parents=True, exist_ok=True)
-                (loc.local / "logs" / name).write_text(text)
-        runs_root = runs_root or loc.uri.rsplit("/", 2)[0]  # the store of its runs root
+    for name in (JOURNAL, MARKER):  # a run in object storage: its shipped journal, here
+        loc.fetch(f"logs/{name}")
+    runs_root = runs_root or loc.home.resolved().parent.parent.uri  # the store of its runs root
     journal = Journal(loc.local)
     before = journal.pending_count()
     if not before:
         click.echo(f"{run_dir}: no records wait; the store has them all")
         return 0
-    uri = tracking_uri(runs_root or Path(run_dir).resolve().parents[1])
+    uri = tracking_uri(runs_root)
     if store_busy(uri):
         click.echo(f"{run_dir}: {before} record(s) wait; the store is locked by another process")
         return 1
     left = flush_journal(journal, client_for(uri, flush_records=False))
-    if loc.remote and (loc.local / "logs" / MARKER).exists():  # what is written, shipped back
-        loc.upload(loc.local / "logs" / MARKER, f"logs/{MARKER}")
+    if (loc.local / "logs" / MARKER).exists():  # what is written, shipped back
+        loc.ship(f"logs/{MARKER}")
     if left:
         click.echo(f"{run_dir}: {before - left} record(s) written, {left} still wait")
         return 1

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import math
 import shutil
 import time
 import uuid
@@ -48,6 +49,9 @@ class Backend:
     local: bool = False
     # What to check when the storage cannot be reached (said in errors).
     settings_hint: str = ""
+    # How often a file polled for a change is worth reading again (seconds): a
+    # request to an object store costs a round trip and money, a local read neither.
+    poll_interval_s: float = 0.5
 
     def make_filesystem(self) -> Any:  # pragma: no cover - each backend has its own
         raise NotImplementedError
@@ -165,6 +169,18 @@ class Backend:
         with contextlib.suppress(FileNotFoundError):
             self.filesystem.delete_file(path)
 
+    def free_bytes(self, path: str) -> float:
+        """Room left for writes below `path`: an object store has no disk to fill."""
+        return math.inf
+
+    def reserve(self, path: str, size: int) -> bool:
+        """Hold `size` bytes at `path` for writes that must succeed when the disk
+        is full: nothing to hold in an object store."""
+        return True
+
+    def release(self, path: str) -> None:
+        """Give back what `reserve` held."""
+
     def delete_tree(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.filesystem.delete_dir(path)
@@ -215,6 +231,11 @@ class Location:
     def is_local(self) -> bool:
         """True for this machine's disk (a local or shared mount)."""
         return self.backend.local
+
+    @property
+    def poll_interval_s(self) -> float:
+        """How often a file here polled for a change is worth reading again."""
+        return self.backend.poll_interval_s
 
     @property
     def name(self) -> str:
@@ -403,6 +424,25 @@ class Location:
         with self._kinds(rel):
             self.backend.make_dirs(self.fs_path(rel))
 
+    def free_bytes(self) -> float:
+        """Bytes that writes below this location may still take: what the disk
+        holding it (its nearest existing folder) has free; `math.inf` for an
+        object store, which has no disk to fill."""
+        with self._kinds(""):
+            return self.backend.free_bytes(self.path)
+
+    def reserve(self, rel: str, size: int) -> bool:
+        """Hold `size` bytes of this location's disk in file `rel`, for writes that
+        must succeed once the disk is full (a run's last records: `release` frees
+        them first); False when there is not even that much room (nothing held).
+        An object store has no disk to fill: nothing to hold, True."""
+        return self.backend.reserve(self.fs_path(rel), size)
+
+    def release(self, rel: str) -> None:
+        """Free the room `reserve` held (never raises)."""
+        with contextlib.suppress(OSError):
+            self.backend.release(self.fs_path(rel))
+
     def delete(self, rel: str) -> None:
         """Delete a file (no error when it is not there)."""
         with self._kinds(rel):
@@ -431,6 +471,23 @@ class Location:
         """Copy `rel` to the local file `dst` (whole or not at all)."""
         with self._kinds(rel):
             self.backend.download(self.fs_path(rel), dst)
+
+    def copy_to(self, rel: str, dst: Path) -> bool:
+        """Make the local file `dst` a copy of `rel` (whole or not at all; nothing
+        to do when `dst` is `rel` itself, on a disk); False when `rel` is absent."""
+        if self.is_local and Path(self.fs_path(rel)) == Path(dst):
+            return self.is_file(rel)
+        try:
+            self.download(rel, dst)
+        except Absent:
+            return False
+        return True
+
+    def copy_from(self, src: Path, rel: str) -> None:
+        """Put the local file `src` at `rel` (nothing to do when it is `rel` itself)."""
+        if self.is_local and Path(self.fs_path(rel)) == Path(src):
+            return
+        self.upload(src, rel)
 
     def folder_here(self, copies: Path) -> Path:
         """This location as a folder on this machine: itself on a disk; for a

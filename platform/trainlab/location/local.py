@@ -23,6 +23,7 @@ from trainlab.location.core import Backend
 class LocalDisk(Backend):
     scheme = ""
     local = True
+    poll_interval_s = 0.0  # a local read is cheap: look at every poll
 
     def make_filesystem(self) -> Any:
         from pyarrow import fs
@@ -109,6 +110,34 @@ class LocalDisk(Backend):
 
     def delete_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
+
+    def free_bytes(self, path: str) -> float:
+        here = Path(path)
+        for d in (here, *here.parents):  # a run directory not made yet: its parent's disk
+            if d.is_dir():
+                return float(shutil.disk_usage(d).free)
+        return float(shutil.disk_usage("/").free)
+
+    def reserve(self, path: str, size: int) -> bool:
+        target = Path(path)
+        try:
+            if target.exists() and target.stat().st_size >= size:
+                return True
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(target, "wb") as f:
+                try:
+                    os.posix_fallocate(f.fileno(), 0, size)
+                except (AttributeError, OSError):  # no fallocate here: write it
+                    f.write(b"\0" * size)
+                    f.flush()
+                    os.fsync(f.fileno())
+            return True
+        except OSError:
+            target.unlink(missing_ok=True)
+            return False
+
+    def release(self, path: str) -> None:
+        Path(path).unlink(missing_ok=True)
 
     def upload(self, src: Path, path: str) -> str:
         h = hashlib.sha256()

@@ -99,6 +99,16 @@ class RunLocation:
         """Copy a local file to `rel`."""
         self.home.upload(src, rel)
 
+    def fetch(self, rel: str) -> bool:
+        """Bring `rel` from the run's home into this node's folder of it (`local`;
+        on a disk it is there already); False when the run has no such file."""
+        return self.home.copy_to(rel, self.local / rel)
+
+    def ship(self, rel: str) -> None:
+        """Put this node's `rel` (in `local`) back into the run's home (on a disk it
+        is there already)."""
+        self.home.copy_from(self.local / rel, rel)
+
     def exists(self, rel: str) -> bool:
         return self.home.exists(rel)
 

@@ -25,10 +25,8 @@ one line do not interleave); a torn or foreign line is skipped when read.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import os
 import time
 from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
@@ -455,29 +453,12 @@ class RunRecords:
     def reserve_room(self, size: int = RESERVE_BYTES) -> bool:
         """Hold `size` bytes of the run's disk (logs/.reserve) for the records of its
         end; False when there is not even that much room (nothing held). A run in
-        object storage has no disk of its own to fill: nothing to hold."""
-        if self.loc.remote:
-            return True
-        path = self.logs / RESERVE
-        try:
-            if path.exists() and path.stat().st_size >= size:
-                return True
-            with open(path, "wb") as f:
-                try:
-                    os.posix_fallocate(f.fileno(), 0, size)
-                except (AttributeError, OSError):  # no fallocate here: write it
-                    f.write(b"\0" * size)
-                    f.flush()
-                    os.fsync(f.fileno())
-            return True
-        except OSError:
-            path.unlink(missing_ok=True)
-            return False
+        object storage has no disk of its own to fill (trainlab.location)."""
+        return self.loc.home.reserve(f"logs/{RESERVE}", size)
 
     def release_room(self) -> None:
         """Free the room `reserve_room` held (the disk failed a write, or the run ends)."""
-        with contextlib.suppress(OSError):
-            (self.logs / RESERVE).unlink(missing_ok=True)
+        self.loc.home.release(f"logs/{RESERVE}")
 
     # ------------------------------------------------------------------ summary
 

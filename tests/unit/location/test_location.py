@@ -62,6 +62,59 @@ def test_files_round_trip_on_every_backend(place, tmp_path):
     assert place.list() == ["up"] and not place.exists("sub/deeper/b.bin")
 
 
+def test_room_on_a_disk_and_none_to_fill_in_a_store(place, tmp_path):
+    """A disk's free bytes are measured where the folder would be made; room held
+    for a run's last records is a real file of that size there, freed by release.
+    An object store has no disk to fill: unbounded, and nothing is written."""
+    assert 0 < place.child("not/made/yet").free_bytes() == place.free_bytes()
+    assert place.reserve("logs/.reserve", 4096)
+    assert place.reserve("logs/.reserve", 4096)  # held already: kept
+    assert (place.size("logs/.reserve") == 4096) == place.is_local
+    assert place.exists("logs/.reserve") == place.is_local  # nothing put in a store
+    place.release("logs/.reserve")
+    place.release("logs/.reserve")  # twice: no error
+    assert not place.exists("logs/.reserve")
+    assert (place.free_bytes() == float("inf")) != place.is_local
+    here = place.folder_here(tmp_path / "copies")  # this location as a folder here
+    assert here == (place.local_path() if place.is_local else tmp_path / "copies" / place.path)
+
+
+def test_a_file_copied_here_and_back(place, tmp_path):
+    """A copy of one file in a local folder and back: a working copy of a store's
+    file; on a disk, the file in place is its own copy (nothing written)."""
+    folder = place.folder_here(tmp_path / "copies")
+    assert not place.copy_to("logs/j.jsonl", folder / "logs/j.jsonl")  # absent
+    place.write_text("logs/j.jsonl", "a\n")
+    assert place.copy_to("logs/j.jsonl", folder / "logs/j.jsonl")
+    assert (folder / "logs/j.jsonl").read_text() == "a\n"
+    (folder / "logs/j.jsonl").write_text("a\nb\n")
+    place.copy_from(folder / "logs/j.jsonl", "logs/j.jsonl")
+    assert place.read_text("logs/j.jsonl") == "a\nb\n"
+    place.copy_to("logs/j.jsonl", tmp_path / "elsewhere.jsonl")  # any local file
+    assert (tmp_path / "elsewhere.jsonl").read_text() == "a\nb\n"
+
+
+def test_a_full_disk_holds_no_room(tmp_path, monkeypatch):
+    import os
+
+    def full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    monkeypatch.setattr(os, "fsync", full)
+    place = locate(tmp_path / "run")
+    assert not place.reserve("logs/.reserve", 4096) and not place.exists("logs/.reserve")
+
+
+def test_where_a_location_lies_below_a_folder(tmp_path):
+    (tmp_path / "repo" / "data").mkdir(parents=True)
+    (tmp_path / "repo" / "link").symlink_to(tmp_path / "elsewhere")
+    assert locate("data/x", base_dir=tmp_path / "repo").below(tmp_path / "repo") == "data/x"
+    assert locate(tmp_path / "repo").below(tmp_path / "repo") == "."
+    assert locate(tmp_path / "repo" / "link").below(tmp_path / "repo") is None  # resolved
+    assert locate("s3://b/repo").below(tmp_path / "repo") is None
+
+
 def test_appends_from_many_writers_are_all_kept_in_order(place):
     def writer(i: int) -> None:
         for j in range(5):

@@ -32,8 +32,10 @@ DECISION = re.compile(
 # 21 with a location's forms checked, anchored and placed below a folder by
 # trainlab.location (config rules, scratch_dir, anchoring, runs root, the job's
 # excludes), its folder on this node (`Location.folder_here`), and a dataset
-# found and probed through one path for a disk and a store.
-MOST = 21
+# found and probed through one path for a disk and a store; 16 with the room a
+# disk has and holds (`free_bytes`, `reserve`), how often a file is polled, and a
+# run's file fetched into its folder here and shipped back as location operations.
+MOST = 16
 
 
 def decisions() -> list[str]:

@@ -63,3 +63,14 @@ def test_checkpoints_already_in_the_run_directory_count_as_room_taken(tmp_path):
     with open(held / "model.pt", "wb") as f:
         f.truncate(free + free // 2)
     check_disk_room(tmp_path / "run", Keep, params)
+
+
+@pytest.mark.parametrize("root", ["s3://no-such-bucket/runs/r", "gs://no-such-bucket/runs/r"])
+def test_a_run_in_object_storage_has_no_disk_to_fill(root):
+    """No request: a store neither fills up nor is asked how full it is (there is
+    no endpoint or credential in this test's environment)."""
+
+    class Keep:
+        keep_last, keep_best = 1000, 1000
+
+    check_disk_room(root, Keep, 10**15)

@@ -329,13 +329,12 @@ def _run(
     elif locked:
         lock.enter(RunLock.acquire(loc))
     check_resumable(loc, cfg, chash, data)
-    if not loc.remote:  # a store has no disk to fill; scratch holds a cache only
-        check_disk_room(  # else UserError
-            path,
-            cfg.train.checkpoint,
-            plan_json["num_params"],
-            plan_json.get("checkpoint_bytes_per_param", 12),
-        )
+    check_disk_room(  # else UserError; a store has no disk to fill
+        loc.home,
+        cfg.train.checkpoint,
+        plan_json["num_params"],
+        plan_json.get("checkpoint_bytes_per_param", 12),
+    )
     if not locked and new:
         loc = _lock_new(lock, loc, cfg, base_dir)
         path = loc.local

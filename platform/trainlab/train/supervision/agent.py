@@ -124,14 +124,14 @@ OUTAGE_PAUSE_S = 2.0
 class FailedFlag:
     """The flag an attempt's agents share: set by the first whose training process
     failed, seen by the others, which stop theirs. It lives with the run's records
-    (a file, or an object in the store); in a store it is looked at every
-    `REMOTE_CHECK_S` at most, not at every poll of the pipe."""
-
-    REMOTE_CHECK_S = 0.5
+    (a file, or an object in the store); it is read at most every
+    `Location.poll_interval_s`: at every poll of the pipe on a disk, every 0.5 s
+    in a store. After a read that storage did not answer, the next waits
+    OUTAGE_PAUSE_S."""
 
     def __init__(self, records: RunRecords, event: str):
         self.records, self.event = records, event
-        self._remote = records.loc.remote
+        self._every = records.loc.home.poll_interval_s
         self._checked, self._set = 0.0, False
         self._warned = float("-inf")
 
@@ -139,7 +139,7 @@ class FailedFlag:
         if self._set:
             return True
         now = time.monotonic()
-        if self._remote and now - self._checked < self.REMOTE_CHECK_S:
+        if now - self._checked < self._every:
             return False
         self._checked = now
         try:
