@@ -28,21 +28,20 @@ def missing_paths(cfg) -> list[str]:  # noqa: ANN001 - ExperimentConfig
     fails until it is prepared) and a runs root whose parent does not exist (a
     mistyped path; train would make the whole chain). Paths are absolute here
     (load_config anchors them); a store location is left to train."""
-    from pathlib import Path
 
     from trainlab.location import locate
 
     notes = []
-    data = cfg.data.path
-    if locate(data, what="data.path").is_local and not Path(data).exists():
+    data = locate(cfg.data.path, what="data.path")
+    if data.exists_offline() is False:
         notes.append(
-            f"data.path = {data}: no such directory (prepare the dataset there with "
+            f"data.path = {data.uri}: no such directory (prepare the dataset there with "
             "`trainlab prep SOURCES --out DIR`; train refuses to start without it)"
         )
-    root = cfg.train.runs_root
-    if locate(root, what="train.runs_root").is_local and not Path(root).parent.exists():
+    root = locate(cfg.train.runs_root, what="train.runs_root")
+    if root.parent.exists_offline() is False:
         notes.append(
-            f"train.runs_root = {root}: its parent {Path(root).parent} does not exist "
+            f"train.runs_root = {root.uri}: its parent {root.parent.uri} does not exist "
             "(a mistyped path? train would create it)"
         )
     return notes
@@ -57,8 +56,8 @@ def check_mix_sources(cfg) -> None:  # noqa: ANN001 - ExperimentConfig
     from trainlab.errors import UserError
     from trainlab.location import locate
 
-    if not locate(cfg.data.path, what="data.path").is_local:  # one request less: train checks it
-        return
+    if not locate(cfg.data.path, what="data.path").exists_offline("manifest.json"):
+        return  # not prepared yet, or in a store (no request: train checks it)
     try:
         root = resolve_dataset_dir(cfg.data.path)
     except UserError:

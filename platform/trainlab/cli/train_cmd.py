@@ -179,51 +179,18 @@ def train(
 
 
 def _config_of(config: str, run_dir: str | None, resume: bool) -> tuple[str, str | None, bool]:
-    """(config file, --run-dir, --resume) for CONFIG: a run directory given with
-    --resume stands for `DIR/config.yaml --run-dir DIR`."""
-    from pathlib import Path
-
+    """(config file, --run-dir, --resume) for CONFIG: a run (its directory, or a run
+    in object storage, whose config.yaml is fetched into this node's working copy)
+    given with --resume stands for `RUN/config.yaml --run-dir RUN`."""
     from trainlab.errors import UserError
-    from trainlab.location import locate
+    from trainlab.run.dir import config_or_run
 
-    if not locate(config, what="CONFIG").is_local:
-        return _config_in_store(config, run_dir, resume)
-    path = Path(config)
-    if not path.is_dir():
+    path, run = config_or_run(config, "CONFIG")
+    if run is None:  # a config file
         return config, run_dir, resume
     if not resume:
-        raise UserError(
-            f"{config}: is a directory; to continue the run in it: trainlab train {config} --resume"
-        )
-    if not (path / "config.yaml").is_file():
-        raise UserError(f"{config}: no config.yaml here; not a run directory")
-    return str(path / "config.yaml"), str(path), False
-
-
-def _config_in_store(
-    config: str, run_dir: str | None, resume: bool
-) -> tuple[str, str | None, bool]:
-    """A run in object storage given as CONFIG with --resume: its config.yaml,
-    fetched into this node's working copy of the run, and the run's URI."""
-    from trainlab.errors import UserError
-    from trainlab.run.location import RunLocation
-
-    loc = RunLocation.of(config)
-    if not resume:
-        raise UserError(
-            f"{config}: is a run in object storage; to continue it: "
-            f"trainlab train {config} --resume"
-        )
-    try:
-        text = loc.read_text("config.yaml")
-    except OSError as e:
-        raise UserError(f"{config}: cannot read the run's config.yaml: {e}") from None
-    if text is None:
-        raise UserError(f"{config}: no config.yaml there; not a run in object storage")
-    local = loc.local / "config.yaml"
-    local.parent.mkdir(parents=True, exist_ok=True)
-    local.write_text(text)
-    return str(local), loc.uri, False
+        raise UserError(f"{config}: is a run; to continue it: trainlab train {config} --resume")
+    return str(path), run.uri, False
 
 
 def run_label(s: dict) -> str:

@@ -27,35 +27,13 @@ from trainlab.errors import UserError
 
 def config_of(config_or_run_dir: str) -> tuple[str, Any]:
     """(config file, run or None) for the command's first argument: a local config
-    file or run directory, or a run in object storage (`s3://.../DATE/NAME`: its
-    config.yaml is read into this machine's working copy of it). The run is a
-    path or a `trainlab.run.location.RunLocation`."""
-    from trainlab.location import locate
-    from trainlab.run.location import RunLocation
+    file, or a run (a run directory, or a run in object storage: `s3://.../DATE/NAME`,
+    its config.yaml read into this machine's working copy of it); the run is a
+    `trainlab.run.location.RunLocation` (trainlab.run.dir.config_or_run)."""
+    from trainlab.run.dir import config_or_run
 
-    if not locate(config_or_run_dir, what="CONFIG_OR_RUN_DIR").is_local:
-        loc = RunLocation.of(config_or_run_dir)
-        try:
-            text = loc.read_text("config.yaml")
-        except OSError as e:
-            raise UserError(
-                f"CONFIG_OR_RUN_DIR = {config_or_run_dir!r}: cannot read it: {e}"
-            ) from None
-        if text is None:
-            raise UserError(
-                f"CONFIG_OR_RUN_DIR = {config_or_run_dir!r}: no run there (no config.yaml)"
-            )
-        loc.local.mkdir(parents=True, exist_ok=True)
-        (loc.local / "config.yaml").write_text(text)
-        return str(loc.local / "config.yaml"), loc
-    p = Path(config_or_run_dir)
-    if not p.exists():
-        raise UserError(f"CONFIG_OR_RUN_DIR = {config_or_run_dir!r}: no such file or directory")
-    if p.is_dir():
-        if not (p / "config.yaml").is_file():
-            raise UserError(f"{p}: a directory, but not a run directory (no config.yaml)")
-        return str(p / "config.yaml"), p
-    return str(p), None
+    config, run = config_or_run(config_or_run_dir, "CONFIG_OR_RUN_DIR")
+    return str(config), run
 
 
 def skipped_windows(cfg: Any, run_dir: Any) -> list[tuple[int, int]]:

@@ -101,6 +101,11 @@ class Backend:
     def make_dirs(self, path: str) -> None:
         """Nothing to do: an object store has no folders."""
 
+    def nearest_folder(self, path: str) -> str:
+        """`path` or its nearest ancestor that exists: in an object store a folder
+        is there as soon as an object is put below it."""
+        return path
+
     # Conditional writes (compare-and-swap on one object: the run lease). A backend
     # that has them sets `conditional` and implements the two below.
     conditional: bool = False
@@ -349,6 +354,12 @@ class Location:
         with self._kinds(rel):
             return self.backend.exists(self.fs_path(rel))
 
+    def exists_offline(self, rel: str = "") -> bool | None:
+        """Whether `rel` exists, where that is known without a request (this
+        machine's disk); None where only a request to a store could tell (config
+        validation stays instant and works offline)."""
+        return self.exists(rel) if self.is_local else None
+
     def is_file(self, rel: str) -> bool:
         return self.size(rel) is not None
 
@@ -533,15 +544,18 @@ class Location:
     # ------------------------------------------------------------------ checks
 
     def check_writable(self) -> None:
-        """Write, read back and delete a small probe file; a UserError naming the
+        """Write, read back and delete a small probe file where this location's
+        writes would go (a folder not made yet: its nearest existing ancestor; no
+        folder is made, the check leaves nothing behind); a UserError naming the
         location and the cause when any step fails (a missing bucket, no
         permission, an unreachable endpoint, a read-only mount)."""
         probe = f".trainlab-probe-{uuid.uuid4().hex}"
         payload = b"trainlab storage probe"
         try:
-            self.write_bytes(probe, payload)
-            back = self.read_bytes(probe)
-            self.delete(probe)
+            here = Location(self.backend, self.backend.nearest_folder(self.path))
+            here.write_bytes(probe, payload)
+            back = here.read_bytes(probe)
+            here.delete(probe)
         except (OSError, ValueError) as e:
             first = redact(first_line(e))
             raise UserError(f"storage {self.describe()} is not writable: {first}") from None

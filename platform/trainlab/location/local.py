@@ -111,12 +111,18 @@ class LocalDisk(Backend):
     def delete_tree(self, path: str) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
-    def free_bytes(self, path: str) -> float:
+    def nearest_folder(self, path: str) -> str:
         here = Path(path)
-        for d in (here, *here.parents):  # a run directory not made yet: its parent's disk
+        for d in (here, *here.parents):
             if d.is_dir():
-                return float(shutil.disk_usage(d).free)
-        return float(shutil.disk_usage("/").free)
+                return str(d)
+            if d.exists() or d.is_symlink():  # a file (or a dangling link) on the way
+                raise NotADirectoryError(f"{d}: not a directory")
+        return "/"
+
+    def free_bytes(self, path: str) -> float:
+        # a run directory not made yet: the disk of its nearest existing folder
+        return float(shutil.disk_usage(self.nearest_folder(path)).free)
 
     def reserve(self, path: str, size: int) -> bool:
         target = Path(path)

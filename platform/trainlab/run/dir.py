@@ -286,3 +286,30 @@ def write_run_files(
     (loc.local / "checkpoints").mkdir(exist_ok=True)
     loc.write_text("config.yaml", to_yaml(cfg))
     loc.write_text("plan.json", json.dumps(plan_json, indent=2) + "\n")
+
+
+def config_or_run(where: str, what: str) -> tuple[Path, RunLocation | None]:
+    """What a command's CONFIG-or-run argument names: a run (a run directory, or a
+    run in object storage) holding config.yaml, which is brought into this node's
+    folder of the run, or a config file on this machine. Returns (the config file
+    here, the run or None); a one-line UserError naming `what` when it is neither."""
+    from trainlab.errors import first_line
+
+    run = RunLocation.of(where, what=what)
+    try:
+        if run.fetch("config.yaml"):
+            return run.local / "config.yaml", run
+        there, a_file = run.home.exists(), run.home.is_file("")
+    except OSError as e:
+        raise UserError(f"{what} = {where!r}: cannot read it: {first_line(e)}") from None
+    if not there:
+        raise UserError(f"{what} = {where!r}: no such file, and no run there (no config.yaml)")
+    if not a_file:
+        raise UserError(f"{what} = {where!r}: not a run directory (no config.yaml)")
+    try:
+        return run.home.local_path(), None
+    except ValueError:
+        raise UserError(
+            f"{what} = {where!r}: a file in object storage; give a run there (its folder) "
+            "or a config file on this machine"
+        ) from None

@@ -54,10 +54,14 @@ class RunLocation:
 
     @classmethod
     def of(
-        cls, where: str | os.PathLike[str] | Location, scratch_dir: str | None = None
+        cls,
+        where: str | os.PathLike[str] | Location,
+        scratch_dir: str | None = None,
+        what: str = "run directory",
     ) -> RunLocation:
-        """The location of the run at `where` (a path, a store URI, a Location)."""
-        return _location(locate(where, what="run directory"), scratch_dir)
+        """The location of the run at `where` (a path, a store URI, a Location); a
+        bad value is a one-line UserError naming `what`."""
+        return _location(locate(where, what=what), scratch_dir)
 
 
     @property

@@ -89,7 +89,7 @@ def test_a_different_experiment_is_refused_with_its_differing_keys(run, monkeypa
 def test_run_dir_as_config_needs_resume_and_extend_needs_a_run(run):
     config, run_dir = run
     rv, _, _ = train(str(run_dir))
-    assert isinstance(rv, UserError) and "is a directory" in str(rv) and "--resume" in str(rv)
+    assert isinstance(rv, UserError) and "is a run" in str(rv) and "--resume" in str(rv)
     rv, _, _ = train(str(config.parent), "--resume")
     assert isinstance(rv, UserError) and "no config.yaml" in str(rv)
     rv, _, _ = train(str(config), "--extend", "--set", "train.total_steps=6")

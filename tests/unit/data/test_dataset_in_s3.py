@@ -131,5 +131,6 @@ def test_at_step_never_takes_a_uri_for_a_local_path(s3_env, tmp_path, monkeypatc
     assert e.value.code == 2 and list(tmp_path.iterdir()) == []
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line == (
-        f"error: CONFIG_OR_RUN_DIR = 's3://{bucket}/runs/tiny': no run there (no config.yaml)"
+        f"error: CONFIG_OR_RUN_DIR = 's3://{bucket}/runs/tiny': no such file, and no run "
+        "there (no config.yaml)"
     )

@@ -94,6 +94,13 @@ def test_a_file_copied_here_and_back(place, tmp_path):
     assert (tmp_path / "elsewhere.jsonl").read_text() == "a\nb\n"
 
 
+def test_what_is_known_without_a_request(place):
+    """Config validation asks what a disk says at once; a store is never asked."""
+    place.write_text("there.json", "{}")
+    known = (True, False) if place.is_local else (None, None)
+    assert (place.exists_offline("there.json"), place.exists_offline("gone.json")) == known
+
+
 def test_a_full_disk_holds_no_room(tmp_path, monkeypatch):
     import os
 

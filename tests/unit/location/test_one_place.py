@@ -34,8 +34,11 @@ DECISION = re.compile(
 # excludes), its folder on this node (`Location.folder_here`), and a dataset
 # found and probed through one path for a disk and a store; 16 with the room a
 # disk has and holds (`free_bytes`, `reserve`), how often a file is polled, and a
-# run's file fetched into its folder here and shipped back as location operations.
-MOST = 16
+# run's file fetched into its folder here and shipped back as location operations;
+# 10 with a probe of every runs root where its writes go (`check_writable` makes
+# no folder), one reading of a CONFIG-or-run argument (trainlab.run.dir.
+# config_or_run) and config validation asking only what is known offline.
+MOST = 10
 
 
 def decisions() -> list[str]:

@@ -19,8 +19,11 @@ def test_local_paths_resolve_against_the_base(tmp_path):
         str(tmp_path / "runs"),
     )
     assert locate(f"file://{tmp_path}/x").path == str(tmp_path / "x")
+    where.check_writable()  # at the nearest folder there is: checking makes none
+    assert not (tmp_path / "runs").exists() and list(tmp_path.iterdir()) == []
+    (tmp_path / "runs").mkdir()
     where.check_writable()
-    assert (tmp_path / "runs").is_dir() and not list((tmp_path / "runs").iterdir())
+    assert list((tmp_path / "runs").iterdir()) == []  # the probe deleted
 
 
 def test_read_only_storage_is_a_user_error(tmp_path):
@@ -34,6 +37,9 @@ def test_read_only_storage_is_a_user_error(tmp_path):
         target = ro / "runs"
     with pytest.raises(UserError, match="not writable"):
         locate(target).check_writable()
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(UserError, match="afile: not a directory"):
+        locate(tmp_path / "afile" / "runs" / "x").check_writable()
 
 
 @pytest.mark.parametrize("bad", ["hdfs://nn/x", "s3://", "s3://b/p?endpoint=x", "  "])

@@ -236,9 +236,10 @@ def _lock_new(
     raise UserError(f"{loc.uri}: no free run directory name after 20 tries")
 
 
-def _check_store(loc: RunLocation) -> None:
-    """The runs root in object storage answers (write, read back, delete a probe),
-    before anything of the run is written; else UserError naming it."""
+def _check_writable(loc: RunLocation) -> None:
+    """The runs root takes writes (a probe written, read back and deleted where
+    they go: a store answers, a disk is not read-only), before anything of the run
+    is written; else UserError naming it."""
     loc.home.parent.parent.check_writable()
 
 
@@ -310,8 +311,7 @@ def _run(
     # code may give it relative to `base_dir`): its MLflow store is that root's.
     root = rundir.root_location(cfg, base_dir).resolved().uri
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"runs_root": root})})
-    if loc.remote:
-        _check_store(loc)
+    _check_writable(loc)
     if run_dir is not None:
         rundir.check_usable(loc)  # never a folder of the user's files
     identity = rundir.check_same_experiment(loc, cfg, extend=extend)  # reads only
