@@ -37,7 +37,7 @@ class Located:
     run_dir: Path  # on this machine (a run in object storage: its working copy)
     checkpoint: ckpts.CheckpointInfo
     cfg: ExperimentConfig
-    where: str = ""  # the run's URI, for a run in object storage
+    where: str = ""  # the run as records name it (its URI, or its directory)
 
     @property
     def run(self) -> str:
@@ -59,75 +59,46 @@ def _run_config(run_dir: Path) -> ExperimentConfig:
 
 
 def locate(path: str | Path, step: int | None = None) -> Located:
-    """The run directory, checkpoint and config that `path` (a run directory or a
-    checkpoint directory, or a run in object storage) and `step` name; UserError
-    when there is none."""
-    from trainlab.location import locate as locate_place
-
-    if not locate_place(path, what="the run").is_local:
-        return _locate_in_store(str(path), step)
-    p = Path(path).expanduser().resolve()
-    if not p.is_dir():
-        raise UserError(f"{path}: no such directory (give a run directory or a checkpoint)")
-    if (p / ckpts.META_FILE).is_file():  # one checkpoint: {run_dir}/checkpoints/step-N
-        info = ckpts.read_info(p)
-        if info is None:
-            raise UserError(f"{p}: unreadable {ckpts.META_FILE} (not a committed checkpoint)")
-        if step is not None and step != info.step:
-            raise UserError(f"--step {step}: {p} is the checkpoint of step {info.step}")
-        return _located(p.parents[1], _checked(info))
-    root = p / "checkpoints"
-    if step is None:
-        cfg = _run_config(p)
-        info = ckpts.find_resume(root, require_valid=cfg.train.checkpoint.validate)
-        if info is None:
-            raise UserError(f"{root}: no valid checkpoint to export")
-        return _located(p, info)
-    match = [i for i in ckpts.committed(root) if i.step == step]
-    if not match:
-        have = ", ".join(str(i.step) for i in ckpts.committed(root)) or "none"
-        raise UserError(f"--step {step}: {root} has no checkpoint of that step (steps: {have})")
-    return _located(p, _checked(match[0]))
-
-
-def _locate_in_store(uri: str, step: int | None) -> Located:
-    """A run in object storage: its config.yaml and the checkpoint (newest valid,
-    or of `step`) fetched into this machine's scratch and sha256-checked."""
-    from trainlab.run.checkpoints.store import CheckpointStore
+    """The run, checkpoint and config that `path` (a run or one of its checkpoints,
+    `{run}/checkpoints/step-N`, in a directory or in object storage) and `step`
+    name; UserError when there is none. The checkpoint is the run's newest valid
+    one, or the one of `step`, read where this node reads checkpoints (in place on
+    a disk; from a store, fetched into this node's cache and sha256-checked)."""
     from trainlab.run.location import RunLocation
 
-    loc = RunLocation.of(uri)
-    text = loc.read_text("config.yaml")
-    if text is None:
-        raise UserError(f"{uri}: no config.yaml there; give a run in object storage")
-    (loc.local).mkdir(parents=True, exist_ok=True)
-    (loc.local / "config.yaml").write_text(text)
-    cfg = _run_config(loc.local)
-    store = CheckpointStore(loc)
-    if step is None:
-        info = store.fetch_newest(require_valid=cfg.train.checkpoint.validate)
-        if info is None:
-            raise UserError(f"{store.uri()}: no valid checkpoint to export")
+    run = RunLocation.of(path, what="the run")
+    run = RunLocation.of(run.home.resolved(), what="the run")
+    named = ckpts.parse_step(run.home.name)
+    if named is not None and run.home.is_file(ckpts.META_FILE):  # one checkpoint
+        if step is not None and step != named:
+            raise UserError(f"--step {step}: {run.uri} is the checkpoint of step {named}")
+        checkpoint, step = run.uri, named
+        run = RunLocation.of(run.home.parent.parent, what="the run")
     else:
-        match = [i for i in store.committed() if i.step == step]
-        if not match:
-            have = ", ".join(str(i.step) for i in store.committed()) or "none"
-            raise UserError(f"--step {step}: {store.uri()} has no checkpoint of that step "
-                            f"(steps: {have})")  # fmt: skip
-        try:
-            info = store.fetch(match[0])
-        except ValueError as e:
-            raise UserError(f"{match[0].uri}: {e}") from None
-        info = _checked(info)
-    return Located(loc.local, info, cfg, where=loc.uri)
-
-
-def _located(run_dir: Path, info: ckpts.CheckpointInfo) -> Located:
-    # Not checked against the checkpoint's config hash: a newer trainlab adds config
-    # fields (with defaults) that change the hash of an old run's config.yaml. What
-    # matters, that every tensor has the shape the model section says, is checked
-    # by trainlab.export.hf.hf_tensors.
-    return Located(run_dir, info, _run_config(run_dir))
+        checkpoint = None
+    if not run.fetch("config.yaml"):
+        if not run.home.exists():
+            raise UserError(f"{path}: no such directory (give a run directory or a checkpoint)")
+        raise UserError(f"{run.uri}: no config.yaml there; give a run or one of its checkpoints")
+    cfg = _run_config(run.local)
+    catalog = ckpts.catalog(run)
+    if step is None:
+        info = catalog.fetch_newest(require_valid=cfg.train.checkpoint.validate)
+        if info is None:
+            raise UserError(f"{catalog.uri()}: no valid checkpoint to export")
+        return Located(run.local, info, cfg, where=run.uri)
+    match = [i for i in catalog.committed() if i.step == step]
+    if not match and checkpoint is not None:
+        raise UserError(f"{checkpoint}: unreadable {ckpts.META_FILE} (not a committed checkpoint)")
+    if not match:
+        have = ", ".join(str(i.step) for i in catalog.committed()) or "none"
+        raise UserError(f"--step {step}: {catalog.uri()} has no checkpoint of that step "
+                        f"(steps: {have})")  # fmt: skip
+    try:
+        info = catalog.fetch(match[0])
+    except ValueError as e:
+        raise UserError(f"{catalog.uri(step)}: {e}") from None
+    return Located(run.local, _checked(info), cfg, where=run.uri)
 
 
 def _checked(info: ckpts.CheckpointInfo) -> ckpts.CheckpointInfo:

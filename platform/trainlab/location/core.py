@@ -152,6 +152,20 @@ class Backend:
             if e.type == fs.FileType.File
         )
 
+    def files_below(self, path: str) -> tuple[list[Any], list[str]]:
+        """The files below the folder `path` (each with `.path`, `.size`,
+        `.mtime_ns`), names starting with "." skipped at any depth, and the
+        symbolic links not followed (an object store has none)."""
+        from pyarrow import fs
+
+        base = path.rstrip("/") + "/"
+        return [
+            i
+            for i in self.filesystem.get_file_info(fs.FileSelector(path, recursive=True))
+            if i.type == fs.FileType.File
+            and not any(part.startswith(".") for part in i.path.removeprefix(base).split("/"))
+        ], []
+
     def is_link(self, path: str) -> bool:
         """An object store has no symbolic links."""
         return False
@@ -389,6 +403,14 @@ class Location:
         sorted; on a disk, symbolic links are neither listed nor followed."""
         with self._kinds(rel):
             return self.backend.files(self.fs_path(rel))
+
+    def files_below(self) -> tuple[list[Any], list[str]]:
+        """The files to read below this folder: each with `.path` (inside the
+        filesystem), `.size` and `.mtime_ns`; names starting with "." skipped at any
+        depth, as a shell glob would. A folder on a disk is walked without leaving
+        it: the second list names the symbolic links below it not followed, those
+        leading outside it or looping (an object store has no links)."""
+        return self.backend.files_below(self.path)
 
     def is_link(self, rel: str) -> bool:
         """`rel` is a symbolic link (on a disk; never followed by a deletion)."""

@@ -14,6 +14,7 @@ import os
 import shutil
 import stat
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +96,9 @@ class LocalDisk(Backend):
     def is_link(self, path: str) -> bool:
         return os.path.islink(path)
 
+    def files_below(self, path: str) -> tuple[list[Any], list[str]]:
+        return _walk_inside(path)
+
     def file_size(self, path: str) -> int | None:
         return os.path.getsize(path) if os.path.isfile(path) else None
 
@@ -167,6 +171,55 @@ class LocalDisk(Backend):
             tmp.replace(dst)
         finally:
             tmp.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class _LocalFile:
+    path: str
+    size: int
+    mtime_ns: int
+
+
+def _walk_inside(base: str) -> tuple[list[_LocalFile], list[str]]:
+    """The regular files below the local folder `base` (hidden names skipped), and
+    the symlinks not followed, sorted: those leading outside `base` (`shadow.txt ->
+    /etc/shadow`, `up -> ..`) and those that loop. A symlink to a folder inside
+    `base` is not entered either: the walk reaches that folder by its own path."""
+    root = Path(base).resolve()
+    found: list[_LocalFile] = []
+    skipped: list[str] = []
+
+    def leaves(path: str) -> bool | None:
+        """Whether the symlink `path` leads outside `root` or loops; None: dangling."""
+        try:
+            return not Path(path).resolve(strict=True).is_relative_to(root)
+        except FileNotFoundError:
+            return None
+        except (OSError, RuntimeError):  # a loop (RuntimeError before Python 3.13)
+            return True
+
+    for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        for name in dirnames:  # a symlink to a folder is listed here, never entered
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path) and leaves(path):
+                skipped.append(path)
+        for name in sorted(filenames):
+            path = os.path.join(dirpath, name)
+            if name.startswith("."):
+                continue
+            away = leaves(path) if os.path.islink(path) else False
+            if away:
+                skipped.append(path)
+            if away is not False:
+                continue  # outside, a loop, or dangling (no file, as before)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue  # gone since it was listed
+            if stat.S_ISREG(st.st_mode):
+                found.append(_LocalFile(path, st.st_size, st.st_mtime_ns))
+    return found, sorted(skipped)
 
 
 LOCAL = LocalDisk()

@@ -272,3 +272,32 @@ def test_an_moe_transformers_cannot_represent_is_refused_by_name():
     assert len(dense_first) == 1 and "every layer of MixtralForCausalLM" in dense_first[0]
     assert refusals(ModelConfig(arch="llama_qknorm", moe={"num_experts": 4,
                                                           "first_dense_layers": 1})) == []
+
+
+def test_a_run_in_object_storage_exports_as_the_same_run_on_a_disk(
+    tmp_path_factory, tmp_path, s3_env, monkeypatch
+):
+    """One path for a run on a disk and in a store: the run's files put in S3
+    (moto's server) export the same model, from the run and from its checkpoint,
+    as its directory does; a name that is no run is one line."""
+    from trainlab.errors import UserError
+    from trainlab.location import locate
+
+    monkeypatch.setenv("TRAINLAB_SCRATCH_DIR", str(tmp_path / "scratch"))
+    run_dir = real_store(tmp_path_factory).run_dir
+    _, bucket = s3_env
+    there = locate(f"s3://{bucket}/runs/2026-12-07/tiny")
+    for rel, _ in locate(run_dir).walk():
+        if rel == "config.yaml" or rel.startswith("checkpoints/step-"):
+            there.upload(run_dir / rel, rel)
+    on_disk = export_model(run_dir, tmp_path / "disk", track=False)
+    from_run = export_model(there.uri, tmp_path / "run", track=False)
+    newest = f"checkpoints/step-{on_disk['step']:08d}"
+    from_checkpoint = export_model(there.uri_of(newest), tmp_path / "ckpt", track=False)
+    assert on_disk["sha256"] == from_run["sha256"] == from_checkpoint["sha256"]
+    assert from_run["run_dir"] == from_checkpoint["run_dir"] == there.uri
+    assert from_run["checkpoint"] == from_checkpoint["checkpoint"] == there.uri_of(newest)
+    with pytest.raises(UserError, match="--step 3: .* has no checkpoint of that step"):
+        export_model(there.uri, tmp_path / "x", step=3, track=False)
+    with pytest.raises(UserError, match="no such directory"):
+        export_model(f"s3://{bucket}/nothing", tmp_path / "y", track=False)

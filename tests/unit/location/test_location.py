@@ -94,6 +94,16 @@ def test_a_file_copied_here_and_back(place, tmp_path):
     assert (tmp_path / "elsewhere.jsonl").read_text() == "a\nb\n"
 
 
+def test_files_to_read_below_a_folder_skip_hidden_names(place):
+    for rel in ("a.txt", ".h.txt", "d/.git/x.txt", "d/b.txt", "d/e/c.txt"):
+        place.write_text(rel, rel)
+    found, links = place.files_below()
+    base = place.path.rstrip("/") + "/"
+    assert sorted(i.path.removeprefix(base) for i in found) == ["a.txt", "d/b.txt", "d/e/c.txt"]
+    assert {i.size for i in found} == {5, 7, 9} and all(i.mtime_ns > 0 for i in found)
+    assert links == []
+
+
 def test_what_is_known_without_a_request(place):
     """Config validation asks what a disk says at once; a store is never asked."""
     place.write_text("there.json", "{}")

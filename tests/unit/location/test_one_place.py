@@ -37,8 +37,10 @@ DECISION = re.compile(
 # run's file fetched into its folder here and shipped back as location operations;
 # 10 with a probe of every runs root where its writes go (`check_writable` makes
 # no folder), one reading of a CONFIG-or-run argument (trainlab.run.dir.
-# config_or_run) and config validation asking only what is known offline.
-MOST = 10
+# config_or_run) and config validation asking only what is known offline; 8 with
+# a source folder's files listed by its location (`files_below`) and one export
+# path for a run or a checkpoint on a disk or in a store (the run's catalog).
+MOST = 8
 
 
 def decisions() -> list[str]:

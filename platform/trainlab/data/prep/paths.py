@@ -14,14 +14,12 @@ read wherever it leads.
 from __future__ import annotations
 
 import logging
-import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainlab.errors import UserError
-from trainlab.location import locate
+from trainlab.location import Location, locate
 
 log = logging.getLogger("trainlab.data.prep")
 
@@ -96,25 +94,20 @@ def _glob_base(pattern: str) -> str:
     return "/".join(base) or "/"
 
 
-def _hidden_below(path: str, base: str) -> bool:
-    rel = path[len(base) :].lstrip("/")
-    return any(part.startswith(".") for part in rel.split("/"))
-
-
 def list_files(entry: str, root: Path, source_name: str) -> list[InputFile]:
     """The files one `paths` entry names, sorted; UserError when there are none."""
     where = f"source {source_name!r}: {entry!r}"
     place = locate(entry, what=where, base_dir=root).resolved()
-    filesystem, target = place.filesystem, place.path
+    target = place.path
     if entry.endswith("/") and not target.endswith("/"):
         target += "/"
     try:
         if GLOB_CHARS.search(target):
-            found = _expand_glob(filesystem, target, where)
+            found = _expand_glob(place, target, where)
             if not found:
                 raise UserError(f"{where}: glob matches no files")
         else:
-            found = _expand_plain(filesystem, target.rstrip("/") or "/", where)
+            found = _expand_plain(place, target.rstrip("/") or "/", where)
     except OSError as e:
         raise UserError(f"{where}: cannot list ({e})") from None
     return sorted(
@@ -123,101 +116,44 @@ def list_files(entry: str, root: Path, source_name: str) -> list[InputFile]:
     )
 
 
-def _expand_plain(filesystem, target: str, where: str) -> list:  # noqa: ANN001
+def _expand_plain(place: Location, target: str, where: str) -> list:
     from pyarrow import fs
 
-    info = filesystem.get_file_info(target)
+    info = place.filesystem.get_file_info(target)
     if info.type == fs.FileType.NotFound:
         raise UserError(f"{where}: path does not exist ({target})")
     if info.type == fs.FileType.File:
         return [info]
-    found = _files_below(filesystem, target, where)
+    found = _files_below(place, target, where)
     if not found:
         raise UserError(f"{where}: directory holds no files ({target})")
     return found
 
 
-def _expand_glob(filesystem, pattern: str, where: str) -> list:  # noqa: ANN001
+def _expand_glob(place: Location, pattern: str, where: str) -> list:
     from pyarrow import fs
 
     base = _glob_base(pattern)
-    if filesystem.get_file_info(base).type != fs.FileType.Directory:
+    if place.filesystem.get_file_info(base).type != fs.FileType.Directory:
         return []
     regex = glob_to_regex(pattern)
-    return [i for i in _files_below(filesystem, base, where) if regex.match(i.path)]
+    return [i for i in _files_below(place, base, where) if regex.match(i.path)]
 
 
-def _files_below(filesystem, base: str, where: str) -> list:  # noqa: ANN001
-    """Every file below the directory `base`, hidden names skipped. A local folder
-    is walked without leaving it (`_walk_local`); a bucket has no symlinks."""
-    from pyarrow import fs
-
-    if isinstance(filesystem, fs.LocalFileSystem):
-        found, skipped = _walk_local(base)
-        if skipped:
-            log.warning(
-                "%s: skipped %d symlink%s leading outside %s or into a loop (first: %s)",
-                where,
-                len(skipped),
-                "" if len(skipped) == 1 else "s",
-                base,
-                skipped[0],
-            )
-        return found
-    return [
-        i
-        for i in filesystem.get_file_info(fs.FileSelector(base, recursive=True))
-        if i.type == fs.FileType.File and not _hidden_below(i.path, base)
-    ]
-
-
-@dataclass(frozen=True)
-class _LocalFile:
-    path: str
-    size: int
-    mtime_ns: int
-
-
-def _walk_local(base: str) -> tuple[list[_LocalFile], list[str]]:
-    """The regular files below the local folder `base` (hidden names skipped), and
-    the symlinks not followed, sorted: those leading outside `base` (`shadow.txt ->
-    /etc/shadow`, `up -> ..`) and those that loop. A symlink to a folder inside
-    `base` is not entered either: the walk reaches that folder by its own path."""
-    root = Path(base).resolve()
-    found: list[_LocalFile] = []
-    skipped: list[str] = []
-
-    def leaves(path: str) -> bool | None:
-        """Whether the symlink `path` leads outside `root` or loops; None: dangling."""
-        try:
-            return not Path(path).resolve(strict=True).is_relative_to(root)
-        except FileNotFoundError:
-            return None
-        except (OSError, RuntimeError):  # a loop (RuntimeError before Python 3.13)
-            return True
-
-    for dirpath, dirnames, filenames in os.walk(base, followlinks=False):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        for name in dirnames:  # a symlink to a folder is listed here, never entered
-            path = os.path.join(dirpath, name)
-            if os.path.islink(path) and leaves(path):
-                skipped.append(path)
-        for name in sorted(filenames):
-            path = os.path.join(dirpath, name)
-            if name.startswith("."):
-                continue
-            away = leaves(path) if os.path.islink(path) else False
-            if away:
-                skipped.append(path)
-            if away is not False:
-                continue  # outside, a loop, or dangling (no file, as before)
-            try:
-                st = os.stat(path)
-            except OSError:
-                continue  # gone since it was listed
-            if stat.S_ISREG(st.st_mode):
-                found.append(_LocalFile(path, st.st_size, st.st_mtime_ns))
-    return found, sorted(skipped)
+def _files_below(place: Location, base: str, where: str) -> list:
+    """Every file below the directory `base` of `place`'s storage, hidden names
+    skipped; a local folder is walked without leaving it (`Location.files_below`)."""
+    found, skipped = Location(place.backend, base).files_below()
+    if skipped:
+        log.warning(
+            "%s: skipped %d symlink%s leading outside %s or into a loop (first: %s)",
+            where,
+            len(skipped),
+            "" if len(skipped) == 1 else "s",
+            base,
+            skipped[0],
+        )
+    return found
 
 
 def list_source_files(entries: list[str], root: Path, source_name: str) -> list[InputFile]:
