@@ -28,7 +28,8 @@ import math
 import shutil
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -191,6 +192,17 @@ class Backend:
     def free_bytes(self, path: str) -> float:
         """Room left for writes below `path`: an object store has no disk to fill."""
         return math.inf
+
+    def lease(self, place: Location, on_lost: Callable[[str, Any], None]) -> Any:
+        """The lease of `place`: in a store, its record is the lease."""
+        from trainlab.location.lease import StoreLease
+
+        return StoreLease.take(place, on_lost)
+
+    def kept_still(self, place: Location) -> AbstractContextManager[str | None]:
+        from trainlab.location.lease import store_kept_still
+
+        return store_kept_still(place)
 
     def reserve(self, path: str, size: int) -> bool:
         """Hold `size` bytes at `path` for writes that must succeed when the disk
@@ -463,6 +475,20 @@ class Location:
         object store, which has no disk to fill."""
         with self._kinds(""):
             return self.backend.free_bytes(self.path)
+
+    def lease(self, on_lost: Callable[[str, Any], None]) -> Any:
+        """Take this location's lease (trainlab.location.lease): one holder at a time,
+        this process until it releases it or ends; `lease.previous` names a gone
+        holder it was taken over from. A live holder: `lease.Held`. `on_lost`:
+        called with (uri, new holder) when a beat of a lease in a store finds that
+        another took it over."""
+        return self.backend.lease(self, on_lost)
+
+    def kept_still(self) -> AbstractContextManager[str | None]:
+        """A moment in which nobody takes this location's lease: yields None when
+        nobody holds it (on a disk its lock is held meanwhile; a store has no lock
+        to hold: its lease is read), else who does ("pid N on host H since T")."""
+        return self.backend.kept_still(self)
 
     def reserve(self, rel: str, size: int) -> bool:
         """Hold `size` bytes of this location's disk in file `rel`, for writes that

@@ -14,11 +14,13 @@ import os
 import shutil
 import stat
 import uuid
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from trainlab.location.core import Backend
+from trainlab.location.lease import DiskLease, disk_kept_still
 
 
 class LocalDisk(Backend):
@@ -123,6 +125,13 @@ class LocalDisk(Backend):
             if d.exists() or d.is_symlink():  # a file (or a dangling link) on the way
                 raise NotADirectoryError(f"{d}: not a directory")
         return "/"
+
+    def lease(self, place: Any, on_lost: Any) -> Any:
+        """A disk's lease: an OS file lock and its record (nothing is ever lost)."""
+        return DiskLease.take(Path(place.path))
+
+    def kept_still(self, place: Any) -> AbstractContextManager[str | None]:
+        return disk_kept_still(Path(place.path))
 
     def free_bytes(self, path: str) -> float:
         # a run directory not made yet: the disk of its nearest existing folder

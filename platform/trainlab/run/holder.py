@@ -1,61 +1,18 @@
 """The run lock's record, `{run}/.lock.json`: who holds a run (host, pid, since)
-and their newest beat. The driver's lock writes it (trainlab.run.lock);
+and their newest beat. The driver's lease writes it (trainlab.run.lock, over
+trainlab.location.lease);
 its workers read it to stop when their driver is gone (`orphaned`: the agents,
 and rank 0 right before each commit); `gc` reads it to leave a live run alone.
 Below the driver and the loop, so both read it without importing each other."""
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import time
-from dataclasses import dataclass
-from pathlib import Path
-
+from trainlab.location.lease import RECORD, Holder, parse_holder, pid_running
 from trainlab.run.location import RunLocation
 
-HOLDER = ".lock.json"
-DEFAULT_BEAT_S = 30.0
-MISSED_BEATS = 4
+__all__ = ["HOLDER", "Holder", "current_holder", "orphaned", "parse_holder", "pid_running"]
 
-
-def beat_s() -> float:
-    """How often a holder rewrites its beat (the MLflow heartbeat's setting)."""
-    return float(os.environ.get("TRAINLAB_HEARTBEAT_S") or DEFAULT_BEAT_S)
-
-
-def stale_after_s() -> float:
-    """How old a beat from another host is when its holder counts as gone."""
-    return float(os.environ.get("TRAINLAB_LOST_AFTER_S") or MISSED_BEATS * beat_s())
-
-
-@dataclass(frozen=True)
-class Holder:
-    """Who holds (or last held) a run directory's lock."""
-
-    host: str
-    pid: int
-    since: float  # epoch seconds the lock was taken
-    beat: float  # epoch seconds of the holder's newest beat
-
-    def describe(self) -> str:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(self.since))
-        return f"pid {self.pid} on host {self.host} since {when}"
-
-    def on_this_host(self) -> bool:
-        return self.host == socket.gethostname()
-
-    def fresh(self, now: float | None = None) -> bool:
-        return (now or time.time()) - self.beat <= stale_after_s()
-
-
-def parse_holder(text: str | None) -> Holder | None:
-    try:
-        d = json.loads(text or "")
-        return Holder(str(d["host"]), int(d["pid"]), float(d["since"]), float(d["beat"]))
-    except (ValueError, KeyError, TypeError):
-        return None
+HOLDER = RECORD  # {run}/.lock.json: the lease's record (trainlab.location.lease)
 
 
 def current_holder(loc: RunLocation) -> Holder | None:
@@ -81,19 +38,3 @@ def orphaned(loc: RunLocation, driver: tuple[str, int, float]) -> str | None:
     if holder.on_this_host() and not pid_running(holder.pid):
         return f"its driver (pid {holder.pid} on this host) is gone"
     return None
-
-
-def pid_running(pid: int) -> bool:
-    """Whether process `pid` runs on this host: a killed process its parent has
-    not reaped yet (a zombie) does not."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return True  # no procfs: the signal said it exists
-    return stat.rpartition(")")[2].split()[:1] != ["Z"]

@@ -104,6 +104,35 @@ def test_files_to_read_below_a_folder_skip_hidden_names(place):
     assert links == []
 
 
+def test_one_holder_of_a_lease_on_every_backend(place, monkeypatch):
+    """The lease (trainlab.location.lease): a second taker is refused naming the
+    holder, a released lease is free again, a gone holder's lease is taken over
+    with the caller told whom it replaced, and a moment of holding still says who
+    holds it. Its kind is the backend's: a flock on a disk, the record in a store."""
+    import json
+    import os
+
+    from trainlab.location.lease import Held
+
+    monkeypatch.setenv("TRAINLAB_LOCK_SETTLE_S", "0.05")  # GCS's emulator: no conditional writes
+    lost = []
+    with place.lease(lambda *a: lost.append(a)) as lease:
+        assert lease.previous is None and lease.holder.pid == os.getpid()
+        with pytest.raises(Held) as held:
+            place.lease(lambda *a: None)
+        assert held.value.holder.pid == os.getpid()
+        with place.kept_still() as who:
+            assert who is not None and who.startswith(f"pid {os.getpid()} on host ")
+    assert place.read_or_none(".lock.json") is None  # released: the record goes
+    with place.kept_still() as who:
+        assert who is None
+    gone = {"host": os.uname().nodename, "pid": 2**22 + 7, "since": 1.0, "beat": 1e12}
+    place.write_text(".lock.json", json.dumps(gone))  # a holder that died holding it
+    with place.lease(lambda *a: None) as lease:
+        assert lease.previous is not None and lease.previous.pid == gone["pid"]
+    assert lost == []
+
+
 def test_what_is_known_without_a_request(place):
     """Config validation asks what a disk says at once; a store is never asked."""
     place.write_text("there.json", "{}")

@@ -39,8 +39,10 @@ DECISION = re.compile(
 # no folder), one reading of a CONFIG-or-run argument (trainlab.run.dir.
 # config_or_run) and config validation asking only what is known offline; 8 with
 # a source folder's files listed by its location (`files_below`) and one export
-# path for a run or a checkpoint on a disk or in a store (the run's catalog).
-MOST = 8
+# path for a run or a checkpoint on a disk or in a store (the run's catalog); 6
+# with the lease a location operation (trainlab.location.lease: a flock and its
+# record on a disk, the record as the lease in a store), one RunLock for both.
+MOST = 6
 
 
 def decisions() -> list[str]:

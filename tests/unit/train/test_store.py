@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from trainlab.location.lease import Lease
 from trainlab.nodedisk import UnsafePath
 from trainlab.run import checkpoints as ckpts
 from trainlab.run.checkpoints.store import CheckpointStore
@@ -212,8 +213,6 @@ def test_a_slow_lease_write_never_admits_two_drivers(run, monkeypatch):
     import time
 
     from trainlab.location.core import Location
-    from trainlab.run.lock import StoreRunLock
-
     assert run.home.conditional_writes  # S3 (moto): If-None-Match / If-Match
     real = Location.write_if
     slow = threading.current_thread().name
@@ -224,11 +223,11 @@ def test_a_slow_lease_write_never_admits_two_drivers(run, monkeypatch):
         return real(self, rel, data, version)
 
     monkeypatch.setattr(Location, "write_if", write_if)
-    taken: list[StoreRunLock] = []
+    taken: list[Lease] = []
     other = threading.Thread(target=lambda: (time.sleep(0.2), taken.append(RunLock.acquire(run))))
     other.start()
     with pytest.raises(RunLockHeld, match="in use by another trainlab process"):
-        StoreRunLock.acquire(run)
+        RunLock.acquire(run)
     other.join()
     [b] = taken
     assert json.loads(run.read_text(".lock.json"))["since"] == b.holder.since
@@ -241,10 +240,8 @@ def test_a_driver_whose_lease_was_taken_over_stops_at_its_next_beat(run):
     over by another: its next beat is conditional on its own last version, finds
     the other holder and ends this driver (on_lost; by default exit 75) instead of
     training on beside the new one. Its release leaves the other's lease alone."""
-    from trainlab.run.lock import StoreRunLock
-
     lost: list[tuple[str, object]] = []
-    a = StoreRunLock.acquire(run, on_lost=lambda uri, holder: lost.append((uri, holder)))
+    a = RunLock.acquire(run, on_lost=lambda uri, holder: lost.append((uri, holder)))
     assert a.beat() and not lost  # renewing its own lease
     theirs = {"host": "node-b", "pid": 4242, "since": 2.0, "beat": 2.0}
     run.write_text(".lock.json", json.dumps(theirs))  # B took it while A was cut off
@@ -258,10 +255,8 @@ def test_a_driver_whose_lease_was_taken_over_stops_at_its_next_beat(run):
 def test_a_beat_that_landed_while_its_answer_was_lost_keeps_the_lease(run):
     """An outage can lose the answer to a beat whose write landed: the next beat's
     If-Match then fails on the driver's own newer record, which is no takeover."""
-    from trainlab.run.lock import StoreRunLock
-
     lost: list[object] = []
-    a = StoreRunLock.acquire(run, on_lost=lambda uri, holder: lost.append(holder))
+    a = RunLock.acquire(run, on_lost=lambda uri, holder: lost.append(holder))
     landed = {**json.loads(run.read_text(".lock.json")), "beat": 123.0}
     run.write_text(".lock.json", json.dumps(landed))  # written, its ETag never seen
     assert a.beat() is True and lost == []
@@ -492,9 +487,7 @@ def test_an_abandoned_lease_and_log_shipper_send_nothing_more(run):
 
     from trainlab.location.core import Backend
     from trainlab.run.location import LogShipper
-    from trainlab.run.lock import StoreRunLock
-
-    lock = StoreRunLock.acquire(run)
+    lock = RunLock.acquire(run)
     (run.local / "logs").mkdir(parents=True, exist_ok=True)
     (run.local / "logs" / "driver.log").write_text("a line\n")
     shipper = LogShipper(run).__enter__()
