@@ -1,9 +1,9 @@
 """The run lock's record, `{run}/.lock.json`: who holds a run (host, pid, since)
 and their newest beat. The driver's lease writes it (trainlab.run.lock, over
-trainlab.location.lease);
-its workers read it to stop when their driver is gone (`orphaned`: the agents,
-and rank 0 right before each commit); `gc` reads it to leave a live run alone.
-Below the driver and the loop, so both read it without importing each other."""
+trainlab.location.lease); its workers read it to stop when their driver is gone
+(`orphaned`: the agents, and rank 0 right before each commit); `gc` reads it to
+leave a live run alone. Below the driver and the loop, so both read it without
+importing each other."""
 
 from __future__ import annotations
 

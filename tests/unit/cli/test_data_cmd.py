@@ -32,7 +32,8 @@ def test_missing_prepared_dataset_exits_2_with_one_line(inspect: Inspect, tmp_pa
     code, out, err = inspect(str(TINY), "--set", f"data.path={tmp_path}/none", "--json")
     assert code == 2 and out == ""
     (line,) = err.strip().splitlines()
-    assert line.startswith("error: data.path = ") and "run `trainlab prep` first" in line
+    assert line.startswith("error: data.path = ")
+    assert line.endswith(f"run `trainlab prep SOURCES --out {tmp_path}/none` first")
 
 
 def test_unknown_source_in_the_mix_exits_2_naming_it(

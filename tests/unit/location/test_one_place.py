@@ -6,7 +6,9 @@ number only goes down.
 
 What is counted: a test of `.remote` (a run in a store: its working copy,
 shipped logs, staged checkpoints) or `.is_local`, a `://` test on a string, a
-pyarrow filesystem class named outside the location package.
+pyarrow filesystem class named outside the location package. What remains, and
+why each is a choice of protocol rather than of an operation, is listed in
+docs/layers.md ("From `train.runs_root` to a checkpoint write").
 """
 
 from __future__ import annotations

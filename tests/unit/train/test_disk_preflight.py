@@ -74,3 +74,15 @@ def test_a_run_in_object_storage_has_no_disk_to_fill(root):
         keep_last, keep_best = 1000, 1000
 
     check_disk_room(root, Keep, 10**15)
+
+
+def test_a_runs_root_that_takes_no_writes_is_refused_before_anything_is_made(
+    tmp_path_factory, tmp_path
+):
+    """The runs root is probed where its writes would go, on a disk as in a store:
+    one line naming it (a file on the way here, as a read-only mount would be)."""
+    (tmp_path / "afile").write_text("")
+    cfg = tiny_config(dataset_dir(tmp_path_factory), train={"runs_root": str(tmp_path / "afile/runs")})
+    with pytest.raises(UserError, match=r"storage .*afile/runs is not writable: .*not a directory"):
+        run(cfg, base_dir=tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
