@@ -64,10 +64,10 @@ def locate(path: str | Path, step: int | None = None) -> Located:
     name; UserError when there is none. The checkpoint is the run's newest valid
     one, or the one of `step`, read where this node reads checkpoints (in place on
     a disk; from a store, fetched into this node's cache and sha256-checked)."""
+    from trainlab.location import locate as locate_place
     from trainlab.run.location import RunLocation
 
-    run = RunLocation.of(path, what="the run")
-    run = RunLocation.of(run.home.resolved(), what="the run")
+    run = RunLocation.of(locate_place(path, what="the run").resolved())
     named = ckpts.parse_step(run.home.name)
     if named is not None and run.home.is_file(ckpts.META_FILE):  # one checkpoint
         if step is not None and step != named:

@@ -299,7 +299,8 @@ def config_or_run(where: str, what: str) -> tuple[Path, RunLocation | None]:
     try:
         if run.fetch("config.yaml"):
             return run.local / "config.yaml", run
-        there, a_file = run.home.exists(), run.home.is_file("")
+        there = run.home.exists()
+        a_file = there and run.home.is_file("")
     except OSError as e:
         raise UserError(f"{what} = {where!r}: cannot read it: {first_line(e)}") from None
     if not there:
